@@ -1,0 +1,15 @@
+"""The error types a user of mmserve can catch.
+
+Role: one documented exception per kind of failure a caller must handle. Bad input always
+raises `InvalidInputError` (a `ValueError`), never an error from deep inside torch or PIL.
+"""
+
+from __future__ import annotations
+
+
+class InvalidInputError(ValueError):
+    """A request's input is unusable: bad media, mismatched placeholders, limits exceeded, ..."""
+
+
+class ModelLoadError(RuntimeError):
+    """A checkpoint directory cannot be turned into a model: missing files, names or shapes."""

@@ -1,0 +1,1 @@
+"""What the model will see: media loading, items, placeholders, hashing. No engine state here."""

@@ -1,0 +1,1 @@
+"""Model families, shared layers, the registry and the checkpoint loader."""

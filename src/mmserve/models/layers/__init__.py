@@ -1,0 +1,1 @@
+"""Layers shared by model families: rotary embeddings, norms, MLPs, attention wrappers."""

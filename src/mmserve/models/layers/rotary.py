@@ -1,0 +1,65 @@
+"""Rotary position embeddings: M-RoPE for the language model, 2-D axial RoPE for the vision tower.
+
+Positions arrive as CPU-built integer tensors; angles are computed in float32 (as the reference
+does) and rotate the full head dim ("rotate half" convention).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (num_tokens, num_heads, head_dim); cos/sin: (num_tokens, head_dim)."""
+    cos = cos.unsqueeze(-2)
+    sin = sin.unsqueeze(-2)
+    return x * cos + rotate_half(x) * sin
+
+
+def inverse_frequencies(dim: int, theta: float, device: torch.device | str | None = None) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+
+
+class MRotaryEmbedding(torch.nn.Module):
+    """Multimodal RoPE: the head dim's frequency bands are split into (t, h, w) sections.
+
+    forward(positions (3, num_tokens) int64) -> cos, sin of shape (num_tokens, head_dim).
+    A text token has equal t/h/w positions, which reduces this to ordinary 1-D RoPE.
+    """
+
+    def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, ...]) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", inverse_frequencies(head_dim, theta), persistent=False)
+        # For each frequency band, which of the three position rows drives it.
+        axis = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(mrope_section)])
+        self.register_buffer("band_axis", axis, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # (3, num_tokens, head_dim/2): angle of every band under every position row
+        freqs = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq
+        # pick, per band, the row of its section -> (num_tokens, head_dim/2)
+        freqs = freqs.gather(0, self.band_axis.view(1, 1, -1).expand(1, freqs.shape[1], -1)).squeeze(0)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class VisionRotaryEmbedding(torch.nn.Module):
+    """2-D axial RoPE: half the bands follow the patch row, half the patch column.
+
+    forward(hw_positions (num_patches, 2)) -> float32 cos, sin of shape (num_patches, head_dim).
+    """
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", inverse_frequencies(head_dim // 2, theta), persistent=False)
+
+    def forward(self, hw_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # (num_patches, 2, head_dim/4) -> (num_patches, head_dim/2)
+        freqs = (hw_positions.to(torch.float32).unsqueeze(-1) * self.inv_freq).flatten(1)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
