@@ -1,0 +1,163 @@
+"""Load media for a request, with limits, into validated PIL images and frame lists.
+
+Role: accept what callers hand us — PIL images, uint8 numpy arrays, encoded bytes, data URIs,
+local paths (only under an allowed root) — and return decoded RGB-convertible PIL images, or
+raise `InvalidInputError` with a message that says what was wrong. The pixel cap is checked
+from the header before any pixel is decoded (decompression-bomb guard).
+
+What it does not know: models, patch sizes, tokens. Network fetching lives with the server.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from mmserve.errors import InvalidInputError
+
+# Modes Pillow converts to RGB faithfully; 32-bit integer/float modes have no defined mapping.
+SUPPORTED_IMAGE_MODES = frozenset(
+    {"1", "L", "LA", "La", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX", "CMYK", "YCbCr", "LAB", "HSV"}
+)
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    max_image_bytes: int = 32 * 1024 * 1024  # encoded size
+    max_image_pixels: int = 64_000_000  # width * height, checked before decoding
+    max_video_frames: int = 768
+    allowed_local_media_path: str | None = None  # local files only below this directory
+
+    def __post_init__(self) -> None:
+        if self.max_image_bytes <= 0 or self.max_image_pixels <= 0 or self.max_video_frames <= 0:
+            raise ValueError("media limits must be positive")
+
+
+def _check_size(width: int, height: int, limits: MediaLimits, what: str) -> None:
+    if width <= 0 or height <= 0:
+        raise InvalidInputError(f"{what} has zero size ({width}x{height})")
+    if width * height > limits.max_image_pixels:
+        raise InvalidInputError(
+            f"{what} is {width}x{height} = {width * height} pixels, over the limit of "
+            f"{limits.max_image_pixels} pixels"
+        )
+
+
+def validate_image(image: Image.Image, limits: MediaLimits, what: str = "image") -> Image.Image:
+    _check_size(image.width, image.height, limits, what)
+    if image.mode not in SUPPORTED_IMAGE_MODES:
+        raise InvalidInputError(
+            f"{what} has unsupported mode {image.mode!r}; supported: {', '.join(sorted(SUPPORTED_IMAGE_MODES))}"
+        )
+    return image
+
+
+def decode_image_bytes(data: bytes, limits: MediaLimits, what: str = "image") -> Image.Image:
+    if not data:
+        raise InvalidInputError(f"{what} is empty (0 bytes)")
+    if len(data) > limits.max_image_bytes:
+        raise InvalidInputError(f"{what} is {len(data)} bytes, over the limit of {limits.max_image_bytes} bytes")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            _check_size(image.width, image.height, limits, what)  # header only: nothing decoded yet
+            image.load()
+    except InvalidInputError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise InvalidInputError(f"{what} is too large to decode safely: {exc}") from exc
+    except (OSError, SyntaxError, ValueError, EOFError) as exc:
+        raise InvalidInputError(f"{what} could not be decoded (corrupt, truncated or not an image): {exc}") from exc
+    return validate_image(image, limits, what)
+
+
+def image_from_array(array: np.ndarray, limits: MediaLimits, what: str = "image") -> Image.Image:
+    """A channels-last uint8 array (H, W), (H, W, 1), (H, W, 3) or (H, W, 4) as a PIL image."""
+    if array.dtype != np.uint8:
+        raise InvalidInputError(f"{what} array must be uint8, got {array.dtype}")
+    if array.ndim == 3 and array.shape[2] == 1:
+        array = array[:, :, 0]
+    if array.ndim not in (2, 3) or (array.ndim == 3 and array.shape[2] not in (3, 4)):
+        raise InvalidInputError(f"{what} array must be (H, W), (H, W, 1), (H, W, 3) or (H, W, 4); got {array.shape}")
+    _check_size(array.shape[1], array.shape[0], limits, what)
+    return Image.fromarray(np.ascontiguousarray(array))
+
+
+def decode_data_uri(uri: str, what: str = "image") -> bytes:
+    header, sep, payload = uri.partition(",")
+    if not sep or not header.startswith("data:"):
+        raise InvalidInputError(f"{what} data URI is malformed (expected 'data:<mime>;base64,<data>')")
+    if not header.endswith(";base64"):
+        raise InvalidInputError(f"{what} data URI must be base64-encoded")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidInputError(f"{what} data URI has invalid base64: {exc}") from exc
+
+
+def read_local_file(path_or_url: str, limits: MediaLimits, what: str = "image") -> bytes:
+    """Read a local path or file:// URL, only inside `limits.allowed_local_media_path`."""
+    raw = path_or_url[len("file://"):] if path_or_url.startswith("file://") else path_or_url
+    if limits.allowed_local_media_path is None:
+        raise InvalidInputError(f"{what}: local files are not allowed (set allowed_local_media_path)")
+    root = Path(limits.allowed_local_media_path).resolve()
+    path = Path(raw).resolve()
+    if not path.is_relative_to(root):
+        raise InvalidInputError(f"{what}: path {raw!r} is outside the allowed media directory")
+    if not path.is_file():
+        raise InvalidInputError(f"{what}: no such file {raw!r}")
+    size = path.stat().st_size
+    if size > limits.max_image_bytes:
+        raise InvalidInputError(f"{what} is {size} bytes, over the limit of {limits.max_image_bytes} bytes")
+    return path.read_bytes()
+
+
+def load_image(source: Any, limits: MediaLimits | None = None, what: str = "image") -> Image.Image:
+    """Any supported image source -> validated PIL image (not yet converted to RGB)."""
+    limits = limits or MediaLimits()
+    if isinstance(source, Image.Image):
+        return validate_image(source, limits, what)
+    if isinstance(source, np.ndarray):
+        return image_from_array(source, limits, what)
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return decode_image_bytes(bytes(source), limits, what)
+    if isinstance(source, str):
+        if source.startswith("data:"):
+            return decode_image_bytes(decode_data_uri(source, what), limits, what)
+        if source.startswith(("http://", "https://")):
+            raise InvalidInputError(f"{what}: http(s) URLs are fetched only by the server")
+        return decode_image_bytes(read_local_file(source, limits, what), limits, what)
+    raise InvalidInputError(
+        f"{what} has unsupported type {type(source).__name__}; "
+        "expected a PIL image, a uint8 numpy array, bytes, a data URI or a local path"
+    )
+
+
+def load_video(source: Any, limits: MediaLimits | None = None, what: str = "video") -> list[Image.Image]:
+    """A video given as frames: a list of image sources, or a (F, H, W, C) uint8 array."""
+    limits = limits or MediaLimits()
+    if isinstance(source, np.ndarray):
+        if source.ndim != 4:
+            raise InvalidInputError(f"{what} array must be (frames, H, W, C); got {source.shape}")
+        source = list(source)
+    if not isinstance(source, (list, tuple)):
+        raise InvalidInputError(f"{what} must be a list of frames or a (frames, H, W, C) array, "
+                                f"got {type(source).__name__}")
+    if not source:
+        raise InvalidInputError(f"{what} has no frames")
+    if len(source) > limits.max_video_frames:
+        raise InvalidInputError(f"{what} has {len(source)} frames, over the limit of {limits.max_video_frames}")
+    frames = [load_image(f, limits, f"{what} frame {i}") for i, f in enumerate(source)]
+    sizes = {f.size for f in frames}
+    if len(sizes) > 1:
+        raise InvalidInputError(f"{what} frames differ in size: {sorted(sizes)}")
+    return frames
