@@ -15,8 +15,8 @@ import torch
 
 from mmserve.inputs.items import ProcessedPrompt
 from mmserve.models.layers.attention import AttentionMetadata, ContiguousKVCache
-from mmserve.models.qwen2_vl.mrope import decode_positions
 from mmserve.models.qwen2_vl.model import Qwen2VLForConditionalGeneration
+from mmserve.models.qwen2_vl.mrope import decode_positions
 
 # Picks the next token from (vocab,) logits given the tokens generated so far.
 TokenPicker = Callable[[torch.Tensor, list[int]], int]

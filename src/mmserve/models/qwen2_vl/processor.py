@@ -26,7 +26,11 @@ from mmserve.inputs.media import MediaLimits, load_image, load_video
 from mmserve.inputs.placeholders import check_item_rows, compute_masks, embeds_in_range
 from mmserve.inputs.tokenizer import TextTokenizer
 from mmserve.models.qwen2_vl.config import Qwen2VLConfig
-from mmserve.models.qwen2_vl.image_processor import ImageProcessorConfig, PatchifiedItem, Qwen2VLImageProcessor
+from mmserve.models.qwen2_vl.image_processor import (
+    ImageProcessorConfig,
+    PatchifiedItem,
+    Qwen2VLImageProcessor,
+)
 from mmserve.models.qwen2_vl.mrope import VisionSpan, mrope_positions
 
 DEFAULT_VIDEO_FPS = 2.0

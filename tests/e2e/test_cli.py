@@ -1,0 +1,35 @@
+"""`mmserve generate` as a user runs it: a subprocess, a checkpoint directory, an image file."""
+
+import subprocess
+import sys
+
+from PIL import Image
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "-m", "mmserve.entrypoints.cli", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_generate_prints_an_answer(checkpoint_dirs, tmp_path):
+    image = tmp_path / "red.png"
+    Image.new("RGB", (90, 60), (220, 20, 20)).save(image)
+    result = _run("generate", "--model", str(checkpoint_dirs["qwen2_vl"]), "--image", str(image),
+                  "--prompt", "What color is it?", "--max-tokens", "6", "--min-tokens", "6")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+
+
+def test_generate_reports_bad_image_cleanly(checkpoint_dirs, tmp_path):
+    image = tmp_path / "broken.png"
+    image.write_bytes(b"not a png")
+    result = _run("generate", "--model", str(checkpoint_dirs["qwen2_vl"]), "--image", str(image),
+                  "--prompt", "hi")
+    assert result.returncode == 2
+    assert "error: image 0 could not be decoded" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_help_lists_commands():
+    result = _run("--help")
+    assert result.returncode == 0 and "generate" in result.stdout
