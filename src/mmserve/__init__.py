@@ -1,6 +1,9 @@
 """mmserve: a serving engine for vision-language models on PyTorch."""
 
+from mmserve.entrypoints.llm import LLM
 from mmserve.errors import InvalidInputError, ModelLoadError
+from mmserve.outputs import CompletionOutput, RequestOutput
+from mmserve.sampling_params import SamplingParams
 
-__all__ = ["InvalidInputError", "ModelLoadError"]
+__all__ = ["LLM", "CompletionOutput", "InvalidInputError", "ModelLoadError", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

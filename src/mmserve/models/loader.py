@@ -40,6 +40,17 @@ def read_config(model_dir: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
+def generation_eos_ids(model_dir: str | Path) -> tuple[int, ...]:
+    """End-of-sequence ids from generation_config.json (an int or a list), if the file exists."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return ()
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
+
+
 def safetensors_files(model_dir: str | Path) -> list[Path]:
     root = Path(model_dir)
     index = root / "model.safetensors.index.json"

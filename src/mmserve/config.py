@@ -1,0 +1,74 @@
+"""Engine configuration: frozen, validated dataclasses built from vLLM-style engine args.
+
+Role: one place that knows every engine argument, its default and its constraints.
+Derived values (e.g. the number of KV blocks) are computed where the model is known, not here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from mmserve.inputs.media import MediaLimits
+
+DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_bytes: int | None = None  # sizes the KV pool; default DEFAULT_KV_CACHE_BYTES
+    num_kv_blocks: int | None = None  # overrides kv_cache_bytes
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    media: MediaLimits = field(default_factory=MediaLimits)
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+        """Flat vLLM-style engine args (max_num_seqs=..., block_size=...) -> nested config."""
+        groups: dict[str, dict[str, Any]] = {"cache": {}, "scheduler": {}, "media": {}, "top": {}}
+        owners = {
+            "cache": {f.name for f in dataclasses.fields(CacheConfig)},
+            "scheduler": {f.name for f in dataclasses.fields(SchedulerConfig)},
+            "media": {f.name for f in dataclasses.fields(MediaLimits)},
+            "top": {"dtype", "device", "seed"},
+        }
+        for key, value in kwargs.items():
+            owner = next((g for g, names in owners.items() if key in names), None)
+            if owner is None:
+                valid = sorted(set().union(*owners.values()))
+                raise TypeError(f"unknown engine argument {key!r}; valid: {', '.join(valid)}")
+            groups[owner][key] = value
+        return cls(model=model, cache=CacheConfig(**groups["cache"]),
+                   scheduler=SchedulerConfig(**groups["scheduler"]), media=MediaLimits(**groups["media"]),
+                   **groups["top"])

@@ -1,0 +1,1 @@
+"""Pure-Python engine core: requests, KV block bookkeeping, scheduling. Imports no torch."""

@@ -1,0 +1,100 @@
+"""A request as the scheduler sees it: token ids, item specs, progress, status.
+
+Role: one progress counter (`num_computed_tokens`) moves every request toward its prompt plus
+output length; preemption resets it. Media appear only as torch-free `ItemSpec`s.
+What it does not know: tensors, pixels, text.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from mmserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(frozen=True)
+class ItemSpec:
+    """What core knows of a media item: where its placeholder span is and what it costs."""
+
+    index: int  # position among the request's items
+    offset: int  # first token of the placeholder span
+    length: int  # tokens in the span
+    content_hash: str  # identity of what the model sees
+    encoder_tokens: int  # pre-merge patches
+    output_rows: int  # post-merge embedding rows
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    items: tuple[ItemSpec, ...] = ()
+    arrival_time: float = field(default_factory=time.time)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
+    num_preemptions: int = 0
+    error: str | None = None
+    block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks, in order
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        ids = set(self.sampling_params.stop_token_ids or ())
+        if not self.sampling_params.ignore_eos:
+            ids.update(self.eos_token_ids)
+        return frozenset(ids)
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]

@@ -1,0 +1,74 @@
+"""The typed step contract between the scheduler and the model runner.
+
+Nothing else crosses that boundary. The scheduler sends diffs: a request's full state once
+(when it is first scheduled, or rescheduled after preemption), then only what changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mmserve.core.request import ItemSpec
+from mmserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """Everything the runner needs to start (or restart, after preemption) a request."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # prompt plus any output so far: a resumed request recomputes both
+    num_prompt_tokens: int  # positions past this use the decode rope delta
+    items: tuple[ItemSpec, ...]
+    sampling_params: SamplingParams
+    block_ids: tuple[int, ...]  # prefix hits first
+    num_computed_tokens: int  # tokens already in the KV cache (prefix hit)
+    num_output_tokens: int  # outputs so far, so per-token seeds continue where they were
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """A request the runner already holds: only the new blocks."""
+
+    request_id: str
+    new_block_ids: tuple[int, ...]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    # tokens to compute this step per request, in batch order (prefill chunks and decodes together)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # items each request must encode this step, by item index (runner holds the pixels)
+    encoder_items: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # requests finished, aborted or preempted since the last step: the runner drops their state
+    finished_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass
+class ModelRunnerOutput:
+    # one sampled token per request whose scheduled tokens reached its end (decode or last prefill chunk)
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # requests that failed in the runner, with the reason; they finish with an error
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineCoreOutput:
+    """What one step did to one request."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    stop_token_id: int | None = None
+    error: str | None = None

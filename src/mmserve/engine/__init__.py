@@ -1,0 +1,1 @@
+"""composition: the only place that holds both core/ and runner/."""

@@ -1,0 +1,68 @@
+"""Parse vLLM-style prompt inputs into the processor's arguments.
+
+Role: accept a str, `{"prompt": str, ...}` or `{"prompt_token_ids": [...], ...}` with optional
+`multi_modal_data` ({"image": one or a list, "video": frames or a list of frame lists}) and
+`mm_processor_kwargs`, and reject anything else with `InvalidInputError`.
+What it does not know: tokenizers, models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from mmserve.errors import InvalidInputError
+
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
+
+
+@dataclass
+class PromptInput:
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    images: list[Any] = field(default_factory=list)
+    videos: list[Any] = field(default_factory=list)
+    mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def _is_frame(value: Any) -> bool:
+    return isinstance(value, Image.Image) or (isinstance(value, np.ndarray) and value.ndim in (2, 3))
+
+
+def _as_videos(value: Any) -> list[Any]:
+    """One video (frames or a 4-D array) or a list of videos -> a list of videos."""
+    if isinstance(value, np.ndarray):
+        return [value] if value.ndim == 4 else list(value)
+    if isinstance(value, (list, tuple)) and value and all(_is_frame(v) for v in value):
+        return [list(value)]
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    raise InvalidInputError(f"multi_modal_data['video'] must be a list of frames or of videos, "
+                            f"got {type(value).__name__}")
+
+
+def parse_prompt(raw: Any, mm_processor_kwargs: dict[str, Any] | None = None) -> PromptInput:
+    if isinstance(raw, str):
+        return PromptInput(prompt=raw, mm_processor_kwargs=dict(mm_processor_kwargs or {}))
+    if not isinstance(raw, dict):
+        raise InvalidInputError(f"a prompt must be a str or a dict, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - _PROMPT_KEYS)
+    if unknown:
+        raise InvalidInputError(f"unknown prompt keys {unknown}; expected some of {sorted(_PROMPT_KEYS)}")
+    if ("prompt" in raw) == ("prompt_token_ids" in raw):
+        raise InvalidInputError("a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'")
+    ids = raw.get("prompt_token_ids")
+    if ids is not None and not (isinstance(ids, (list, tuple)) and all(isinstance(t, int) for t in ids)):
+        raise InvalidInputError("prompt_token_ids must be a list of ints")
+    data = raw.get("multi_modal_data") or {}
+    if not isinstance(data, dict) or set(data) - {"image", "video"}:
+        raise InvalidInputError("multi_modal_data must be a dict with keys 'image' and/or 'video'")
+    image = data.get("image")
+    images = [] if image is None else list(image) if isinstance(image, (list, tuple)) else [image]
+    videos = [] if data.get("video") is None else _as_videos(data["video"])
+    kwargs = dict(mm_processor_kwargs or {})
+    kwargs.update(raw.get("mm_processor_kwargs") or {})
+    return PromptInput(raw.get("prompt"), list(ids) if ids is not None else None, images, videos, kwargs)

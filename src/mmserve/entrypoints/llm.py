@@ -1,0 +1,106 @@
+"""The offline API, vLLM-compatible: `LLM(model, **engine_args).generate(...)` and `.chat(...)`.
+
+Role: validate and process every prompt first (bad input raises `InvalidInputError` before any
+request is added, so nothing runs half-way), submit them all, step the engine until they finish,
+and return outputs in input order. What it does not know: scheduling or model internals.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from mmserve.config import EngineConfig
+from mmserve.engine.llm_engine import Engine
+from mmserve.errors import InvalidInputError
+from mmserve.inputs.items import ProcessedPrompt
+from mmserve.outputs import RequestOutput
+from mmserve.sampling_params import SamplingParams
+
+
+class _Progress:
+    """One stderr line, rewritten in place: requests done and output tokens per second."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled, self.done, self.tokens = total, enabled and total > 0, 0, 0
+        self.started = time.perf_counter()
+
+    def update(self, finished: int, tokens: int) -> None:
+        self.done += finished
+        self.tokens += tokens
+        if self.enabled:
+            rate = self.tokens / max(time.perf_counter() - self.started, 1e-9)
+            sys.stderr.write(f"\rprocessed {self.done}/{self.total} requests, {rate:.1f} output tokens/s")
+            if self.done == self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+class LLM:
+    def __init__(self, model: str, **engine_args: Any) -> None:
+        self.engine = Engine(EngineConfig.from_kwargs(model, **engine_args))
+        self._ids = itertools.count()
+
+    @staticmethod
+    def _per_prompt_params(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise InvalidInputError(f"got {len(params)} sampling params for {n} prompts")
+        return params
+
+    def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, mm_processor_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        processed = []
+        for i, raw in enumerate(prompt_list):
+            try:
+                processed.append(self.engine.process(raw, mm_processor_kwargs))
+            except InvalidInputError as exc:
+                raise InvalidInputError(f"prompt {i}: {exc}") from exc
+        return self._run(processed, self._per_prompt_params(sampling_params, len(processed)), use_tqdm)
+
+    def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, mm_processor_kwargs: dict[str, Any] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """One conversation (a list of message dicts) or a list of conversations."""
+        if not isinstance(messages, list) or not messages:
+            raise InvalidInputError("messages must be a non-empty list of message dicts (or of conversations)")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        processed = []
+        for i, conv in enumerate(conversations):
+            try:
+                processed.append(self.engine.process_chat(conv, mm_processor_kwargs, **(chat_template_kwargs or {})))
+            except InvalidInputError as exc:
+                raise InvalidInputError(f"conversation {i}: {exc}") from exc
+        return self._run(processed, self._per_prompt_params(sampling_params, len(processed)), use_tqdm)
+
+    def _run(self, processed: list[ProcessedPrompt], params: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        ids = [f"offline-{next(self._ids)}" for _ in processed]
+        for rid, prompt, p in zip(ids, processed, params):
+            self.engine.add_request(rid, prompt, p)
+        results: dict[str, RequestOutput] = {}
+        progress = _Progress(len(ids), use_tqdm)
+        try:
+            while len(results) < len(ids):
+                outputs = self.engine.step()
+                finished = [o for o in outputs if o.finished]
+                results.update((o.request_id, o) for o in finished)
+                progress.update(len(finished), sum(1 for o in outputs if o.outputs[0].token_ids))
+        except BaseException:
+            self.engine.abort_request([rid for rid in ids if rid not in results])
+            raise
+        return [results[rid] for rid in ids]
+
+    def get_stats(self) -> dict[str, int | float]:
+        return self.engine.get_stats()
+
+    def check_integrity(self) -> None:
+        self.engine.check_integrity()

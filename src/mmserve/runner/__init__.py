@@ -1,0 +1,1 @@
+"""torch lives here: the model runner, attention, fusion, sampling."""

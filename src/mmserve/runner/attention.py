@@ -1,0 +1,85 @@
+"""Paged attention over a block-structured KV cache, for a flattened batch of mixed
+prefill chunks and decodes.
+
+Role: `PagedKVCache` owns per-layer key/value tensors shaped (num_blocks, block_size, kv_heads,
+head_dim). Each layer call writes the step's new keys/values at their slots, then attends:
+- a prefill with no cached context attends over its own k/v directly (causal);
+- a prefill chunk after a cached prefix gathers its context blocks, bottom-right causal mask;
+- all decodes of the step are attended as one padded batch over their gathered blocks.
+Slot indices, block tables and lengths are built on the CPU by the runner (`PagedAttentionMetadata`).
+
+What it does not know: requests, scheduling, sampling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mmserve.models.layers.attention import causal_attention
+
+
+@dataclass
+class PagedAttentionMetadata:
+    query_lens: list[int]  # new tokens per sequence, batch order
+    context_lens: list[int]  # tokens already cached per sequence before this step
+    slot_mapping: torch.Tensor  # (num_tokens,) int64: flat cache slot of every new token
+    prefill_block_tables: list[torch.Tensor | None]  # per prefill sequence with context: its block ids
+    decode_rows: list[int]  # indices (into query_lens) of the decode sequences, in batch order
+    decode_block_table: torch.Tensor | None  # (num_decodes, max_blocks) int64, padded with block 0
+    decode_mask: torch.Tensor | None  # (num_decodes, 1, 1, max_blocks * block_size) bool: key is valid
+    decode_token_index: torch.Tensor | None  # (num_decodes,) int64 position in the flattened batch
+
+
+class PagedKVCache:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.key = torch.zeros(shape, dtype=dtype, device=device)
+        self.value = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: PagedAttentionMetadata) -> torch.Tensor:
+        """q: (num_tokens, heads, head_dim); k, v: (num_tokens, kv_heads, head_dim) -> (num_tokens, heads*head_dim)."""
+        key_cache = self.key[layer_idx]
+        value_cache = self.value[layer_idx]
+        flat_k = key_cache.view(-1, *key_cache.shape[2:])
+        flat_v = value_cache.view(-1, *value_cache.shape[2:])
+        flat_k.index_copy_(0, meta.slot_mapping, k)
+        flat_v.index_copy_(0, meta.slot_mapping, v)
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        start = 0
+        decode_set = set(meta.decode_rows)
+        for i, (q_len, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
+            end = start + q_len
+            if i not in decode_set:
+                table = meta.prefill_block_tables[i]
+                if table is None:  # no cached context: attend over this step's own keys
+                    out[start:end] = causal_attention(q[start:end], k[start:end], v[start:end], 0)
+                else:
+                    keys = key_cache[table].flatten(0, 1)[: ctx + q_len]
+                    values = value_cache[table].flatten(0, 1)[: ctx + q_len]
+                    out[start:end] = causal_attention(q[start:end], keys, values, ctx)
+            start = end
+        if meta.decode_rows:
+            out[meta.decode_token_index] = self._decode(q, key_cache, value_cache, meta)
+        return out
+
+    @staticmethod
+    def _decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                meta: PagedAttentionMetadata) -> torch.Tensor:
+        # (num_decodes, max_blocks * block_size, kv_heads, head_dim) -> heads first
+        keys = key_cache[meta.decode_block_table].flatten(1, 2).transpose(1, 2)
+        values = value_cache[meta.decode_block_table].flatten(1, 2).transpose(1, 2)
+        qd = q[meta.decode_token_index].unsqueeze(2)  # (num_decodes, heads, 1, head_dim)
+        out = F.scaled_dot_product_attention(qd, keys, values, attn_mask=meta.decode_mask,
+                                             enable_gqa=qd.shape[1] != keys.shape[1])
+        return out.flatten(1)

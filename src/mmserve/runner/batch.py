@@ -1,0 +1,111 @@
+"""Build one step's flattened ragged batch on the CPU.
+
+Role: for every scheduled request, in batch order, append its new tokens' ids, M-RoPE positions
+and KV slots; plan which encoder rows each prefill chunk fuses and where; note which rows are
+sampled; build the paged-attention metadata (block tables, decode padding masks). Everything is
+numpy/ints until `build()`, which ships tensors to the device with non_blocking copies (from
+pinned memory on CUDA).
+
+What it does not know: the model, the sampler, scheduling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from mmserve.runner.attention import PagedAttentionMetadata
+from mmserve.runner.fusion import gather_chunk_rows
+
+if TYPE_CHECKING:
+    from mmserve.runner.model_runner import RunnerRequest
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # (num_tokens,)
+    positions: torch.Tensor  # (3, num_tokens)
+    attn: PagedAttentionMetadata
+    fusion: list[tuple[torch.Tensor, torch.Tensor]]  # (rows view, batch token positions)
+    sample_index: torch.Tensor  # (num_sampled,) rows of the batch whose logits are sampled
+    sample_rows: list[RunnerRequest] = field(default_factory=list)
+
+
+class BatchBuilder:
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.ids: list[np.ndarray] = []
+        self.pos: list[np.ndarray] = []
+        self.slots: list[np.ndarray] = []
+        self.query_lens: list[int] = []
+        self.context_lens: list[int] = []
+        self.prefill_tables: list[list[int] | None] = []
+        self.decode_rows: list[int] = []
+        self.decode_tables: list[list[int]] = []
+        self.fusion: list[tuple[torch.Tensor, np.ndarray]] = []
+        self.sample_index: list[int] = []
+        self.sample_rows: list[RunnerRequest] = []
+        self.num_tokens = 0
+
+    def add(self, state: RunnerRequest, num: int) -> None:
+        start, end = state.num_computed_tokens, state.num_computed_tokens + num
+        offset = self.num_tokens
+        self.ids.append(np.asarray(state.token_ids[start:end], dtype=np.int64))
+        self.pos.append(state.position_columns(start, end))
+        blocks = np.asarray(state.block_ids, dtype=np.int64)
+        idx = np.arange(start, end, dtype=np.int64)
+        self.slots.append(blocks[idx // self.block_size] * self.block_size + idx % self.block_size)
+        row = len(self.query_lens)
+        self.query_lens.append(num)
+        self.context_lens.append(start)
+        num_blocks = -(-end // self.block_size)
+        if num == 1 and start > 0:
+            self.decode_rows.append(row)
+            self.decode_tables.append(state.block_ids[:num_blocks])
+            self.prefill_tables.append(None)
+        else:
+            self.prefill_tables.append(state.block_ids[:num_blocks] if start > 0 else None)
+        if state.mm is not None and start < state.num_prompt_tokens:
+            pieces = state.mm.plan_chunk(start, end)
+            for rows, piece in zip(gather_chunk_rows(pieces, state.encoder_outputs), pieces):
+                self.fusion.append((rows, piece.token_positions + offset))
+        if end == len(state.token_ids):  # the chunk reaches the last known token: sample the next
+            self.sample_index.append(offset + num - 1)
+            self.sample_rows.append(state)
+        self.num_tokens += num
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if self.device.type == "cuda":
+            tensor = tensor.pin_memory()
+        return tensor.to(self.device, non_blocking=True)
+
+    def build(self) -> Batch:
+        dev = self._to_device
+        decode_table = decode_mask = decode_index = None
+        if self.decode_rows:
+            width = max(len(t) for t in self.decode_tables)
+            table = np.zeros((len(self.decode_tables), width), dtype=np.int64)
+            lengths = np.empty(len(self.decode_tables), dtype=np.int64)
+            for i, (t, row) in enumerate(zip(self.decode_tables, self.decode_rows)):
+                table[i, :len(t)] = t
+                lengths[i] = self.context_lens[row] + 1
+            mask = np.arange(width * self.block_size)[None, :] < lengths[:, None]
+            starts = np.cumsum([0] + self.query_lens[:-1])
+            decode_table, decode_mask = dev(table), dev(mask[:, None, None, :])
+            decode_index = dev(starts[self.decode_rows].astype(np.int64))
+        attn = PagedAttentionMetadata(
+            query_lens=self.query_lens, context_lens=self.context_lens,
+            slot_mapping=dev(np.concatenate(self.slots)),
+            prefill_block_tables=[None if t is None else dev(np.asarray(t, dtype=np.int64))
+                                  for t in self.prefill_tables],
+            decode_rows=self.decode_rows, decode_block_table=decode_table, decode_mask=decode_mask,
+            decode_token_index=decode_index,
+        )
+        fusion = [(rows, dev(positions)) for rows, positions in self.fusion]
+        return Batch(dev(np.concatenate(self.ids)), dev(np.concatenate(self.pos, axis=1)), attn, fusion,
+                     dev(np.asarray(self.sample_index, dtype=np.int64)), self.sample_rows)

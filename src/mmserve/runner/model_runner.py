@@ -1,0 +1,165 @@
+"""The model runner: execute one `SchedulerOutput` on the device, return sampled tokens.
+
+Role: keep per-request device-side state (token ids, block table, M-RoPE positions, encoder
+outputs), encode the items the scheduler asked for, build the flattened ragged batch (token ids,
+positions, KV slots, fusion indices) on the CPU, ship it with non_blocking copies, run the model
+and the sampler. One host sync per step: the sampled token ids.
+
+What it does not know: scheduling policy, budgets, text. Pixels arrive through `add_prompt`
+(registered by the engine, keyed by request) and never cross the scheduler boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from mmserve.core.step import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from mmserve.inputs.items import ProcessedPrompt
+from mmserve.models.qwen2_vl.model import Qwen2VLForConditionalGeneration
+from mmserve.runner.attention import PagedAttentionMetadata, PagedKVCache
+from mmserve.runner.batch import BatchBuilder
+from mmserve.runner.fusion import MultimodalRuntimeData
+from mmserve.runner.sampler import Sampler, SamplingMetadata
+from mmserve.sampling_params import SamplingParams
+
+
+@dataclass
+class RunnerRequest:
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    prompt: ProcessedPrompt
+    sampling_params: SamplingParams
+    stop_token_ids: tuple[int, ...]
+    block_ids: list[int]
+    num_computed_tokens: int
+    mm: MultimodalRuntimeData | None = None
+    encoder_outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # item index -> (rows, hidden)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def position_columns(self, start: int, end: int) -> np.ndarray:
+        """(3, end - start) M-RoPE positions of tokens [start, end)."""
+        p = self.num_prompt_tokens
+        cols = [self.prompt.mrope_positions[:, start:min(end, p)]]
+        if end > p:
+            row = np.arange(max(start, p), end, dtype=np.int64) + self.prompt.rope_delta
+            cols.append(np.broadcast_to(row, (3, row.size)))
+        return cols[0] if len(cols) == 1 else np.concatenate(cols, axis=1)
+
+
+class ModelRunner:
+    def __init__(self, model: Qwen2VLForConditionalGeneration, kv: PagedKVCache, device: torch.device) -> None:
+        self.model = model
+        self.kv = kv
+        self.device = device
+        self.block_size = kv.block_size
+        self.sampler = Sampler()
+        self.prompts: dict[str, tuple[ProcessedPrompt, tuple[int, ...]]] = {}
+        self.requests: dict[str, RunnerRequest] = {}
+        self.num_items_encoded = 0
+
+    # ---- payloads -------------------------------------------------------------------------------
+    def add_prompt(self, request_id: str, prompt: ProcessedPrompt, stop_token_ids: tuple[int, ...]) -> None:
+        self.prompts[request_id] = (prompt, stop_token_ids)
+
+    def drop_prompt(self, request_id: str) -> None:
+        self.prompts.pop(request_id, None)
+        self.requests.pop(request_id, None)
+
+    # ---- step -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in sched.finished_request_ids:
+            self.requests.pop(rid, None)
+        for new in sched.new_requests:
+            self.requests[new.request_id] = self._start(new)
+        for cached in sched.cached_requests:
+            state = self.requests[cached.request_id]
+            state.block_ids.extend(cached.new_block_ids)
+            assert state.num_computed_tokens == cached.num_computed_tokens, "runner and scheduler disagree"
+        result = ModelRunnerOutput()
+        self._encode(sched, result)
+        scheduled = {rid: n for rid, n in sched.num_scheduled_tokens.items() if rid not in result.failed}
+        if scheduled:
+            self._forward(scheduled, result)
+        return result
+
+    def _start(self, new: NewRequestData) -> RunnerRequest:
+        prompt, stop_ids = self.prompts[new.request_id]
+        mm = None
+        if prompt.items:
+            mm = MultimodalRuntimeData(prompt.embed_mask, prompt.embed_cumsum, [i.output_rows for i in prompt.items])
+        return RunnerRequest(new.request_id, list(new.token_ids), new.num_prompt_tokens, prompt,
+                             new.sampling_params, stop_ids, list(new.block_ids), new.num_computed_tokens, mm)
+
+    def _encode(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """Inline encoding: every scheduled item of every request in one vision batch."""
+        work = [(rid, self.requests[rid].prompt.items[i]) for rid, idxs in sched.encoder_items.items() for i in idxs]
+        if not work:
+            return
+        try:
+            pixels = torch.from_numpy(np.concatenate([item.pixel_values for _, item in work]))
+            rows = self.model.encode(pixels.to(self.device, non_blocking=True), [item.grid_thw for _, item in work])
+        except Exception as exc:  # a batch-level failure fails every producer of the batch
+            for rid, _ in work:
+                result.failed[rid] = f"encoder failed: {type(exc).__name__}: {exc}"
+            return
+        split = rows.split([item.output_rows for _, item in work])
+        for (rid, item), out in zip(work, split):
+            if out.shape[0] != item.output_rows:
+                result.failed[rid] = (f"{item.modality} {item.index}: encoder produced {out.shape[0]} rows, "
+                                      f"expected {item.output_rows}")
+                continue
+            self.requests[rid].encoder_outputs[item.index] = out
+        self.num_items_encoded += len(work)
+
+    def _forward(self, scheduled: dict[str, int], result: ModelRunnerOutput) -> None:
+        builder = BatchBuilder(self.block_size, self.device)
+        for rid, num in scheduled.items():
+            builder.add(self.requests[rid], num)
+        batch = builder.build()
+        embeds = self.model.embed(batch.input_ids)
+        for rows, positions in batch.fusion:
+            embeds.index_copy_(0, positions, rows.to(embeds.dtype))
+        hidden = self.model(embeds, batch.positions, self.kv, batch.attn)
+        if batch.sample_rows:
+            logits = self.model.compute_logits(hidden[batch.sample_index])
+            tokens = self.sampler(logits, self._sampling_metadata(batch.sample_rows)).tolist()
+            for state, token in zip(batch.sample_rows, tokens):
+                state.token_ids.append(token)
+                result.sampled_token_ids[state.request_id] = token
+        for rid, num in scheduled.items():
+            state = self.requests[rid]
+            state.num_computed_tokens += num
+            if state.num_computed_tokens >= state.num_prompt_tokens:
+                state.encoder_outputs.clear()  # prefill done: the rows are in the KV cache
+
+    def _sampling_metadata(self, rows: list[RunnerRequest]) -> SamplingMetadata:
+        params = [r.sampling_params for r in rows]
+        return SamplingMetadata(
+            temperatures=[p.temperature for p in params],
+            top_ks=[p.top_k for p in params],
+            top_ps=[p.top_p for p in params],
+            min_ps=[p.min_p for p in params],
+            generators=[self._generator(r) for r in rows],
+            banned_token_ids=[r.stop_token_ids if r.num_output_tokens < r.sampling_params.min_tokens else ()
+                              for r in rows],
+        )
+
+    def _generator(self, state: RunnerRequest) -> torch.Generator | None:
+        seed = state.sampling_params.seed
+        if seed is None:
+            return None
+        # seeded per (seed, output index): the same tokens whatever the batch, also after preemption
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed((seed * 1_000_003 + state.num_output_tokens) % 2**63)
+        return gen
+
+
+__all__ = ["ModelRunner", "PagedAttentionMetadata", "RunnerRequest"]

@@ -1,0 +1,150 @@
+"""Batched token sampling from one step's logits.
+
+Role: turn a (batch, vocab) logits tensor plus per-row options into one token id per row:
+banned-token masking, greedy argmax, temperature, top-k, top-p, min-p and the random draw.
+Filters run as whole-batch tensor ops and are skipped when no row needs them; the only Python
+loop over rows draws the noise of seeded rows, each from its own generator, so a seeded
+request's tokens do not depend on which other requests share its batch or their order.
+What it does not know: requests, SamplingParams, tokenizers, why a token is banned (the caller
+bans eos and stop ids while min_tokens is not reached).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mmserve.sampling_params import GREEDY_TEMPERATURE_EPS
+
+_SEED_MODULUS = 2**64  # torch.Generator.manual_seed takes a 64-bit value; wrap any Python int into it
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling options of one step, built on the CPU; every list has one entry per row."""
+
+    temperatures: list[float]
+    top_ks: list[int]  # 0 or -1: disabled
+    top_ps: list[float]  # 1.0: disabled
+    min_ps: list[float]  # 0.0: disabled
+    generators: list[torch.Generator | None]  # a per-request seeded generator, or None (global RNG)
+    banned_token_ids: list[tuple[int, ...]]  # tokens this row must not produce this step
+
+    def __post_init__(self) -> None:
+        num_rows = len(self.temperatures)
+        lengths = {len(self.top_ks), len(self.top_ps), len(self.min_ps), len(self.generators),
+                   len(self.banned_token_ids)}
+        if lengths != {num_rows}:
+            raise ValueError("SamplingMetadata lists must all have one entry per row")
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.temperatures)
+
+    def is_greedy(self, row: int) -> bool:
+        return self.temperatures[row] < GREEDY_TEMPERATURE_EPS or self.top_ks[row] == 1
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
+    """A generator on `device` seeded with `seed`, or None for an unseeded request."""
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed % _SEED_MODULUS)
+    return generator
+
+
+class Sampler:
+    """Stateless: `sampler(logits, meta)` returns the (batch,) int64 token ids on logits' device."""
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        if logits.dim() != 2 or logits.shape[0] != meta.num_rows:
+            raise ValueError(f"logits must be (batch={meta.num_rows}, vocab), got {tuple(logits.shape)}")
+        # float32 copy: the masks below write in place and must not touch the caller's tensor.
+        logits = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # (batch, vocab)
+        _ban_tokens(logits, meta.banned_token_ids)
+        greedy_rows = [meta.is_greedy(row) for row in range(meta.num_rows)]
+        if not any(greedy_rows):
+            return self._sample(logits, meta, greedy_rows)
+        greedy_ids = logits.argmax(dim=-1)  # (batch,); before _sample, which scales logits in place
+        if all(greedy_rows):
+            return greedy_ids
+        sampled_ids = self._sample(logits, meta, greedy_rows)
+        greedy_mask = torch.tensor(greedy_rows, device=logits.device)
+        return torch.where(greedy_mask, greedy_ids, sampled_ids)
+
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata, greedy_rows: list[bool]) -> torch.Tensor:
+        device, vocab_size = logits.device, logits.shape[1]
+        # Greedy rows ride along with neutral options; their result is discarded by the caller.
+        temperatures = [1.0 if g else t for g, t in zip(greedy_rows, meta.temperatures)]
+        top_ks = [vocab_size if g or not 0 < k < vocab_size else k for g, k in zip(greedy_rows, meta.top_ks)]
+        # Disabled top-p is 2.0, not 1.0: a float32 cumsum can reach 1.0 before the last token.
+        top_ps = [2.0 if g or p >= 1.0 else p for g, p in zip(greedy_rows, meta.top_ps)]
+        min_ps = [0.0 if g else p for g, p in zip(greedy_rows, meta.min_ps)]
+
+        logits.div_(torch.tensor(temperatures, device=device).unsqueeze(1))
+        if any(k < vocab_size for k in top_ks):
+            _apply_top_k(logits, top_ks)
+        if any(p < 1.0 for p in top_ps):
+            _apply_top_p(logits, torch.tensor(top_ps, device=device))
+        probs = logits.softmax(dim=-1)  # (batch, vocab)
+        if any(p > 0.0 for p in min_ps):
+            _apply_min_p(probs, torch.tensor(min_ps, device=device))
+        noise = _exponential_noise(probs, meta.generators, greedy_rows)
+        # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with probability
+        # p_i, and needs exactly one vocab-sized draw per row, whatever the filters did.
+        return probs.div_(noise).argmax(dim=-1)
+
+
+def _ban_tokens(logits: torch.Tensor, banned_token_ids: list[tuple[int, ...]]) -> None:
+    vocab_size = logits.shape[1]
+    # Ids outside the vocab (a user's stop_token_ids may be anything) cannot be sampled anyway;
+    # dropping them here avoids an index error, or a device-side assert on CUDA.
+    pairs = [(row, token_id) for row, ids in enumerate(banned_token_ids) for token_id in ids
+             if 0 <= token_id < vocab_size]
+    if not pairs:
+        return
+    index = torch.tensor(pairs, device=logits.device)  # (num_banned, 2): row, token id
+    logits[index[:, 0], index[:, 1]] = -torch.inf
+
+
+def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> None:
+    """Keep each row's k highest logits (ties with the k-th are kept too)."""
+    max_k = max(top_ks)
+    top_values = logits.topk(max_k, dim=-1).values  # (batch, max_k), descending
+    kth_index = torch.tensor(top_ks, device=logits.device).sub_(1).unsqueeze(1)  # (batch, 1)
+    threshold = top_values.gather(1, kth_index)  # (batch, 1)
+    logits.masked_fill_(logits < threshold, -torch.inf)
+
+
+def _apply_top_p(logits: torch.Tensor, top_ps: torch.Tensor) -> None:
+    """Keep the smallest highest-probability set whose cumulative probability reaches top_p."""
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # (batch, vocab) each
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    # A token is dropped when the tokens ranked above it already reach top_p; the first token's
+    # exclusive sum is 0 < top_p, so every row keeps at least one token.
+    mass_above = sorted_probs.cumsum(dim=-1).sub_(sorted_probs)
+    drop_sorted = mass_above >= top_ps.unsqueeze(1)
+    drop = torch.empty_like(drop_sorted).scatter_(1, sorted_ids, drop_sorted)
+    logits.masked_fill_(drop, -torch.inf)
+
+
+def _apply_min_p(probs: torch.Tensor, min_ps: torch.Tensor) -> None:
+    """Zero tokens whose probability is below min_p times the row's top probability."""
+    threshold = probs.amax(dim=-1, keepdim=True).mul_(min_ps.unsqueeze(1))  # (batch, 1)
+    # No renormalisation needed: the exponential race is invariant to scaling a row.
+    probs.masked_fill_(probs < threshold, 0.0)
+
+
+def _exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | None],
+                       greedy_rows: list[bool]) -> torch.Tensor:
+    """Exp(1) noise of probs' shape; a seeded row draws only from its own generator."""
+    noise = torch.empty_like(probs)
+    seeded_rows = [row for row, g in enumerate(generators) if g is not None and not greedy_rows[row]]
+    if len(seeded_rows) < len(generators):
+        noise.exponential_()  # global RNG for unseeded rows; seeded rows are overwritten below
+    for row in seeded_rows:
+        noise[row].exponential_(generator=generators[row])
+    # exponential_ may return exactly 0 (p/0 = inf, or NaN for p = 0, which argmax would pick).
+    return noise.clamp_min_(torch.finfo(torch.float32).tiny)

@@ -1,0 +1,108 @@
+"""How one request wants its tokens chosen and when its generation ends.
+
+Role: `SamplingParams`, a frozen, validated value with vLLM-compatible field names and defaults,
+so an OpenAI/vLLM-style request maps onto it field for field. Validation raises
+`InvalidInputError` with a message a client can act on. What it does not know: tensors, the
+tokenizer (eos ids and stop strings are matched elsewhere), the scheduler.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mmserve.errors import InvalidInputError
+
+# Temperatures below this are treated as greedy: dividing logits by ~0 overflows to inf and the
+# softmax turns into NaN, while the distribution is argmax for all practical purposes anyway.
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise InvalidInputError(message)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling and stopping options of one request.
+
+    After construction `stop` is always a `tuple[str, ...]` and `stop_token_ids` a
+    `tuple[int, ...]` (possibly empty): `__post_init__` normalises the accepted input forms
+    (None, one string, a list) in place so every consumer reads one shape. The object is frozen,
+    so it can be shared between the engine and the runner without copies.
+
+    `top_k` of 0 or -1 disables top-k; `top_p` of 1.0 and `min_p` of 0.0 disable theirs.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self._validate_numbers()
+        object.__setattr__(self, "stop", _normalise_stop(self.stop))
+        object.__setattr__(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
+
+    def _validate_numbers(self) -> None:
+        _check(_is_int(self.n) and self.n == 1, f"only n=1 is supported, got n={self.n!r}")
+        _check(_is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
+               f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1,
+               f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(_is_int(self.top_k) and self.top_k >= -1,
+               f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1,
+               f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check(self.seed is None or _is_int(self.seed), f"seed must be an integer or null, got {self.seed!r}")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
+               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0,
+               f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        _check(self.min_tokens <= self.max_tokens,
+               f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the choice is deterministic argmax: temperature ~0 or top_k == 1."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
+
+
+def _normalise_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    strings = (stop,) if isinstance(stop, str) else tuple(stop)
+    for s in strings:
+        _check(isinstance(s, str), f"stop must be a string or a list of strings, got an item {s!r}")
+        _check(len(s) > 0, "stop strings must not be empty")
+    return strings
+
+
+def _normalise_stop_token_ids(stop_token_ids: Sequence[int] | None) -> tuple[int, ...]:
+    if stop_token_ids is None:
+        return ()
+    _check(not isinstance(stop_token_ids, (str, bytes)), "stop_token_ids must be a list of integers")
+    ids = tuple(stop_token_ids)
+    for token_id in ids:
+        _check(_is_int(token_id) and token_id >= 0,
+               f"stop_token_ids must be non-negative integers, got {token_id!r}")
+    return ids

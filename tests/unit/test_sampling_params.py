@@ -1,0 +1,71 @@
+import dataclasses
+
+import pytest
+
+from mmserve.errors import InvalidInputError
+from mmserve.sampling_params import SamplingParams
+
+
+def test_defaults_match_vllm():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (1, 1.0, 1.0, 0, 0.0, None)
+    assert (p.max_tokens, p.min_tokens, p.ignore_eos) == (16, 0, False)
+    assert p.skip_special_tokens is True and p.include_stop_str_in_output is False
+    assert p.stop == () and p.stop_token_ids == ()
+    assert not p.is_greedy
+
+
+def test_stop_forms_are_normalised_to_tuples():
+    assert SamplingParams(stop="###").stop == ("###",)
+    assert SamplingParams(stop=["a", "bc"]).stop == ("a", "bc")
+    assert SamplingParams(stop_token_ids=[3, 7]).stop_token_ids == (3, 7)
+
+
+def test_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        SamplingParams().temperature = 0.5
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"n": 2}, "only n=1 is supported"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"min_p": 1.1}, "min_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 17, "max_tokens": 16}, "must not exceed max_tokens"),
+    ({"stop_token_ids": [1, -3]}, "stop_token_ids"),
+    ({"stop": ""}, "stop strings must not be empty"),
+    ({"stop": ["ok", ""]}, "stop strings must not be empty"),
+    ({"stop": ["ok", 3]}, "stop must be a string"),
+    ({"seed": 1.5}, "seed"),
+])
+def test_validation_errors(kwargs, message):
+    with pytest.raises(InvalidInputError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_invalid_input_error_is_a_value_error():
+    with pytest.raises(ValueError):
+        SamplingParams(top_p=0)
+
+
+@pytest.mark.parametrize("kwargs, greedy", [
+    ({"temperature": 0.0}, True),
+    ({"top_k": 1}, True),
+    ({"temperature": 0.7, "top_k": 1}, True),
+    ({"temperature": 0.7}, False),
+    ({"top_k": -1}, False),
+    ({"top_k": 2}, False),
+])
+def test_is_greedy(kwargs, greedy):
+    assert SamplingParams(**kwargs).is_greedy is greedy
+
+
+def test_boundary_values_are_accepted():
+    p = SamplingParams(top_p=1.0, top_k=-1, min_p=1.0, min_tokens=16, max_tokens=16, stop_token_ids=[0])
+    assert p.min_tokens == p.max_tokens
