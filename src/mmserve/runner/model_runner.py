@@ -11,6 +11,7 @@ What it does not know: scheduling policy, budgets, text. Pixels arrive through `
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,6 +25,15 @@ from mmserve.runner.batch import BatchBuilder
 from mmserve.runner.fusion import MultimodalRuntimeData
 from mmserve.runner.sampler import Sampler, SamplingMetadata
 from mmserve.sampling_params import SamplingParams
+
+
+@dataclass
+class StepTiming:
+    """Wall time of the last step, and of the part spent in the model forward (incl. logits)."""
+
+    total_s: float = 0.0
+    forward_s: float = 0.0
+    num_tokens: int = 0
 
 
 @dataclass
@@ -63,6 +73,7 @@ class ModelRunner:
         self.prompts: dict[str, tuple[ProcessedPrompt, tuple[int, ...]]] = {}
         self.requests: dict[str, RunnerRequest] = {}
         self.num_items_encoded = 0
+        self.last_step = StepTiming()
 
     # ---- payloads -------------------------------------------------------------------------------
     def add_prompt(self, request_id: str, prompt: ProcessedPrompt, stop_token_ids: tuple[int, ...]) -> None:
@@ -75,6 +86,8 @@ class ModelRunner:
     # ---- step -----------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        started = time.perf_counter()
+        self.last_step = StepTiming(num_tokens=sched.total_num_scheduled_tokens)
         for rid in sched.finished_request_ids:
             self.requests.pop(rid, None)
         for new in sched.new_requests:
@@ -88,6 +101,7 @@ class ModelRunner:
         scheduled = {rid: n for rid, n in sched.num_scheduled_tokens.items() if rid not in result.failed}
         if scheduled:
             self._forward(scheduled, result)
+        self.last_step.total_s = time.perf_counter() - started
         return result
 
     def _start(self, new: NewRequestData) -> RunnerRequest:
@@ -127,9 +141,13 @@ class ModelRunner:
         embeds = self.model.embed(batch.input_ids)
         for rows, positions in batch.fusion:
             embeds.index_copy_(0, positions, rows.to(embeds.dtype))
+        forward_started = time.perf_counter()
         hidden = self.model(embeds, batch.positions, self.kv, batch.attn)
         if batch.sample_rows:
             logits = self.model.compute_logits(hidden[batch.sample_index])
+            if logits.is_cuda:
+                torch.cuda.synchronize()  # only so the timing below is honest
+            self.last_step.forward_s = time.perf_counter() - forward_started
             tokens = self.sampler(logits, self._sampling_metadata(batch.sample_rows)).tolist()
             for state, token in zip(batch.sample_rows, tokens):
                 state.token_ids.append(token)
