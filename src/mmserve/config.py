@@ -44,6 +44,23 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class EncoderConfig:
+    """The encoder budgets of DESIGN.md §4; None means 'derive from the model' (see core/budget.py)."""
+
+    max_encoder_items_per_step: int = 16
+    max_encoder_tokens_per_step: int | None = None  # pre-merge patches; lifted to the largest item
+    encoder_output_budget_bytes: int | None = None  # encoder outputs referenced by live requests
+    encoder_cache_bytes: int | None = None  # the one pool (referenced + reusable entries)
+
+    def __post_init__(self) -> None:
+        for name in ("max_encoder_items_per_step", "max_encoder_tokens_per_step", "encoder_output_budget_bytes",
+                     "encoder_cache_bytes"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str
     dtype: str = "float32"
@@ -51,15 +68,17 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)
     media: MediaLimits = field(default_factory=MediaLimits)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
         """Flat vLLM-style engine args (max_num_seqs=..., block_size=...) -> nested config."""
-        groups: dict[str, dict[str, Any]] = {"cache": {}, "scheduler": {}, "media": {}, "top": {}}
+        groups: dict[str, dict[str, Any]] = {"cache": {}, "scheduler": {}, "encoder": {}, "media": {}, "top": {}}
         owners = {
             "cache": {f.name for f in dataclasses.fields(CacheConfig)},
             "scheduler": {f.name for f in dataclasses.fields(SchedulerConfig)},
+            "encoder": {f.name for f in dataclasses.fields(EncoderConfig)},
             "media": {f.name for f in dataclasses.fields(MediaLimits)},
             "top": {"dtype", "device", "seed"},
         }
@@ -70,5 +89,6 @@ class EngineConfig:
                 raise TypeError(f"unknown engine argument {key!r}; valid: {', '.join(valid)}")
             groups[owner][key] = value
         return cls(model=model, cache=CacheConfig(**groups["cache"]),
-                   scheduler=SchedulerConfig(**groups["scheduler"]), media=MediaLimits(**groups["media"]),
+                   scheduler=SchedulerConfig(**groups["scheduler"]), encoder=EncoderConfig(**groups["encoder"]),
+                   media=MediaLimits(**groups["media"]),
                    **groups["top"])

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import itertools
 
+from mmserve.core.budget import EncoderBudget
+from mmserve.core.encoder_cache import EncoderCacheManager
+from mmserve.core.item_scheduler import ItemScheduler
 from mmserve.core.kv_cache import KVCacheManager
 from mmserve.core.request import ItemSpec, Request
 from mmserve.core.scheduler import Scheduler, SchedulerLimits
@@ -30,17 +33,34 @@ def image(index: int, offset: int, rows: int, content: str = "img-a") -> ItemSpe
                     output_rows=rows)
 
 
+BYTES_PER_ROW = 10
+
+
+def make_items(max_items: int = 8, max_tokens: int = 1024, output_bytes: int | None = 10_000,
+               cache_bytes: int | None = None, atomic_max: int = 64) -> ItemScheduler:
+    budget, _ = EncoderBudget.resolve(max_items_per_step=max_items, max_encoder_tokens_per_step=max_tokens,
+                                      output_budget_bytes=output_bytes, cache_bytes=cache_bytes,
+                                      bytes_per_row=BYTES_PER_ROW, model_atomic_max_tokens=atomic_max,
+                                      tokens_per_row=4)
+    return ItemScheduler(EncoderCacheManager(budget.cache_bytes, budget.output_budget_bytes), budget)
+
+
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int = 64,
-                   max_num_seqs: int = 8, prefix_caching: bool = True, chunked: bool = True) -> Scheduler:
+                   max_num_seqs: int = 8, prefix_caching: bool = True, chunked: bool = True,
+                   items: ItemScheduler | None = None) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, prefix_caching)
     return Scheduler(SchedulerLimits(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                     enable_chunked_prefill=chunked), kv)
+                                     enable_chunked_prefill=chunked), kv, items or make_items())
 
 
 class FakeRunner:
     """Mirrors what the real runner tracks, and samples token 7 (or EOS when told to)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fail_batch_steps: set[int] = frozenset(), bad_keys: set[str] = frozenset()) -> None:
+        self.fail_batch_steps = set(fail_batch_steps)  # step numbers whose encoder batch raises
+        self.bad_keys = set(bad_keys)  # keys whose encoder output has the wrong shape
+        self.items: dict[str, tuple] = {}
+        self.encoded: list[tuple[str, int]] = []  # (request id, item index) in encoding order
         self.progress: dict[str, int] = {}
         self.total: dict[str, int] = {}
         self.eos_for: set[str] = set()
@@ -53,15 +73,33 @@ class FakeRunner:
         for new in out.new_requests:
             self.progress[new.request_id] = new.num_computed_tokens
             self.total[new.request_id] = len(new.token_ids)
+            self.items[new.request_id] = new.items
         for cached in out.cached_requests:
             assert self.progress[cached.request_id] == cached.num_computed_tokens
+        result = ModelRunnerOutput()
+        produced = {self.items[rid][i].content_hash for rid, idx in out.encoder_items.items() for i in idx}
+        if produced and len(self.history) - 1 in self.fail_batch_steps:
+            result.encoder_batch_error = "encoder failed: injected"
+            failed = produced
+        else:
+            failed = produced & self.bad_keys
+            result.encoder_failed_keys = {k: f"bad output for {k}" for k in failed}
+            self.encoded.extend((rid, i) for rid, idx in out.encoder_items.items() for i in idx
+                                if self.items[rid][i].content_hash not in failed)
+        for rid, n in out.num_scheduled_tokens.items():
+            s, e = self.progress[rid], self.progress[rid] + n
+            if any(it.content_hash in failed and it.offset < e and it.end > s for it in self.items[rid]):
+                result.skipped.add(rid)
         sampled = {}
         for rid, n in out.num_scheduled_tokens.items():
+            if rid in result.skipped:
+                continue
             self.progress[rid] += n
             if self.progress[rid] >= self.total[rid]:
                 sampled[rid] = EOS if rid in self.eos_for else 7
                 self.total[rid] += 1
-        return ModelRunnerOutput(sampled_token_ids=sampled)
+        result.sampled_token_ids = sampled
+        return result
 
 
 def run_to_completion(sched: Scheduler, runner: FakeRunner, max_steps: int = 1000) -> list:

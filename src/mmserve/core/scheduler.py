@@ -7,6 +7,10 @@ prefix-cache hits) while budget and KV blocks last. When KV blocks run out, the 
 request goes back to waiting and will recompute. A chunk boundary may fall anywhere, also inside
 an image's placeholder span.
 
+Encoder work is the second surface: at admission a request's items are reserved in the encoder
+cache (`ItemScheduler`), and each prefill chunk runs only up to the first placeholder row whose
+item is neither ready nor encodable this step.
+
 What it does not know: tensors, pixels, text, stop strings (the engine finishes those).
 """
 
@@ -16,6 +20,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from mmserve.core.item_scheduler import EncoderStep, ItemScheduler
 from mmserve.core.kv_cache import KVBlock, KVCacheManager
 from mmserve.core.request import Request, RequestStatus
 from mmserve.core.step import (
@@ -43,18 +48,23 @@ class SchedulerStats:
     prompt_tokens_computed: int = 0  # prompt tokens actually run through the model
     generation_tokens: int = 0
     encoder_items_scheduled: int = 0
+    encoder_tokens_scheduled: int = 0
+    requests_rejected: int = 0
 
 
 @dataclass
 class _StepPlan:
     out: SchedulerOutput = field(default_factory=SchedulerOutput)
     preempted: list[Request] = field(default_factory=list)
+    encoder: EncoderStep = field(default_factory=EncoderStep)
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, kv: KVCacheManager) -> None:
+    def __init__(self, limits: SchedulerLimits, kv: KVCacheManager, items: ItemScheduler) -> None:
         self.limits = limits
         self.kv = kv
+        self.items = items
+        self.encoder_cache = items.cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -62,11 +72,18 @@ class Scheduler:
         self._finished_since_step: set[str] = set()
 
     # ---- lifecycle ------------------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request) -> str | None:
+        """Queue a request, or reject it (returns why) if its items can never fit the budgets."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        error = self.items.admission_error(request)
+        if error is not None:
+            request.status, request.error = RequestStatus.FINISHED_ERROR, error
+            self.stats.requests_rejected += 1
+            return error
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        return None
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus, error: str | None = None) -> None:
         """Finish requests now (abort, stop string, error); frees their KV blocks."""
@@ -84,6 +101,7 @@ class Scheduler:
         request.status = status
         request.error = error
         self.kv.free(request)
+        self.encoder_cache.release(request.request_id)
         del self.requests[request.request_id]
         self._finished_since_step.add(request.request_id)
         self.stats.requests_finished += 1
@@ -100,6 +118,10 @@ class Scheduler:
             self._schedule_waiting(plan, budget)
         plan.out.finished_request_ids = self._finished_since_step | {r.request_id for r in plan.preempted}
         self._finished_since_step = set()
+        plan.out.encoder_items = {rid: tuple(idx) for rid, idx in plan.encoder.items.items()}
+        plan.out.free_encoder_keys = self.encoder_cache.take_freed_keys()
+        self.stats.encoder_items_scheduled += plan.encoder.num_items
+        self.stats.encoder_tokens_scheduled += plan.encoder.num_tokens
         return plan.out
 
     def _schedule_running(self, plan: _StepPlan, budget: int) -> int:
@@ -110,16 +132,20 @@ class Scheduler:
             new_ids = self.kv.allocate_slots(request, num_new)
             while new_ids is None:
                 victim = self.running.pop()
-                self._preempt(victim, plan)
+                self._preempt(victim, plan)  # keeps its encoder references: it resumes first
                 if victim is request:
                     break
                 new_ids = self.kv.allocate_slots(request, num_new)
             if new_ids is None:
                 break
-            plan.out.num_scheduled_tokens[request.request_id] = num_new
+            start = request.num_computed_tokens
+            num_new = self.items.plan_chunk(request, start, start + num_new, plan.encoder) - start
+            # blocks allocated for a cut chunk are used by later chunks; the runner learns of them now
             plan.out.cached_requests.append(
                 CachedRequestData(request.request_id, tuple(new_ids), request.num_computed_tokens))
-            budget -= num_new
+            if num_new > 0:
+                plan.out.num_scheduled_tokens[request.request_id] = num_new
+                budget -= num_new
             i += 1
         return budget
 
@@ -139,33 +165,40 @@ class Scheduler:
             num_new = request.num_tokens - num_hit
             if not self.limits.enable_chunked_prefill and num_new > budget:
                 break
-            num_new = min(num_new, budget)
-            if self._admit(request, hits, num_hit, num_new) is None:
+            num_new = self._admit(request, hits, num_hit, min(num_new, budget), plan)
+            if num_new == 0:
                 break
             self.waiting.popleft()
             self.running.append(request)
             plan.out.num_scheduled_tokens[request.request_id] = num_new
-            plan.out.new_requests.append(self._new_request_data(request, plan))
+            plan.out.new_requests.append(self._new_request_data(request))
             budget -= num_new
 
-    def _admit(self, request: Request, hits: list[KVBlock], num_hit: int, num_new: int) -> list[int] | None:
+    def _admit(self, request: Request, hits: list[KVBlock], num_hit: int, num_new: int, plan: _StepPlan) -> int:
+        """Take KV blocks and encoder reservations; returns tokens scheduled (0: not admitted, undone)."""
         request.num_computed_tokens = 0
-        new_ids = self.kv.allocate_slots(request, num_new, hits)
-        if new_ids is None:
-            return None
+        if self.kv.allocate_slots(request, num_new, hits) is None:
+            return 0
+        held = {k for k in self.encoder_cache.entries if self.encoder_cache.holds(request.request_id, k)}
+        # every item is referenced, also those inside the prefix hit: a preempted request may need them
+        if not self.items.try_reserve(request, 0):
+            self.kv.free(request)
+            return 0
+        end = self.items.plan_chunk(request, num_hit, num_hit + num_new, plan.encoder)
+        if end <= num_hit:  # the encoder step is full: undo, retry next step
+            plan.encoder.items.pop(request.request_id, None)
+            new_refs = {k for k in self.encoder_cache.entries if self.encoder_cache.holds(request.request_id, k)}
+            self.encoder_cache.release(request.request_id, new_refs - held)
+            self.kv.free(request)
+            return 0
         request.num_computed_tokens = num_hit
         request.status = RequestStatus.RUNNING
         if request.num_cached_tokens < 0:  # first admission: count the prompt once
             request.num_cached_tokens = num_hit
             self.stats.prompt_tokens += request.num_prompt_tokens
-        return new_ids
+        return end - num_hit
 
-    def _new_request_data(self, request: Request, plan: _StepPlan) -> NewRequestData:
-        # inline encoding: every item not wholly covered by the KV prefix is encoded now
-        todo = tuple(it.index for it in request.items if it.end > request.num_computed_tokens)
-        if todo:
-            plan.out.encoder_items[request.request_id] = todo
-            self.stats.encoder_items_scheduled += len(todo)
+    def _new_request_data(self, request: Request) -> NewRequestData:
         return NewRequestData(
             request_id=request.request_id,
             token_ids=tuple(request.all_token_ids),
@@ -179,23 +212,21 @@ class Scheduler:
 
     # ---- update ---------------------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        outputs = []
+        outputs = self._apply_encoder_results(sched, result)
         for rid, num in sched.num_scheduled_tokens.items():
             request = self.requests.get(rid)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+            if request is None or request.status != RequestStatus.RUNNING or rid in result.skipped:
+                continue  # finished (aborted, failed) while the step ran, or not computed
             start = request.num_computed_tokens
             request.num_computed_tokens += num
             self.stats.prompt_tokens_computed += max(0, min(request.num_computed_tokens, request.num_prompt_tokens)
                                                      - start)
             if rid in result.failed:
-                self.running.remove(request)
-                self._finish(request, RequestStatus.FINISHED_ERROR, result.failed[rid])
-                outputs.append(EngineCoreOutput(rid, (), "error", error=result.failed[rid]))
+                outputs.append(self._fail(request, result.failed[rid]))
                 continue
+            self.kv.cache_full_blocks(request)
             token = result.sampled_token_ids.get(rid)
             if token is None:
-                self.kv.cache_full_blocks(request)
                 continue
             request.output_token_ids.append(token)
             self.stats.generation_tokens += 1
@@ -206,6 +237,39 @@ class Scheduler:
                 self._finish(request, status)
             outputs.append(EngineCoreOutput(rid, (token,), status.finish_reason if status else None,
                                             token if status == RequestStatus.FINISHED_STOPPED else None))
+        return outputs
+
+    def _fail(self, request: Request, error: str) -> EngineCoreOutput:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._finish(request, RequestStatus.FINISHED_ERROR, error)
+        return EngineCoreOutput(request.request_id, (), "error", error=error)
+
+    def _apply_encoder_results(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Commit this step's encoder outputs, or fail exactly who the failure belongs to."""
+        outputs = []
+        produced = {}  # key -> producer request id
+        for rid, indices in sched.encoder_items.items():
+            request = self.requests.get(rid)
+            for i in indices:
+                if request is not None:
+                    produced[request.items[i].content_hash] = rid
+        for key, reason in result.encoder_failed_keys.items():  # pinned to one key: all its users fail
+            for rid in sorted(self.encoder_cache.users(key)):
+                outputs.append(self._fail(self.requests[rid], reason))
+        for key in produced:
+            if key in result.encoder_failed_keys:
+                continue
+            if result.encoder_batch_error is None:
+                self.encoder_cache.commit(key)
+            else:
+                self.encoder_cache.fail(key)
+        if result.encoder_batch_error is not None:  # only the producers fail; consumers keep waiting
+            for rid in sorted(set(produced.values())):
+                if rid in self.requests:
+                    outputs.append(self._fail(self.requests[rid], result.encoder_batch_error))
         return outputs
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
@@ -220,6 +284,7 @@ class Scheduler:
     # ---- invariants -----------------------------------------------------------------------------
     def check_integrity(self) -> None:
         self.kv.check_integrity()
+        self.encoder_cache.check_integrity(set(self.requests))
         owners = set(self.kv.req_blocks)
         assert owners <= {r.request_id for r in self.running}, f"blocks held by non-running requests: {owners}"
         for r in self.running:

@@ -45,6 +45,8 @@ class SchedulerOutput:
     encoder_items: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # requests finished, aborted or preempted since the last step: the runner drops their state
     finished_request_ids: set[str] = field(default_factory=set)
+    # encoder-cache keys evicted or abandoned since the last step: the runner frees their tensors
+    free_encoder_keys: list[str] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -61,6 +63,12 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     # requests that failed in the runner, with the reason; they finish with an error
     failed: dict[str, str] = field(default_factory=dict)
+    # encoder outputs that failed validation, by key: every request using the key fails
+    encoder_failed_keys: dict[str, str] = field(default_factory=dict)
+    # an encoder batch failure not attributable to one item: only this step's producers fail
+    encoder_batch_error: str | None = None
+    # requests whose scheduled tokens were not computed (an item they needed failed): no progress
+    skipped: set[str] = field(default_factory=set)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ This is the only module that holds both core/ and runner/.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,9 @@ from typing import Any
 import torch
 
 from mmserve.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
+from mmserve.core.budget import EncoderBudget, bytes_per_embedding_row
+from mmserve.core.encoder_cache import EncoderCacheManager
+from mmserve.core.item_scheduler import ItemScheduler
 from mmserve.core.kv_cache import KVCacheManager
 from mmserve.core.request import ItemSpec, Request, RequestStatus
 from mmserve.core.scheduler import Scheduler, SchedulerLimits
@@ -29,6 +33,10 @@ from mmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mmserve.runner.attention import PagedKVCache
 from mmserve.runner.model_runner import ModelRunner
 from mmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("mmserve.engine")
+DEFAULT_ENCODER_TOKENS_PER_STEP = 16384
+DEFAULT_ENCODER_OUTPUT_BYTES = 256 * 1024 * 1024
 
 
 @dataclass
@@ -57,15 +65,45 @@ class Engine:
         self.kv_cache = PagedKVCache(text.num_hidden_layers, num_blocks, config.cache.block_size,
                                      text.num_key_value_heads, text.head_dim, self.dtype, self.device)
         kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.budget = self._resolve_budget()
+        items = ItemScheduler(EncoderCacheManager(self.budget.cache_bytes, self.budget.output_budget_bytes),
+                              self.budget)
         sched = config.scheduler
         self.scheduler = Scheduler(SchedulerLimits(sched.max_num_seqs, sched.max_num_batched_tokens,
-                                                   sched.enable_chunked_prefill, self.max_model_len), kv)
+                                                   sched.enable_chunked_prefill, self.max_model_len), kv, items)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         eos = set(self.model.config.eos_token_ids) | set(generation_eos_ids(config.model))
         if self.processor.tokenizer.eos_token_id is not None:
             eos.add(self.processor.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
         self.tracked: dict[str, _Tracked] = {}
+        self._pending_outputs: list[RequestOutput] = []  # rejected at admission, returned by the next step
+
+    def _model_atomic_max_tokens(self) -> int:
+        """Encoder tokens of the largest item the model accepts: an image at max_pixels, or a video of
+        max_video_frames frames at max_pixels each."""
+        ip = self.processor.image_processor.cfg
+        per_frame = ip.max_pixels // (ip.patch_size * ip.patch_size)
+        frames = -(-self.config.media.max_video_frames // ip.temporal_patch_size)
+        return per_frame * max(frames, 1)
+
+    def _resolve_budget(self) -> EncoderBudget:
+        enc = self.config.encoder
+        element = torch.empty((), dtype=self.dtype).element_size()
+        row_bytes = bytes_per_embedding_row(element, self.model.config.vision.out_hidden_size,
+                                            tuple(self.model.language_model.embed_tokens.weight.shape))
+        atomic = self._model_atomic_max_tokens()
+        budget, _ = EncoderBudget.resolve(
+            max_items_per_step=enc.max_encoder_items_per_step,
+            max_encoder_tokens_per_step=enc.max_encoder_tokens_per_step or max(DEFAULT_ENCODER_TOKENS_PER_STEP, atomic),
+            output_budget_bytes=enc.encoder_output_budget_bytes or DEFAULT_ENCODER_OUTPUT_BYTES,
+            cache_bytes=enc.encoder_cache_bytes or 2 * (enc.encoder_output_budget_bytes or DEFAULT_ENCODER_OUTPUT_BYTES),
+            bytes_per_row=row_bytes, model_atomic_max_tokens=atomic,
+            tokens_per_row=self.model.config.vision.spatial_merge_size ** 2)
+        logger.info("encoder budgets: items/step=%d tokens/step=%d output=%dB cache=%dB row=%dB atomic_max=%d",
+                    budget.max_items_per_step, budget.max_encoder_tokens_per_step, budget.output_budget_bytes,
+                    budget.cache_bytes, budget.bytes_per_row, budget.model_atomic_max_tokens)
+        return budget
 
     def _num_kv_blocks(self) -> int:
         cache, text = self.config.cache, self.model.config.text
@@ -81,7 +119,8 @@ class Engine:
     # ---- input ----------------------------------------------------------------------------------
     def process(self, raw_prompt: Any, mm_processor_kwargs: dict[str, Any] | None = None) -> ProcessedPrompt:
         p = parse_prompt(raw_prompt, mm_processor_kwargs)
-        return self.processor.process(p.prompt, p.prompt_token_ids, p.images, p.videos, p.mm_processor_kwargs)
+        return self.processor.process(p.prompt, p.prompt_token_ids, p.images, p.videos, p.mm_processor_kwargs,
+                                      p.uuids)
 
     def process_chat(self, messages: list[dict[str, Any]], mm_processor_kwargs: dict[str, Any] | None = None,
                      **template_kwargs: Any) -> ProcessedPrompt:
@@ -103,25 +142,30 @@ class Engine:
                           arrival_time or time.time())
         detok = IncrementalDetokenizer(self.processor.tokenizer, request.prompt_token_ids,
                                        params.skip_special_tokens, params.stop, params.include_stop_str_in_output)
-        self.tracked[request_id] = _Tracked(request, prompt.prompt, detok, RequestMetrics(request.arrival_time))
+        tracked = _Tracked(request, prompt.prompt, detok, RequestMetrics(request.arrival_time))
+        rejection = self.scheduler.add_request(request)
+        if rejection is not None:  # can never fit the encoder budgets: finish now, others run on
+            self._pending_outputs.append(self._make_output(tracked, "error", rejection))
+            return
+        self.tracked[request_id] = tracked
         self.runner.add_prompt(request_id, prompt, tuple(sorted(request.stop_token_ids)))
-        self.scheduler.add_request(request)
 
     # ---- stepping -------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or bool(self._pending_outputs)
 
     def step(self) -> list[RequestOutput]:
+        pending, self._pending_outputs = self._pending_outputs, []
         sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return []
+        if sched.is_empty and not sched.encoder_items:
+            return pending
         now = time.time()
         for new in sched.new_requests:
             tracked = self.tracked[new.request_id]
             tracked.metrics.first_scheduled_time = tracked.metrics.first_scheduled_time or now
         result = self.runner.execute(sched)
         core_outputs = self.scheduler.update(sched, result)
-        return [self._output(o) for o in core_outputs]
+        return pending + [self._output(o) for o in core_outputs]
 
     def _output(self, core: EngineCoreOutput) -> RequestOutput:
         tracked = self.tracked[core.request_id]
@@ -164,7 +208,7 @@ class Engine:
 
     # ---- introspection --------------------------------------------------------------------------
     def get_stats(self) -> dict[str, int | float]:
-        s, kv = self.scheduler.stats, self.scheduler.kv
+        s, kv, cache = self.scheduler.stats, self.scheduler.kv, self.scheduler.encoder_cache
         return {
             "requests_finished": s.requests_finished,
             "requests_running": len(self.scheduler.running),
@@ -177,7 +221,19 @@ class Engine:
             "kv_blocks_total": kv.num_blocks,
             "kv_blocks_free": kv.num_free_blocks,
             "kv_cache_evictions": kv.stats.evictions,
-            "encoder_items_encoded": self.runner.num_items_encoded,
+            "encoder_items_encoded": self.runner.encoder.num_items_encoded,
+            "encoder_tokens_encoded": self.runner.encoder.num_tokens_encoded,
+            "encoder_cache_hits": cache.stats.hits,
+            "encoder_cache_misses": cache.stats.misses,
+            "encoder_cache_evictions": cache.stats.evictions,
+            "encoder_cache_bytes_used": cache.used_bytes,
+            "encoder_cache_bytes_total": cache.capacity_bytes,
+            "requests_rejected": s.requests_rejected,
+            "budget_max_encoder_items_per_step": self.budget.max_items_per_step,
+            "budget_max_encoder_tokens_per_step": self.budget.max_encoder_tokens_per_step,
+            "budget_encoder_output_bytes": self.budget.output_budget_bytes,
+            "budget_encoder_cache_bytes": self.budget.cache_bytes,
+            "budget_bytes_per_embedding_row": self.budget.bytes_per_row,
         }
 
     def check_integrity(self) -> None:
@@ -185,3 +241,6 @@ class Engine:
         live = set(self.scheduler.requests)
         assert set(self.tracked) == live, "engine and scheduler disagree on live requests"
         assert set(self.runner.prompts) <= live, "runner holds payloads of finished requests"
+        cache = self.scheduler.encoder_cache
+        ready = {k for k, e in cache.entries.items() if e.state.value == "ready"}
+        assert ready <= set(self.runner.encoder.store), "a ready encoder entry has no tensor in the runner"

@@ -2,7 +2,8 @@
 
 Role: accept a str, `{"prompt": str, ...}` or `{"prompt_token_ids": [...], ...}` with optional
 `multi_modal_data` ({"image": one or a list, "video": frames or a list of frame lists}) and
-`mm_processor_kwargs`, and reject anything else with `InvalidInputError`.
+`mm_processor_kwargs` and `multi_modal_uuids` (shaped like multi_modal_data), and reject anything
+else with `InvalidInputError`.
 What it does not know: tokenizers, models.
 """
 
@@ -16,7 +17,7 @@ from PIL import Image
 
 from mmserve.errors import InvalidInputError
 
-_PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids"}
 
 
 @dataclass
@@ -26,6 +27,7 @@ class PromptInput:
     images: list[Any] = field(default_factory=list)
     videos: list[Any] = field(default_factory=list)
     mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
+    uuids: dict[str, list[str | None]] = field(default_factory=dict)  # caller-supplied item identities
 
 
 def _is_frame(value: Any) -> bool:
@@ -65,4 +67,8 @@ def parse_prompt(raw: Any, mm_processor_kwargs: dict[str, Any] | None = None) ->
     videos = [] if data.get("video") is None else _as_videos(data["video"])
     kwargs = dict(mm_processor_kwargs or {})
     kwargs.update(raw.get("mm_processor_kwargs") or {})
-    return PromptInput(raw.get("prompt"), list(ids) if ids is not None else None, images, videos, kwargs)
+    uuids = raw.get("multi_modal_uuids") or {}
+    if not isinstance(uuids, dict):
+        raise InvalidInputError("multi_modal_uuids must be a dict like multi_modal_data")
+    uuids = {m: (list(v) if isinstance(v, (list, tuple)) else [v]) for m, v in uuids.items()}
+    return PromptInput(raw.get("prompt"), list(ids) if ids is not None else None, images, videos, kwargs, uuids)

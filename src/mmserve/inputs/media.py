@@ -33,7 +33,7 @@ SUPPORTED_IMAGE_MODES = frozenset(
 class MediaLimits:
     max_image_bytes: int = 32 * 1024 * 1024  # encoded size
     max_image_pixels: int = 64_000_000  # width * height, checked before decoding
-    max_video_frames: int = 768
+    max_video_frames: int = 32  # also sizes the largest atomic encoder item a video can be
     allowed_local_media_path: str | None = None  # local files only below this directory
 
     def __post_init__(self) -> None:

@@ -51,7 +51,8 @@ class BatchBuilder:
         self.sample_rows: list[RunnerRequest] = []
         self.num_tokens = 0
 
-    def add(self, state: RunnerRequest, num: int) -> None:
+    def add(self, state: RunnerRequest, num: int, item_outputs: dict[int, torch.Tensor]) -> None:
+        """Append `num` tokens of `state`; `item_outputs` maps item index -> encoder rows (prefill only)."""
         start, end = state.num_computed_tokens, state.num_computed_tokens + num
         offset = self.num_tokens
         self.ids.append(np.asarray(state.token_ids[start:end], dtype=np.int64))
@@ -71,7 +72,7 @@ class BatchBuilder:
             self.prefill_tables.append(state.block_ids[:num_blocks] if start > 0 else None)
         if state.mm is not None and start < state.num_prompt_tokens:
             pieces = state.mm.plan_chunk(start, end)
-            for rows, piece in zip(gather_chunk_rows(pieces, state.encoder_outputs), pieces):
+            for rows, piece in zip(gather_chunk_rows(pieces, item_outputs), pieces):
                 self.fusion.append((rows, piece.token_positions + offset))
         if end == len(state.token_ids):  # the chunk reaches the last known token: sample the next
             self.sample_index.append(offset + num - 1)

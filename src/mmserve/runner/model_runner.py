@@ -12,7 +12,7 @@ What it does not know: scheduling policy, budgets, text. Pixels arrive through `
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -22,6 +22,7 @@ from mmserve.inputs.items import ProcessedPrompt
 from mmserve.models.qwen2_vl.model import Qwen2VLForConditionalGeneration
 from mmserve.runner.attention import PagedAttentionMetadata, PagedKVCache
 from mmserve.runner.batch import BatchBuilder
+from mmserve.runner.encoder_runner import EncodeJob, EncoderRunner
 from mmserve.runner.fusion import MultimodalRuntimeData
 from mmserve.runner.sampler import Sampler, SamplingMetadata
 from mmserve.sampling_params import SamplingParams
@@ -47,7 +48,6 @@ class RunnerRequest:
     block_ids: list[int]
     num_computed_tokens: int
     mm: MultimodalRuntimeData | None = None
-    encoder_outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # item index -> (rows, hidden)
 
     @property
     def num_output_tokens(self) -> int:
@@ -72,7 +72,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.prompts: dict[str, tuple[ProcessedPrompt, tuple[int, ...]]] = {}
         self.requests: dict[str, RunnerRequest] = {}
-        self.num_items_encoded = 0
+        dtype = next(model.parameters()).dtype
+        self.encoder = EncoderRunner(model.encode_items, model.config.vision.out_hidden_size, dtype, device)
         self.last_step = StepTiming()
 
     # ---- payloads -------------------------------------------------------------------------------
@@ -90,6 +91,7 @@ class ModelRunner:
         self.last_step = StepTiming(num_tokens=sched.total_num_scheduled_tokens)
         for rid in sched.finished_request_ids:
             self.requests.pop(rid, None)
+        self.encoder.free(sched.free_encoder_keys)
         for new in sched.new_requests:
             self.requests[new.request_id] = self._start(new)
         for cached in sched.cached_requests:
@@ -98,7 +100,9 @@ class ModelRunner:
             assert state.num_computed_tokens == cached.num_computed_tokens, "runner and scheduler disagree"
         result = ModelRunnerOutput()
         self._encode(sched, result)
-        scheduled = {rid: n for rid, n in sched.num_scheduled_tokens.items() if rid not in result.failed}
+        result.skipped = {rid for rid, n in sched.num_scheduled_tokens.items() if not self._rows_ready(rid, n)}
+        scheduled = {rid: n for rid, n in sched.num_scheduled_tokens.items()
+                     if rid not in result.failed and rid not in result.skipped}
         if scheduled:
             self._forward(scheduled, result)
         self.last_step.total_s = time.perf_counter() - started
@@ -113,30 +117,40 @@ class ModelRunner:
                              new.sampling_params, stop_ids, list(new.block_ids), new.num_computed_tokens, mm)
 
     def _encode(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> None:
-        """Inline encoding: every scheduled item of every request in one vision batch."""
-        work = [(rid, self.requests[rid].prompt.items[i]) for rid, idxs in sched.encoder_items.items() for i in idxs]
-        if not work:
-            return
-        try:
-            pixels = torch.from_numpy(np.concatenate([item.pixel_values for _, item in work]))
-            rows = self.model.encode(pixels.to(self.device, non_blocking=True), [item.grid_thw for _, item in work])
-        except Exception as exc:  # a batch-level failure fails every producer of the batch
-            for rid, _ in work:
-                result.failed[rid] = f"encoder failed: {type(exc).__name__}: {exc}"
-            return
-        split = rows.split([item.output_rows for _, item in work])
-        for (rid, item), out in zip(work, split):
-            if out.shape[0] != item.output_rows:
-                result.failed[rid] = (f"{item.modality} {item.index}: encoder produced {out.shape[0]} rows, "
-                                      f"expected {item.output_rows}")
-                continue
-            self.requests[rid].encoder_outputs[item.index] = out
-        self.num_items_encoded += len(work)
+        """Encode this step's items as one batch; validate, then commit to the store."""
+        jobs = []
+        for rid, indices in sched.encoder_items.items():
+            for i in indices:
+                item = self.requests[rid].prompt.items[i]
+                if item.pixel_values is None:
+                    result.failed[rid] = f"{item.modality} {item.index}: pixels were released before encoding"
+                    continue
+                jobs.append(EncodeJob(item.content_hash, item.pixel_values, item.grid_thw, item.output_rows))
+        outcome = self.encoder.forward_items(jobs)
+        result.encoder_failed_keys = outcome.failed_keys
+        result.encoder_batch_error = outcome.batch_error
+        for rid in sched.encoder_items:  # lifecycle: once every item is ready, drop the raw pixels
+            items = self.requests[rid].prompt.items
+            if all(it.content_hash in self.encoder.store for it in items):
+                for it in items:
+                    it.pixel_values = None
+
+    def _rows_ready(self, rid: str, num: int) -> bool:
+        """Are the encoder rows this request's chunk fuses all in the store?"""
+        state = self.requests[rid]
+        if state.mm is None or state.num_computed_tokens >= state.num_prompt_tokens:
+            return True
+        pieces = state.mm.plan_chunk(state.num_computed_tokens, state.num_computed_tokens + num)
+        return all(state.prompt.items[p.item_index].content_hash in self.encoder.store for p in pieces)
 
     def _forward(self, scheduled: dict[str, int], result: ModelRunnerOutput) -> None:
         builder = BatchBuilder(self.block_size, self.device)
         for rid, num in scheduled.items():
-            builder.add(self.requests[rid], num)
+            state = self.requests[rid]
+            outputs = {}
+            if state.mm is not None and state.num_computed_tokens < state.num_prompt_tokens:
+                outputs = {i: self.encoder.store.get(it.content_hash) for i, it in enumerate(state.prompt.items)}
+            builder.add(state, num, outputs)
         batch = builder.build()
         embeds = self.model.embed(batch.input_ids)
         for rows, positions in batch.fusion:
@@ -153,10 +167,7 @@ class ModelRunner:
                 state.token_ids.append(token)
                 result.sampled_token_ids[state.request_id] = token
         for rid, num in scheduled.items():
-            state = self.requests[rid]
-            state.num_computed_tokens += num
-            if state.num_computed_tokens >= state.num_prompt_tokens:
-                state.encoder_outputs.clear()  # prefill done: the rows are in the KV cache
+            self.requests[rid].num_computed_tokens += num
 
     def _sampling_metadata(self, rows: list[RunnerRequest]) -> SamplingMetadata:
         params = [r.sampling_params for r in rows]

@@ -41,6 +41,12 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         """Embedding rows for a batch of items, concatenated in item order."""
         return self.visual(pixel_values, grids)
 
+    def encode_items(self, pixel_values: torch.Tensor, grids: Sequence[GridTHW]) -> list[torch.Tensor]:
+        """One (rows, hidden) tensor per item: views into one batched encoder output."""
+        unit = self.config.vision.spatial_merge_size ** 2
+        rows = self.encode(pixel_values, grids)
+        return list(rows.split([t * h * w // unit for t, h, w in grids]))
+
     def embed(self, input_ids: torch.Tensor, mm_rows: torch.Tensor | None = None,
               mm_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Token embeddings with `mm_rows` written at token positions `mm_positions` (a CPU-built index)."""

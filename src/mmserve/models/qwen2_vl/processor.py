@@ -17,10 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import blake3
-import numpy as np
-
 from mmserve.errors import InvalidInputError
+from mmserve.inputs.hashing import hash_item
 from mmserve.inputs.items import IMAGE, VIDEO, MMItem, ProcessedPrompt
 from mmserve.inputs.media import MediaLimits, load_image, load_video
 from mmserve.inputs.placeholders import check_item_rows, compute_masks, embeds_in_range
@@ -60,6 +58,9 @@ class Qwen2VLProcessor:
         self.pad_text = {m: self.tokenizer.id_to_token(i) or "" for m, i in self.pad_ids.items()}
         self._pad_re = re.compile("(" + "|".join(re.escape(t) for t in self.pad_text.values() if t) + ")")
         self._modality_of = {t: m for m, t in self.pad_text.items()}
+        # the model's identity in every content key: its config and its preprocessing config
+        self.model_key = hash_item({"config": (root / "config.json").read_bytes()
+                                    if (root / "config.json").is_file() else b"", "preprocessor": raw})
 
     # ---- chat ---------------------------------------------------------------------------------
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
@@ -98,8 +99,12 @@ class Qwen2VLProcessor:
     # ---- prompts ------------------------------------------------------------------------------
     def process(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
                 images: list[Any] | None = None, videos: list[Any] | None = None,
-                mm_processor_kwargs: dict[str, Any] | None = None) -> ProcessedPrompt:
-        """Process a prompt (text or token ids) with its media into a ProcessedPrompt."""
+                mm_processor_kwargs: dict[str, Any] | None = None,
+                uuids: dict[str, list[str | None]] | None = None) -> ProcessedPrompt:
+        """Process a prompt (text or token ids) with its media into a ProcessedPrompt.
+
+        `uuids` ({"image": [...], "video": [...]}, None entries allowed) replace content hashing for
+        those items; the key still covers the processor kwargs and the model."""
         images, videos = list(images or []), list(videos or [])
         kwargs = dict(mm_processor_kwargs or {})
         fps = float(kwargs.pop("fps", DEFAULT_VIDEO_FPS))
@@ -109,12 +114,44 @@ class Qwen2VLProcessor:
             raise InvalidInputError("need a prompt or prompt_token_ids")
         pieces = self._split_prompt(prompt) if prompt is not None else self._split_ids(prompt_token_ids)
         self._check_counts(pieces, len(images), len(videos))
-        patched = {IMAGE: [self.image_processor.preprocess_image(load_image(s, self.limits, f"image {i}"), kwargs)
-                           for i, s in enumerate(images)],
-                   VIDEO: [self.image_processor.preprocess_video(load_video(s, self.limits, f"video {i}"), kwargs)
-                           for i, s in enumerate(videos)]}
+        ids = self._item_uuids(uuids, len(images), len(videos))
+        cfg = self.image_processor.cfg.with_overrides(kwargs)  # validates kwargs once
+        shaping = {"min_pixels": cfg.min_pixels, "max_pixels": cfg.max_pixels}
+        patched: dict[str, list[tuple[PatchifiedItem, str]]] = {IMAGE: [], VIDEO: []}
+        for i, source in enumerate(images):
+            img = load_image(source, self.limits, f"image {i}")
+            key = self._key(IMAGE, ids[IMAGE][i], img, shaping)
+            patched[IMAGE].append((self.image_processor.preprocess_image(img, kwargs), key))
+        for i, source in enumerate(videos):
+            frames = load_video(source, self.limits, f"video {i}")
+            key = self._key(VIDEO, ids[VIDEO][i], frames, {**shaping, "fps": fps})
+            patched[VIDEO].append((self.image_processor.preprocess_video(frames, kwargs), key))
         token_ids, items = self._expand(pieces, patched, fps)
         return self._finish(prompt, token_ids, items)
+
+    def _key(self, modality: str, uuid: str | None, content: Any, shaping: dict[str, Any]) -> str:
+        """Content key: what the model sees (pixels or the caller's uuid), how it is shaped, which model."""
+        what = {"uuid": uuid} if uuid is not None else content
+        return hash_item({"modality": modality, "content": what, "processing": shaping, "model": self.model_key})
+
+    @staticmethod
+    def _item_uuids(uuids: dict[str, list[str | None]] | None, num_images: int,
+                    num_videos: int) -> dict[str, list[str | None]]:
+        uuids = uuids or {}
+        unknown = sorted(set(uuids) - {IMAGE, VIDEO})
+        if unknown:
+            raise InvalidInputError(f"multi_modal_uuids has unknown modalities {unknown}")
+        out = {}
+        for modality, count in ((IMAGE, num_images), (VIDEO, num_videos)):
+            given = uuids.get(modality)
+            given = [given] if isinstance(given, str) else list(given or [None] * count)
+            if len(given) != count:
+                raise InvalidInputError(f"multi_modal_uuids['{modality}'] has {len(given)} entries for {count} "
+                                        f"{modality}(s)")
+            if any(u is not None and not isinstance(u, str) for u in given):
+                raise InvalidInputError("multi_modal_uuids entries must be strings or None")
+            out[modality] = given
+        return out
 
     def _split_prompt(self, prompt: str) -> list[str | list[int]]:
         """Text -> pieces: a placeholder's modality name or a list of token ids."""
@@ -152,7 +189,7 @@ class Qwen2VLProcessor:
                     f"{modality}(s) were given; put one placeholder per {modality} in the prompt"
                 )
 
-    def _expand(self, pieces: list[str | list[int]], patched: dict[str, list[PatchifiedItem]],
+    def _expand(self, pieces: list[str | list[int]], patched: dict[str, list[tuple[PatchifiedItem, str]]],
                 fps: float) -> tuple[list[int], list[MMItem]]:
         ids: list[int] = []
         items: list[MMItem] = []
@@ -164,7 +201,7 @@ class Qwen2VLProcessor:
                 continue
             index = seen[piece]
             seen[piece] += 1  # a _Run compares and hashes as its modality
-            p = patched[piece][index]
+            p, key = patched[piece][index]
             rows = p.num_patches // unit
             if isinstance(piece, _Run) and piece.length not in (1, rows):
                 check_item_rows(f"{piece} {index}", piece.length, rows)
@@ -172,7 +209,7 @@ class Qwen2VLProcessor:
             if piece == VIDEO and self.config.is_qwen2_5:
                 interval = self.config.vision.tokens_per_second * self.config.vision.temporal_patch_size / fps
             items.append(MMItem(str(piece), index, len(ids), rows, p.grid_thw, p.num_patches, rows,
-                                _content_hash(piece, p), p.pixel_values, interval))
+                                key, p.pixel_values, interval))
             ids.extend([self.pad_ids[piece]] * rows)
         return ids, items
 
@@ -202,11 +239,3 @@ class _Run(str):
         run = super().__new__(cls, modality)
         run.length = 1
         return run
-
-
-def _content_hash(modality: str, item: PatchifiedItem) -> str:
-    """Interim key: the processed pixels and grid (canonical source hashing replaces it)."""
-    h = blake3.blake3(modality.encode())
-    h.update(np.asarray(item.grid_thw, dtype=np.int64).tobytes())
-    h.update(np.ascontiguousarray(item.pixel_values).view(np.uint8))
-    return h.hexdigest()

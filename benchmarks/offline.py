@@ -1,0 +1,517 @@
+"""Offline throughput benchmark: mmserve's `LLM.chat` against transformers' `generate`.
+
+Role: on the same random-weight Qwen2-VL checkpoints (the tiny test model and a ~100M model built
+from `benchmarks/configs/bench_100m_qwen2_vl.json`, both written under `.bench/` on first use, no
+downloads), run one fixed multimodal workload (`benchmarks/workload.py`) through
+- mmserve: every conversation submitted at once to a fresh `LLM` (continuous batching, prefix
+  caching, encoder reuse);
+- transformers, one conversation at a time (`generate` per request);
+- transformers, batches of 8 with left padding;
+all greedy with exactly `--output-tokens` new tokens, float32, torch threads = the machine's cores.
+It checks that mmserve's greedy tokens equal transformers' one-at-a-time tokens (a mismatch is a
+bug and is printed loudly, with the reference's logit margin at the first divergence), then times
+engine overhead: the share of a batch-32 decode `engine.step()` spent outside the model forward.
+
+Prints a card (machine, models, dtype, workload), a human table, and one JSON line last.
+transformers' input preprocessing is done before its clock starts; mmserve's is inside its clock
+(`llm.chat` processes the images), so the comparison leans towards transformers.
+
+What it does not know: mmserve internals beyond the public offline API, `Engine.step` and
+`ModelRunner.last_step`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as `python benchmarks/offline.py` from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from tests.fixtures.tiny_checkpoints import (  # noqa: E402
+    QWEN_SPECIAL_TOKENS,
+    build_checkpoint,
+    build_tokenizer,
+    reference_inputs,
+)
+
+from benchmarks.workload import LONG_SYSTEM_PROMPT, Workload, build_workload  # noqa: E402
+
+BENCH_DIR = ROOT / ".bench"
+CONFIG_100M = ROOT / "benchmarks" / "configs" / "bench_100m_qwen2_vl.json"
+MODEL_DIRS = {"tiny": BENCH_DIR / "tiny-qwen2-vl", "100m": BENCH_DIR / "bench-100m-qwen2-vl"}
+HF_BATCH_SIZE = 8
+QUICK_SUBSET = 16
+OVERHEAD_BATCH = 32
+OVERHEAD_STEPS = 10
+DTYPE = "float32"
+DEFAULT_REPEATS = {"tiny": 3, "100m": 1}  # the 100m round takes ~5 minutes
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------
+def _randomize_scaled(model: torch.nn.Module, seed: int) -> None:
+    """Random weights scaled by fan-in (like `_randomize`, but sized for a 768-wide, 12-layer model) so
+    activations neither vanish nor explode and greedy text is varied rather than one repeated token."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            if name.endswith("norm.weight") or "norm" in name.split(".")[-2]:
+                param.copy_(1.0 + 0.1 * noise)
+            elif param.ndim == 1:  # biases
+                param.copy_(0.02 * noise)
+            elif "embed_tokens" in name:
+                param.copy_(noise)
+            else:
+                gain = 4.0 if "lm_head" in name else 1.0  # logits with std ~4: clear greedy margins
+                param.copy_(noise * gain / param[0].numel() ** 0.5)
+
+
+def build_100m_checkpoint(out_dir: Path, config_path: Path = CONFIG_100M, seed: int = 0) -> Path:
+    """Write the ~100M random Qwen2-VL described by `config_path` (token ids from our tokenizer)."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(out_dir)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
+    raw = json.loads(config_path.read_text())
+    raw.pop("model_type", None)
+    text = dict(raw.pop("text_config"), bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                pad_token_id=ids["<|endoftext|>"])
+    config = Qwen2VLConfig(text_config=text, vision_config=raw.pop("vision_config"),
+                           image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                           vision_start_token_id=ids["<|vision_start|>"],
+                           vision_end_token_id=ids["<|vision_end|>"], **raw)
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config)
+    _randomize_scaled(model, seed)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 256).save_pretrained(out_dir)
+    generation = {"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]]}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    return out_dir
+
+
+def ensure_checkpoint(name: str) -> Path:
+    out_dir = MODEL_DIRS[name]
+    if (out_dir / "model.safetensors").is_file() and (out_dir / "preprocessor_config.json").is_file():
+        return out_dir
+    print(f"building {name} checkpoint in {out_dir} ...", file=sys.stderr)
+    if name == "tiny":
+        return build_checkpoint(out_dir, family="qwen2_vl", seed=0)
+    return build_100m_checkpoint(out_dir)
+
+
+def parameter_count(model_dir: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            total += sum(math.prod(f.get_slice(key).get_shape()) for key in f.keys())
+    return total
+
+
+# ---- results -------------------------------------------------------------------------------------
+@dataclass
+class SystemResult:
+    name: str
+    wall_s: float
+    output_tokens: int
+    tokens: list[list[int]]  # greedy output ids per request (of the requests that ran)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def as_json(self) -> dict[str, Any]:
+        return {"wall_s": round(self.wall_s, 3), "output_tokens": self.output_tokens,
+                "tokens_per_s": round(self.tokens_per_s, 2), **self.extra}
+
+
+def _greedy(output_tokens: int):
+    from mmserve import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=output_tokens, min_tokens=output_tokens)
+
+
+def _kv_cache_bytes(model_dir: Path, num_requests: int, output_tokens: int) -> int:
+    """Room for every request at once (prompts are < 1200 tokens here), so nothing is preempted."""
+    text = json.loads((model_dir / "config.json").read_text())["text_config"]
+    head_dim = text["hidden_size"] // text["num_attention_heads"]
+    per_token_bytes = 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * head_dim * 4
+    return max(num_requests * (1200 + output_tokens) * per_token_bytes, 64 * 1024 * 1024)
+
+
+# ---- systems -------------------------------------------------------------------------------------
+def run_mmserve(model_dir: Path, workload: Workload, output_tokens: int) -> SystemResult:
+    """Fresh LLM, every conversation submitted at once. A throwaway LLM runs 2 requests first so
+    one-time costs (allocator, kernels' first calls) are not on the clock; load time is timed apart."""
+    from mmserve import LLM
+
+    convs = workload.conversations
+    engine_args = dict(max_num_seqs=len(convs), max_num_batched_tokens=2048, enable_prefix_caching=True,
+                       dtype=DTYPE, kv_cache_bytes=_kv_cache_bytes(model_dir, len(convs), output_tokens))
+    warm = LLM(str(model_dir), **engine_args)
+    warm.chat([c.messages for c in convs[:2]], _greedy(4), use_tqdm=False)
+    del warm
+    started = time.perf_counter()
+    llm = LLM(str(model_dir), **engine_args)
+    load_s = time.perf_counter() - started
+    started = time.perf_counter()
+    outputs = llm.chat([c.messages for c in convs], _greedy(output_tokens), use_tqdm=False)
+    wall_s = time.perf_counter() - started
+    stats = llm.get_stats()
+    started = time.perf_counter()  # the share of the wall that is input processing, measured apart
+    prompt_lens = [llm.engine.process_chat(c.messages).num_tokens for c in convs]
+    preprocess_s = time.perf_counter() - started
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    keep = ("prompt_tokens", "prompt_tokens_computed", "prefix_cache_hit_tokens", "generation_tokens",
+            "encoder_items_encoded", "num_preemptions")
+    extra = {"load_s": round(load_s, 3), "preprocess_s": round(preprocess_s, 3),
+             "stats": {k: stats[k] for k in keep if k in stats},
+             "prompt_tokens": {"min": min(prompt_lens), "max": max(prompt_lens),
+                               "mean": round(sum(prompt_lens) / len(prompt_lens), 1)}}
+    return SystemResult("mmserve", wall_s, sum(len(t) for t in tokens), tokens, extra)
+
+
+def load_reference(model_dir: Path) -> torch.nn.Module:
+    from transformers import Qwen2VLForConditionalGeneration
+
+    return Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _generate(model: torch.nn.Module, inputs: dict[str, torch.Tensor], num_tokens: int,
+              pad_id: int) -> list[list[int]]:
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False,
+                             pad_token_id=pad_id)
+    return out[:, inputs["input_ids"].shape[1]:].tolist()
+
+
+def run_hf_single(model: torch.nn.Module, inputs: list[dict[str, torch.Tensor]], output_tokens: int,
+                  pad_id: int, subset: int | None) -> SystemResult:
+    """`generate` per conversation; with `subset`, only the first `subset` and tokens/s extrapolated."""
+    chosen = inputs[:subset] if subset else inputs
+    _generate(model, inputs[0], 2, pad_id)  # warm-up
+    tokens = []
+    started = time.perf_counter()
+    for one in chosen:
+        tokens.extend(_generate(model, one, output_tokens, pad_id))
+    wall_s = time.perf_counter() - started
+    extra: dict[str, Any] = {"subset": len(chosen) if len(chosen) < len(inputs) else None}
+    if extra["subset"]:
+        extra["extrapolated_full_wall_s"] = round(wall_s * len(inputs) / len(chosen), 3)
+    return SystemResult("hf_single", wall_s, sum(len(t) for t in tokens), tokens, extra)
+
+
+def left_pad(batch: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
+    """One left-padded batch from per-request inputs; pixel_values / image_grid_thw concatenated in order."""
+    width = max(one["input_ids"].shape[1] for one in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+    mm_token_type_ids = torch.zeros((len(batch), width), dtype=batch[0]["mm_token_type_ids"].dtype)
+    for row, one in enumerate(batch):
+        n = one["input_ids"].shape[1]
+        input_ids[row, width - n:] = one["input_ids"][0]
+        attention_mask[row, width - n:] = 1
+        mm_token_type_ids[row, width - n:] = one["mm_token_type_ids"][0]
+    out = {"input_ids": input_ids, "attention_mask": attention_mask, "mm_token_type_ids": mm_token_type_ids}
+    with_images = [one for one in batch if "pixel_values" in one]
+    if with_images:
+        out["pixel_values"] = torch.cat([one["pixel_values"] for one in with_images])
+        out["image_grid_thw"] = torch.cat([one["image_grid_thw"] for one in with_images])
+    return out
+
+
+def run_hf_batched(model: torch.nn.Module, inputs: list[dict[str, torch.Tensor]], output_tokens: int,
+                   pad_id: int, batch_size: int = HF_BATCH_SIZE) -> SystemResult:
+    batches = [left_pad(inputs[i:i + batch_size], pad_id) for i in range(0, len(inputs), batch_size)]
+    _generate(model, batches[0], 2, pad_id)  # warm-up
+    tokens = []
+    started = time.perf_counter()
+    for batch in batches:
+        tokens.extend(_generate(model, batch, output_tokens, pad_id))
+    wall_s = time.perf_counter() - started
+    return SystemResult("hf_batched", wall_s, sum(len(t) for t in tokens), tokens, {"batch_size": batch_size})
+
+
+# ---- greedy checks -------------------------------------------------------------------------------
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def divergence_margin(model: torch.nn.Module, inputs: dict[str, torch.Tensor], reference: list[int],
+                      got: list[int]) -> dict[str, Any]:
+    """At the first differing output token: transformers' top-1 minus top-2 logit and the logit gap
+    between its token and mmserve's. A gap near float32 noise (< ~1e-3) is a near-tie, not a bug."""
+    index = first_divergence(reference, got)
+    if index is None or index >= min(len(reference), len(got)):
+        return {"first_diff": index}
+    extra = torch.tensor([reference[:index]], dtype=torch.long)
+    ids = torch.cat([inputs["input_ids"], extra], dim=1)
+    feed = dict(inputs, input_ids=ids, attention_mask=torch.ones_like(ids),
+                mm_token_type_ids=torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(extra).int()], dim=1))
+    with torch.no_grad():
+        logits = model(**feed).logits[0, -1].double()
+    top = logits.topk(2).values
+    return {"first_diff": index, "top2_margin": float(top[0] - top[1]),
+            "reference_minus_mmserve_logit": float(logits[reference[index]] - logits[got[index]])}
+
+
+def count_identical(a: list[list[int]], b: list[list[int]]) -> tuple[int, list[int]]:
+    mismatched = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    return min(len(a), len(b)) - len(mismatched), mismatched
+
+
+# ---- one model -----------------------------------------------------------------------------------
+def _speedups(mm: SystemResult, others: list[SystemResult]) -> dict[str, float]:
+    """mmserve tokens/s over each transformers mode (the one-at-a-time rate may come from a subset)."""
+    out = {f"vs_{o.name}": round(mm.tokens_per_s / o.tokens_per_s, 3) for o in others if o.tokens_per_s}
+    best = max((o.tokens_per_s for o in others), default=0.0)
+    if best:
+        out["vs_best_hf"] = round(mm.tokens_per_s / best, 3)
+    return out
+
+
+def _greedy_report(model: torch.nn.Module, inputs: list[dict[str, torch.Tensor]], mm: SystemResult,
+                   single: SystemResult, batched: SystemResult) -> dict[str, Any]:
+    compared = len(single.tokens)
+    identical, mismatched = count_identical(mm.tokens[:compared], single.tokens)
+    report: dict[str, Any] = {"mmserve_vs_hf_single": {"identical": identical, "compared": compared}}
+    if mismatched:
+        print(f"\n!!! GREEDY MISMATCH: mmserve differs from transformers one-at-a-time on {len(mismatched)}/"
+              f"{compared} requests: {mismatched} !!!\n", file=sys.stderr)
+        report["mmserve_vs_hf_single"]["mismatches"] = [
+            {"request": i, **divergence_margin(model, inputs[i], single.tokens[i], mm.tokens[i])}
+            for i in mismatched[:8]]
+    same, _ = count_identical(batched.tokens, mm.tokens)
+    report["hf_batched_vs_mmserve"] = {"identical": same, "compared": len(batched.tokens)}
+    same, _ = count_identical(batched.tokens[:compared], single.tokens)
+    report["hf_batched_vs_hf_single"] = {"identical": same, "compared": compared}
+    distinct = [len(set(t)) for t in mm.tokens]
+    report["distinct_tokens_per_output_mean"] = round(sum(distinct) / max(len(distinct), 1), 1)
+    return report
+
+
+def _best_of(rounds: list[SystemResult]) -> SystemResult:
+    """The fastest round (the machine is shared and noisy); every round's wall and whether all rounds
+    produced the same tokens go into its extras."""
+    best = min(rounds, key=lambda r: r.wall_s)
+    best.extra["rounds_wall_s"] = [round(r.wall_s, 3) for r in rounds]
+    best.extra["rounds_identical_tokens"] = all(r.tokens == rounds[0].tokens for r in rounds)
+    return best
+
+
+def bench_model(name: str, model_dir: Path, workload: Workload, output_tokens: int,
+                subset: int | None, repeats: int) -> dict[str, Any]:
+    """`repeats` interleaved rounds of (mmserve, transformers 1-at-a-time, transformers batched); best kept."""
+    from transformers import AutoTokenizer
+
+    log = lambda msg: print(f"[{name}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    log("preparing transformers inputs ...")
+    pad_id = AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids("<|endoftext|>")
+    inputs = [reference_inputs(model_dir, c.reference_messages, list(c.images))[0] for c in workload.conversations]
+    model = load_reference(model_dir)
+    rounds: dict[str, list[SystemResult]] = {"mmserve": [], "hf_single": [], "hf_batched": []}
+    for i in range(repeats):
+        rounds["mmserve"].append(run_mmserve(model_dir, workload, output_tokens))
+        rounds["hf_single"].append(run_hf_single(model, inputs, output_tokens, pad_id, subset))
+        rounds["hf_batched"].append(run_hf_batched(model, inputs, output_tokens, pad_id))
+        log(f"round {i + 1}/{repeats}: " + ", ".join(f"{k} {v[-1].wall_s:.1f}s" for k, v in rounds.items()))
+    mm, single, batched = (_best_of(rounds[k]) for k in ("mmserve", "hf_single", "hf_batched"))
+    return {
+        "model_dir": str(model_dir.relative_to(ROOT)),
+        "params": parameter_count(model_dir),
+        "repeats": repeats,
+        "systems": {r.name: r for r in (mm, single, batched)},
+        "speedup": _speedups(mm, [single, batched]),
+        "greedy": _greedy_report(model, inputs, mm, single, batched),
+    }
+
+
+# ---- engine overhead -----------------------------------------------------------------------------
+def measure_overhead(model_dir: Path, batch: int = OVERHEAD_BATCH, steps: int = OVERHEAD_STEPS) -> dict[str, Any]:
+    """Batch-`batch` decode steps of short text requests: `engine.step()` wall vs the model forward."""
+    from benchmarks.workload import QUESTIONS
+    from mmserve import LLM
+
+    engine = LLM(str(model_dir), max_num_seqs=batch, max_num_batched_tokens=2048, dtype=DTYPE).engine
+    ids = [f"overhead-{i}" for i in range(batch)]
+    for i, rid in enumerate(ids):
+        text = QUESTIONS[i % len(QUESTIONS)] + f" Request {i}."
+        engine.add_request(rid, engine.process_chat([{"role": "user", "content": text}]), _greedy(steps + 16))
+    decoding: set[str] = set()
+    while len(decoding) < batch:  # prefill until every request has its first token
+        decoding.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
+    for _ in range(2):  # warm the decode path
+        engine.step()
+    walls, forwards, runner_totals = [], [], []
+    for _ in range(steps):
+        started = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - started)
+        last = engine.runner.last_step
+        assert last.num_tokens == batch, f"expected a pure decode step of {batch} tokens, got {last.num_tokens}"
+        forwards.append(last.forward_s)
+        runner_totals.append(last.total_s)
+    engine.abort_request(ids)
+    outside = 1 - sum(forwards) / sum(walls)
+    median = lambda xs: sorted(xs)[len(xs) // 2] * 1000  # noqa: E731
+    return {
+        "model": "100m", "batch": batch, "steps": steps,
+        "step_ms_median": round(median(walls), 2), "forward_ms_median": round(median(forwards), 2),
+        "runner_outside_forward_ms_median": round(median([t - f for t, f in zip(runner_totals, forwards)]), 2),
+        "engine_outside_runner_ms_median": round(median([w - t for w, t in zip(walls, runner_totals)]), 2),
+        "outside_forward_share": round(outside, 4), "target_share": 0.15, "meets_target": outside <= 0.15,
+    }
+
+
+# ---- report --------------------------------------------------------------------------------------
+SYSTEM_LABELS = {"mmserve": "mmserve (all at once)", "hf_single": "transformers 1 at a time",
+                 "hf_batched": f"transformers batch {HF_BATCH_SIZE}"}
+
+
+def machine_info(threads: int) -> dict[str, Any]:
+    import transformers
+
+    return {"cpu_count": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
+            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "torch_threads": threads}
+
+
+def print_card(machine: dict[str, Any], workload: dict[str, Any], models: dict[str, dict[str, Any]],
+               output_tokens: int, subset: int | None) -> None:
+    print("== mmserve offline benchmark ==")
+    print(f"machine   : {machine['usable_cpus']} usable CPUs ({machine['cpu_count']} total), {machine['platform']}, "
+          f"python {machine['python']}")
+    print(f"software  : torch {machine['torch']}, transformers {machine['transformers']}, "
+          f"torch threads {machine['torch_threads']}")
+    print(f"dtype     : {DTYPE} (all systems, same checkpoint per model)")
+    for name, res in models.items():
+        prompt = res["systems"]["mmserve"].extra["prompt_tokens"]
+        print(f"model     : {name}: {res['model_dir']}, {res['params'] / 1e6:.2f}M params, prompt tokens "
+              f"{prompt['min']}-{prompt['max']} (mean {prompt['mean']}); each system best of {res['repeats']} "
+              "interleaved round(s)")
+    ipr = workload["images_per_request"]
+    print(f"workload  : N={workload['num_requests']} conversations (seed {workload['seed']}), "
+          f"{ipr['min']}-{ipr['max']} images each (mean {ipr['mean']}), {workload['num_images']} images of "
+          f"{workload['image_side_px']['min']}-{workload['image_side_px']['max']} px/side, "
+          f"{workload['repeated_image_fraction']:.0%} repeats of earlier images")
+    print(f"            {workload['shared_prefix_fraction']:.0%} share one {workload['shared_system_prompt_tokens']}"
+          f"-token system prompt; output {output_tokens} greedy tokens each (min_tokens = max_tokens)")
+    print("notes     : transformers inputs are preprocessed before its clock starts; mmserve's wall includes "
+          "its input processing (preprocess_s in the JSON). mmserve warm-up ran on a throwaway LLM.")
+    if subset:
+        print(f"            transformers one-at-a-time ran on the first {subset} requests only; its tokens/s is "
+              "extrapolated to all of them (\"subset\" in the JSON)")
+
+
+def print_table(models: dict[str, dict[str, Any]]) -> None:
+    print(f"\n{'model':<6} {'system':<26} {'wall s':>9} {'out tok':>8} {'tok/s':>9} {'mmserve x':>10}  note")
+    for name, res in models.items():
+        mm = res["systems"]["mmserve"]
+        for key, r in res["systems"].items():
+            ratio = "" if key == "mmserve" else f"{mm.tokens_per_s / r.tokens_per_s:.2f}x"
+            note = f"load {r.extra['load_s']:.2f}s, prep {r.extra['preprocess_s']:.2f}s" if key == "mmserve" else ""
+            if len(r.extra["rounds_wall_s"]) > 1:
+                note += ("; " if note else "") + "rounds " + "/".join(f"{w:.1f}" for w in r.extra["rounds_wall_s"])
+            if r.extra.get("subset"):
+                note = f"first {r.extra['subset']} requests; full est. {r.extra['extrapolated_full_wall_s']:.1f}s"
+            print(f"{name:<6} {SYSTEM_LABELS[key]:<26} {r.wall_s:>9.2f} {r.output_tokens:>8} "
+                  f"{r.tokens_per_s:>9.1f} {ratio:>10}  {note}")
+        g = res["greedy"]
+        single, batched = g["mmserve_vs_hf_single"], g["hf_batched_vs_hf_single"]
+        flag = "" if single["identical"] == single["compared"] else "   <-- MISMATCH (bug)"
+        print(f"{'':<6} greedy: mmserve == transformers 1-at-a-time on {single['identical']}/{single['compared']}"
+              f"{flag}; batch-{HF_BATCH_SIZE} padded == 1-at-a-time on {batched['identical']}/{batched['compared']}; "
+              f"stats {res['systems']['mmserve'].extra['stats']}")
+
+
+def print_overhead(overhead: dict[str, Any]) -> None:
+    verdict = "meets" if overhead["meets_target"] else "MISSES"
+    print(f"\nengine overhead ({overhead['model']}, batch-{overhead['batch']} decode, {overhead['steps']} steps): "
+          f"step {overhead['step_ms_median']:.1f} ms, forward {overhead['forward_ms_median']:.1f} ms, "
+          f"runner outside forward {overhead['runner_outside_forward_ms_median']:.1f} ms, engine outside runner "
+          f"{overhead['engine_outside_runner_ms_median']:.1f} ms -> {overhead['outside_forward_share']:.1%} outside "
+          f"the forward ({verdict} the {overhead['target_share']:.0%} target)")
+
+
+def json_line(machine: dict[str, Any], workload: dict[str, Any], models: dict[str, dict[str, Any]],
+              overhead: dict[str, Any] | None, output_tokens: int, subset: int | None, run_s: float) -> str:
+    out_models = {}
+    for name, res in models.items():
+        entry = {k: v for k, v in res.items() if k != "systems"}
+        entry.update({key: r.as_json() for key, r in res["systems"].items()})
+        out_models[name] = entry
+    return json.dumps({"bench": "offline", "dtype": DTYPE, "machine": machine,
+                       "workload": dict(workload, output_tokens=output_tokens), "hf_single_subset": subset,
+                       "models": out_models,
+                       "overhead": overhead, "run_s": round(run_s, 1)}, separators=(",", ":"))
+
+
+# ---- main ----------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=["tiny", "100m", "both"], default="both")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hf-subset", type=int, default=None,
+                        help="run transformers one-at-a-time on the first K requests only, extrapolate tokens/s")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"transformers one-at-a-time on the first {QUICK_SUBSET} requests only")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="interleaved rounds per system, fastest kept (default: 3 for tiny, 1 for 100m)")
+    parser.add_argument("--no-overhead", action="store_true", help="skip the engine-overhead measurement")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    run_started = time.perf_counter()
+    threads = len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    subset = args.hf_subset or (QUICK_SUBSET if args.quick else None)
+    if subset is not None and subset >= args.num_requests:
+        subset = None
+    workload = build_workload(args.num_requests, seed=args.seed)
+    summary = workload.summary()
+    names = ["tiny", "100m"] if args.model == "both" else [args.model]
+    models = {name: bench_model(name, ensure_checkpoint(name), workload, args.output_tokens, subset,
+                                args.repeats or DEFAULT_REPEATS[name]) for name in names}
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MODEL_DIRS[names[0]])
+    summary["shared_system_prompt_tokens"] = len(tok(LONG_SYSTEM_PROMPT, add_special_tokens=False)["input_ids"])
+    overhead = None
+    if not args.no_overhead:
+        print("[overhead] batch-32 decode steps ...", file=sys.stderr, flush=True)
+        overhead = measure_overhead(ensure_checkpoint("100m"))
+    machine = machine_info(threads)
+    print_card(machine, summary, models, args.output_tokens, subset)
+    print_table(models)
+    if overhead:
+        print_overhead(overhead)
+    print(json_line(machine, summary, models, overhead, args.output_tokens, subset,
+                    time.perf_counter() - run_started))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Encoder budgets, resolved once at start (DESIGN.md §4).
+
+Role: turn the configured encoder budgets and the model's facts into the four effective
+resources — items per step, encoder tokens per step, resident output bytes, reuse-cache bytes —
+lifting each to the smallest value that lets every legal item run, and saying so in one line.
+
+What it does not know: tensors, requests; the caller passes the model's facts in.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+logger = logging.getLogger("mmserve.budget")
+
+
+@dataclass(frozen=True)
+class EncoderBudget:
+    max_items_per_step: int
+    max_encoder_tokens_per_step: int  # pre-merge patches
+    output_budget_bytes: int  # encoder outputs referenced by live requests, at most
+    cache_bytes: int  # the one pool: referenced plus reusable entries
+    bytes_per_row: int  # one post-merge embedding row
+    model_atomic_max_tokens: int  # the largest item the model accepts, in encoder tokens
+
+    @classmethod
+    def resolve(cls, *, max_items_per_step: int, max_encoder_tokens_per_step: int,
+                output_budget_bytes: int | None, cache_bytes: int | None, bytes_per_row: int,
+                model_atomic_max_tokens: int, tokens_per_row: int) -> tuple[EncoderBudget, list[str]]:
+        """Returns the effective budget and the warning lines it logged (one per lifted resource)."""
+        if max_items_per_step < 1:
+            raise ValueError(f"max_encoder_items_per_step must be >= 1, got {max_items_per_step}")
+        if max_encoder_tokens_per_step < 1 or bytes_per_row < 1 or model_atomic_max_tokens < 1:
+            raise ValueError("encoder budgets and sizes must be positive")
+        warnings = []
+        tokens = max_encoder_tokens_per_step
+        if tokens < model_atomic_max_tokens:
+            tokens = model_atomic_max_tokens
+            warnings.append(f"encoder token budget lifted: configured={max_encoder_tokens_per_step} "
+                            f"effective={tokens} model_atomic_max={model_atomic_max_tokens}")
+        # the smallest step that must always be possible: the largest atomic item, alone
+        one_step_bytes = -(-model_atomic_max_tokens // tokens_per_row) * bytes_per_row
+        output = output_budget_bytes if output_budget_bytes is not None else max(one_step_bytes, 256 << 20)
+        if output < one_step_bytes:
+            warnings.append(f"encoder output budget lifted: configured={output} effective={one_step_bytes} "
+                            f"one_encoder_step={one_step_bytes}")
+            output = one_step_bytes
+        cache = cache_bytes if cache_bytes is not None else output
+        if cache < output:
+            warnings.append(f"encoder cache lifted: configured={cache} effective={output} "
+                            f"output_budget={output} (the cache is the pool the outputs live in)")
+            cache = output
+        for line in warnings:
+            logger.warning(line)
+        return cls(max_items_per_step, tokens, output, cache, bytes_per_row, model_atomic_max_tokens), warnings
+
+
+def bytes_per_embedding_row(dtype_bytes: int, declared_dim: int | None = None,
+                            embedding_weight_shape: tuple[int, ...] | None = None,
+                            config: dict | None = None) -> int:
+    """Bytes of one embedding row, from (in order) the model's declared embedding dim, the text
+    embedding weight, or the config's hidden_size / text_config.hidden_size."""
+    tried = []
+    if declared_dim:
+        return declared_dim * dtype_bytes
+    tried.append("the model's declared embedding dim")
+    if embedding_weight_shape and len(embedding_weight_shape) == 2:
+        return embedding_weight_shape[1] * dtype_bytes
+    tried.append("the text embedding weight")
+    config = config or {}
+    hidden = config.get("hidden_size") or (config.get("text_config") or {}).get("hidden_size")
+    if hidden:
+        return int(hidden) * dtype_bytes
+    tried.append("config hidden_size / text_config.hidden_size")
+    raise ValueError(f"cannot tell the bytes of an embedding row; tried: {', '.join(tried)}")
