@@ -5,7 +5,9 @@ Role: `PagedKVCache` owns per-layer key/value tensors shaped (num_blocks, block_
 head_dim). Each layer call writes the step's new keys/values at their slots, then attends:
 - a prefill with no cached context attends over its own k/v directly (causal);
 - a prefill chunk after a cached prefix gathers its context blocks, bottom-right causal mask;
-- all decodes of the step are attended as one padded batch over their gathered blocks.
+- the step's decodes are bucketed by context length, each bucket one padded batch over its
+  gathered blocks, with the query heads of a kv head folded into the query axis (GQA without
+  repeating K/V).
 Slot indices, block tables and lengths are built on the CPU by the runner (`PagedAttentionMetadata`).
 
 What it does not know: requests, scheduling, sampling.
@@ -22,15 +24,22 @@ from mmserve.models.layers.attention import causal_attention
 
 
 @dataclass
+class DecodeGroup:
+    """Decodes of similar context length, attended as one padded batch."""
+
+    block_table: torch.Tensor  # (num, max_blocks) int64, padded with block 0
+    mask: torch.Tensor  # (num, 1, 1, max_blocks * block_size) bool: key is valid
+    token_index: torch.Tensor  # (num,) int64 position in the flattened batch
+
+
+@dataclass
 class PagedAttentionMetadata:
     query_lens: list[int]  # new tokens per sequence, batch order
     context_lens: list[int]  # tokens already cached per sequence before this step
     slot_mapping: torch.Tensor  # (num_tokens,) int64: flat cache slot of every new token
     prefill_block_tables: list[torch.Tensor | None]  # per prefill sequence with context: its block ids
     decode_rows: list[int]  # indices (into query_lens) of the decode sequences, in batch order
-    decode_block_table: torch.Tensor | None  # (num_decodes, max_blocks) int64, padded with block 0
-    decode_mask: torch.Tensor | None  # (num_decodes, 1, 1, max_blocks * block_size) bool: key is valid
-    decode_token_index: torch.Tensor | None  # (num_decodes,) int64 position in the flattened batch
+    decode_groups: list[DecodeGroup]  # the decodes, bucketed by length to bound padding
 
 
 class PagedKVCache:
@@ -69,17 +78,17 @@ class PagedKVCache:
                     values = value_cache[table].flatten(0, 1)[: ctx + q_len]
                     out[start:end] = causal_attention(q[start:end], keys, values, ctx)
             start = end
-        if meta.decode_rows:
-            out[meta.decode_token_index] = self._decode(q, key_cache, value_cache, meta)
+        for group in meta.decode_groups:
+            out[group.token_index] = self._decode(q, key_cache, value_cache, group)
         return out
 
     @staticmethod
     def _decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: PagedAttentionMetadata) -> torch.Tensor:
-        # (num_decodes, max_blocks * block_size, kv_heads, head_dim) -> heads first
-        keys = key_cache[meta.decode_block_table].flatten(1, 2).transpose(1, 2)
-        values = value_cache[meta.decode_block_table].flatten(1, 2).transpose(1, 2)
-        qd = q[meta.decode_token_index].unsqueeze(2)  # (num_decodes, heads, 1, head_dim)
-        out = F.scaled_dot_product_attention(qd, keys, values, attn_mask=meta.decode_mask,
-                                             enable_gqa=qd.shape[1] != keys.shape[1])
-        return out.flatten(1)
+                group: DecodeGroup) -> torch.Tensor:
+        # (num, max_blocks * block_size, kv_heads, head_dim) -> (num, kv_heads, keys, head_dim)
+        keys = key_cache[group.block_table].flatten(1, 2).transpose(1, 2)
+        values = value_cache[group.block_table].flatten(1, 2).transpose(1, 2)
+        num, kv_heads = keys.shape[0], keys.shape[1]
+        qd = q[group.token_index].view(num, kv_heads, -1, q.shape[-1])  # heads of a kv head as query rows
+        out = F.scaled_dot_product_attention(qd, keys, values, attn_mask=group.mask)
+        return out.reshape(num, -1)

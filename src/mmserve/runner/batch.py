@@ -17,11 +17,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from mmserve.runner.attention import PagedAttentionMetadata
+from mmserve.runner.attention import DecodeGroup, PagedAttentionMetadata
 from mmserve.runner.fusion import gather_chunk_rows
 
 if TYPE_CHECKING:
     from mmserve.runner.model_runner import RunnerRequest
+
+# A decode joins a length bucket while its block count is at least this share of the bucket's
+# longest: bounds the padded (wasted) keys per bucket to 1 - this share.
+DECODE_BUCKET_FILL = 0.75
 
 
 @dataclass
@@ -85,27 +89,39 @@ class BatchBuilder:
             tensor = tensor.pin_memory()
         return tensor.to(self.device, non_blocking=True)
 
+    def _decode_groups(self) -> list[DecodeGroup]:
+        starts = np.cumsum([0] + self.query_lens[:-1])
+        order = sorted(range(len(self.decode_rows)), key=lambda i: -len(self.decode_tables[i]))
+        groups, current = [], []
+        for i in order:
+            if current and len(self.decode_tables[i]) < DECODE_BUCKET_FILL * len(self.decode_tables[current[0]]):
+                groups.append(current)
+                current = []
+            current.append(i)
+        if current:
+            groups.append(current)
+        out = []
+        for members in groups:
+            width = len(self.decode_tables[members[0]])
+            table = np.zeros((len(members), width), dtype=np.int64)
+            lengths = np.empty(len(members), dtype=np.int64)
+            for j, i in enumerate(members):
+                table[j, :len(self.decode_tables[i])] = self.decode_tables[i]
+                lengths[j] = self.context_lens[self.decode_rows[i]] + 1
+            mask = np.arange(width * self.block_size)[None, :] < lengths[:, None]
+            index = starts[[self.decode_rows[i] for i in members]].astype(np.int64)
+            out.append(DecodeGroup(self._to_device(table), self._to_device(mask[:, None, None, :]),
+                                   self._to_device(index)))
+        return out
+
     def build(self) -> Batch:
         dev = self._to_device
-        decode_table = decode_mask = decode_index = None
-        if self.decode_rows:
-            width = max(len(t) for t in self.decode_tables)
-            table = np.zeros((len(self.decode_tables), width), dtype=np.int64)
-            lengths = np.empty(len(self.decode_tables), dtype=np.int64)
-            for i, (t, row) in enumerate(zip(self.decode_tables, self.decode_rows)):
-                table[i, :len(t)] = t
-                lengths[i] = self.context_lens[row] + 1
-            mask = np.arange(width * self.block_size)[None, :] < lengths[:, None]
-            starts = np.cumsum([0] + self.query_lens[:-1])
-            decode_table, decode_mask = dev(table), dev(mask[:, None, None, :])
-            decode_index = dev(starts[self.decode_rows].astype(np.int64))
         attn = PagedAttentionMetadata(
             query_lens=self.query_lens, context_lens=self.context_lens,
             slot_mapping=dev(np.concatenate(self.slots)),
             prefill_block_tables=[None if t is None else dev(np.asarray(t, dtype=np.int64))
                                   for t in self.prefill_tables],
-            decode_rows=self.decode_rows, decode_block_table=decode_table, decode_mask=decode_mask,
-            decode_token_index=decode_index,
+            decode_rows=self.decode_rows, decode_groups=self._decode_groups(),
         )
         fusion = [(rows, dev(positions)) for rows, positions in self.fusion]
         return Batch(dev(np.concatenate(self.ids)), dev(np.concatenate(self.pos, axis=1)), attn, fusion,

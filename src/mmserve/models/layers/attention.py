@@ -40,20 +40,37 @@ class AttentionBackend(Protocol):
         ...
 
 
+def fold_gqa(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """(q_len, heads, d) -> (kv_heads, group * q_len, d): the query heads that share a kv head become
+    extra query rows, row r * q_len + i being head r of the group at position i. Grouped-query
+    attention then runs without repeating K/V and stays on SDPA's fast kernel, also with a mask
+    (enable_gqa with a mask falls back to the slow math path on the CPU)."""
+    q_len, heads, d = q.shape
+    group = heads // num_kv_heads
+    return q.view(q_len, num_kv_heads, group, d).permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, d)
+
+
+def unfold_gqa(out: torch.Tensor, q_len: int) -> torch.Tensor:
+    """Inverse of fold_gqa on the attention output: -> (q_len, heads * d)."""
+    kv_heads, rows, d = out.shape
+    return out.view(kv_heads, rows // q_len, q_len, d).permute(2, 0, 1, 3).reshape(q_len, -1)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int) -> torch.Tensor:
     """Attend q (q_len, H, D) over k/v (context_len + q_len, KVH, D); query i sees keys <= context_len + i."""
     q_len = q.shape[0]
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    gqa = qh.shape[0] != kh.shape[0]
-    if q_len == 1:
-        out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=gqa)
-    elif context_len == 0:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=gqa)
-    else:
-        # bottom-right aligned causal mask (SDPA's is_causal aligns top-left)
+    kh, vh = k.transpose(0, 1), v.transpose(0, 1)
+    if context_len == 0 and q_len > 1:  # a fresh prefill: SDPA's own causal mask is aligned right
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), kh, vh, is_causal=True,
+                                             enable_gqa=q.shape[1] != kh.shape[0])
+        return out.transpose(0, 1).reshape(q_len, -1)
+    group = q.shape[1] // kh.shape[0]
+    mask = None
+    if q_len > 1:  # bottom-right aligned causal mask (SDPA's is_causal aligns top-left), per folded row
         mask = torch.ones(q_len, context_len + q_len, dtype=torch.bool, device=q.device).tril(context_len)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=gqa)
-    return out.transpose(0, 1).reshape(q_len, -1)
+        mask = mask.repeat(group, 1)
+    out = F.scaled_dot_product_attention(fold_gqa(q, kh.shape[0]), kh, vh, attn_mask=mask)
+    return unfold_gqa(out, q_len)
 
 
 class ContiguousKVCache:
