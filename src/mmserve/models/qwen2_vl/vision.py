@@ -69,22 +69,57 @@ def window_order(grids: Sequence[GridTHW], merge: int, window_patches: int) -> t
     return np.concatenate(order), segments
 
 
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[int]) -> torch.Tensor:
-    """Bidirectional attention within each segment of a packed (num_patches, heads, head_dim) batch.
+# A segment joins a padded batch while it is at least this share of the batch's longest segment.
+SEGMENT_BUCKET_FILL = 0.75
 
-    Runs of equal-length segments are attended as one batch (a view, no copy)."""
-    outs, start, i = [], 0, 0
-    while i < len(segments):
-        length, j = segments[i], i
-        while j < len(segments) and segments[j] == length:
-            j += 1
-        count, end = j - i, start + (j - i) * length
+
+class SegmentPlan:
+    """How to attend within each segment of a packed batch, computed once on the CPU per forward.
+
+    Segments are bucketed by length; a bucket of one segment, or of equal-length contiguous
+    segments, is a view of the packed rows; any other bucket is gathered into a padded batch
+    with a key mask. Many small items then cost a few kernel calls instead of one each."""
+
+    def __init__(self, segments: list[int], device: torch.device) -> None:
+        starts = np.concatenate(([0], np.cumsum(segments)))[:-1]
+        order = sorted(range(len(segments)), key=lambda i: -segments[i])
+        groups: list[list[int]] = []
+        for i in order:
+            if groups and segments[i] >= SEGMENT_BUCKET_FILL * segments[groups[-1][0]]:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        self.views: list[tuple[int, int, int]] = []  # (start, count, length) runs usable as views
+        self.gathers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (index, mask, rows)
+        for group in groups:
+            group.sort()
+            lengths = [segments[i] for i in group]
+            contiguous = all(starts[b] == starts[a] + segments[a] for a, b in zip(group, group[1:]))
+            if len(set(lengths)) == 1 and contiguous:
+                self.views.append((int(starts[group[0]]), len(group), lengths[0]))
+                continue
+            width = max(lengths)
+            offsets = np.arange(width)[None, :]
+            valid = offsets < np.asarray(lengths)[:, None]
+            index = np.where(valid, starts[group][:, None] + offsets, 0)
+            rows = index[valid]
+            self.gathers.append((torch.from_numpy(index).to(device), torch.from_numpy(valid[:, None, None, :]).to(device),
+                                 torch.from_numpy(rows).to(device)))
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SegmentPlan) -> torch.Tensor:
+    """Bidirectional attention within each segment of a packed (num_patches, heads, head_dim) batch."""
+    out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+    for start, count, length in plan.views:
+        end = start + count * length
         # (count, heads, length, head_dim)
         qs, ks, vs = (x[start:end].view(count, length, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
-        out = F.scaled_dot_product_attention(qs, ks, vs)
-        outs.append(out.transpose(1, 2).reshape(end - start, -1))
-        start, i = end, j
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        out[start:end] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2).reshape(end - start, -1)
+    for index, mask, rows in plan.gathers:
+        qs, ks, vs = (x[index].transpose(1, 2) for x in (q, k, v))  # (num, heads, width, head_dim)
+        res = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(1, 2)
+        out[rows] = res[mask[:, 0, 0, :]].reshape(rows.shape[0], -1)
+    return out
 
 
 class VisionAttention(nn.Module):
@@ -95,7 +130,7 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=True)
         self.proj = nn.Linear(dim, dim, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: SegmentPlan) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         # rotary in float32, as the reference does
@@ -127,7 +162,7 @@ class VisionBlock(nn.Module):
             self.mlp = VisionMLP(d, cfg.mlp_hidden_size, cfg.hidden_act)
         self.attn = VisionAttention(d, cfg.num_heads)
 
-    def forward(self, x, cos, sin, segments: list[int]) -> torch.Tensor:
+    def forward(self, x, cos, sin, segments: SegmentPlan) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
 
@@ -170,10 +205,11 @@ class VisionTransformer(nn.Module):
         device = pixel_values.device
         x = self.patch_embed(pixel_values.to(self.dtype))
         cos, sin = self.rotary(vision_hw_positions(grids, merge).to(device, non_blocking=True))
-        full_segments = frame_segments(grids)
+        full_segments = SegmentPlan(frame_segments(grids), device)
         window_segments, order = full_segments, None
         if cfg.is_qwen2_5:
-            order_np, window_segments = window_order(grids, merge, cfg.window_size // merge // cfg.patch_size)
+            order_np, windows = window_order(grids, merge, cfg.window_size // merge // cfg.patch_size)
+            window_segments = SegmentPlan(windows, device)
             order = torch.from_numpy(order_np).to(device, non_blocking=True)
             n = x.shape[0]
             x = x.view(n // unit, unit, -1)[order].view(n, -1)
