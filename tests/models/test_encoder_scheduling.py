@@ -195,3 +195,11 @@ def test_uuid_and_processor_kwargs_shape_the_key(model_dir, images):
                  mm_processor_kwargs={"max_pixels": 28 * 28 * 16})
     llm.generate([{"prompt": prompt, "multi_modal_data": {"image": images[0]}}], GREEDY, use_tqdm=False)
     assert llm.get_stats()["encoder_items_encoded"] == 3  # uuid, smaller max_pixels, content: three keys
+
+
+def test_chat_part_uuid_replaces_content_hash(model_dir, images):
+    llm = LLM(model_dir, enable_prefix_caching=False)
+    convs = [user({"type": "image_pil", "image_pil": img, "uuid": "same-id"}, text_part(QUESTION))
+             for img in images[:2]]
+    llm.chat(convs, GREEDY, use_tqdm=False)
+    assert llm.get_stats()["encoder_items_encoded"] == 1  # the caller said they are the same item

@@ -125,7 +125,7 @@ class Engine:
     def process_chat(self, messages: list[dict[str, Any]], mm_processor_kwargs: dict[str, Any] | None = None,
                      **template_kwargs: Any) -> ProcessedPrompt:
         chat = self.processor.render_chat(messages, **template_kwargs)
-        return self.processor.process(chat.prompt, None, chat.images, chat.videos, mm_processor_kwargs)
+        return self.processor.process(chat.prompt, None, chat.images, chat.videos, mm_processor_kwargs, chat.uuids)
 
     def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                     arrival_time: float | None = None) -> None:

@@ -41,6 +41,7 @@ class ChatInput:
     prompt: str
     images: list[Any] = field(default_factory=list)
     videos: list[Any] = field(default_factory=list)
+    uuids: dict[str, list[str | None]] = field(default_factory=lambda: {IMAGE: [], VIDEO: []})  # per-part "uuid"
 
 
 class Qwen2VLProcessor:
@@ -87,9 +88,11 @@ class Qwen2VLProcessor:
             elif kind in ("image_url", "image_pil", "image"):
                 value = part.get(kind)
                 media.images.append(value.get("url") if kind == "image_url" and isinstance(value, dict) else value)
+                media.uuids[IMAGE].append(part.get("uuid"))
                 parts.append({"type": "image"})
             elif kind in ("video", "video_frames"):
                 media.videos.append(part.get(kind))
+                media.uuids[VIDEO].append(part.get("uuid"))
                 parts.append({"type": "video"})
             else:
                 raise InvalidInputError(f"unsupported content part type {kind!r}; supported: text, image_url, "
