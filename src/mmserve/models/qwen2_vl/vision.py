@@ -90,7 +90,8 @@ class SegmentPlan:
             else:
                 groups.append([i])
         self.views: list[tuple[int, int, int]] = []  # (start, count, length) runs usable as views
-        self.gathers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (index, mask, rows)
+        # (index (num, width), key mask, flat positions of the valid rows, their packed rows)
+        self.gathers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for group in groups:
             group.sort()
             lengths = [segments[i] for i in group]
@@ -102,9 +103,10 @@ class SegmentPlan:
             offsets = np.arange(width)[None, :]
             valid = offsets < np.asarray(lengths)[:, None]
             index = np.where(valid, starts[group][:, None] + offsets, 0)
-            rows = index[valid]
-            self.gathers.append((torch.from_numpy(index).to(device), torch.from_numpy(valid[:, None, None, :]).to(device),
-                                 torch.from_numpy(rows).to(device)))
+            # built here on the CPU: boolean indexing of device data would sync with the host
+            flat_valid = np.flatnonzero(valid)
+            self.gathers.append(tuple(torch.from_numpy(a).to(device, non_blocking=True) for a in (
+                index, valid[:, None, None, :], flat_valid, index[valid])))
 
 
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SegmentPlan) -> torch.Tensor:
@@ -115,10 +117,10 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: S
         # (count, heads, length, head_dim)
         qs, ks, vs = (x[start:end].view(count, length, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
         out[start:end] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2).reshape(end - start, -1)
-    for index, mask, rows in plan.gathers:
+    for index, mask, flat_valid, rows in plan.gathers:
         qs, ks, vs = (x[index].transpose(1, 2) for x in (q, k, v))  # (num, heads, width, head_dim)
         res = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(1, 2)
-        out[rows] = res[mask[:, 0, 0, :]].reshape(rows.shape[0], -1)
+        out[rows] = res.reshape(-1, out.shape[1])[flat_valid]
     return out
 
 
