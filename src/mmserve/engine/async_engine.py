@@ -1,0 +1,209 @@
+"""The asyncio face of the engine: many concurrent callers, one engine thread.
+
+Role: `AsyncEngine` owns an `Engine` (which is not thread-safe) from one background thread that
+applies queued commands (add, abort) between steps and runs `Engine.step()` whenever there is
+work. Callers on the event loop `await` input processing (run in the loop's default executor, so
+bad input fails fast with `InvalidInputError` before anything is queued) and iterate
+`generate(...)`, which yields each incremental `RequestOutput`. Outputs are delivered to
+per-request `asyncio.Queue`s through `loop.call_soon_threadsafe`. A caller that stops iterating
+(a client disconnect cancels it) aborts its request, which frees its KV blocks and encoder-cache
+references on the engine thread.
+
+What it does not know: HTTP, OpenAI's protocol, media fetching; it sees `ProcessedPrompt`s only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mmserve.engine.llm_engine import Engine
+from mmserve.errors import InvalidInputError
+from mmserve.inputs.items import ProcessedPrompt
+from mmserve.outputs import RequestOutput
+from mmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("mmserve.async_engine")
+IDLE_WAIT_S = 0.5  # how long the idle engine thread blocks on the command queue before rechecking
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (a step raised or the engine was shut down)."""
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt: ProcessedPrompt
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Call:
+    """Run `fn(engine)` on the engine thread and resolve `future` with its result."""
+
+    fn: Callable[[Engine], Any]
+    future: asyncio.Future
+
+
+@dataclass
+class _Stream:
+    """Where one request's outputs go: a queue on the caller's event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+class AsyncEngine:
+    """One engine thread; any number of asyncio callers. Start it with `start()` on a running loop."""
+
+    def __init__(self, engine: Engine, on_output: Callable[[RequestOutput], None] | None = None) -> None:
+        self.engine = engine
+        self._on_output = on_output  # called on the engine thread for every finished output (metrics)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()  # guards _streams between the loop and the engine thread
+        self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
+        self._error: BaseException | None = None
+        self._stats: dict[str, int | float] = engine.get_stats()
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="mmserve-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        self._stopped.set()
+        self._commands.put(None)  # wake the thread if idle
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._error is None
+
+    # ---- the caller's side ------------------------------------------------------------------------
+    async def process_chat(self, messages: list[dict[str, Any]],
+                           mm_processor_kwargs: dict[str, Any] | None = None) -> ProcessedPrompt:
+        """Render and process a chat off the event loop; raises InvalidInputError on bad input."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.engine.process_chat, messages, mm_processor_kwargs)
+
+    async def process(self, raw_prompt: Any, mm_processor_kwargs: dict[str, Any] | None = None) -> ProcessedPrompt:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.engine.process, raw_prompt, mm_processor_kwargs)
+
+    async def generate(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its outputs until it finishes. Closing or cancelling the
+        iterator early aborts the request. `arrival_time` (time.time()) defaults to now; a server
+        passes when the HTTP request arrived, so time-to-first-token includes input processing."""
+        if not self.is_running:
+            raise EngineDeadError(f"the engine is not running: {self._error!r}")
+        stream = _Stream(asyncio.get_running_loop())
+        with self._lock:
+            if request_id in self._streams:
+                raise InvalidInputError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+        self._commands.put(_Add(request_id, prompt, params, arrival_time or time.time()))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.outputs.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._commands.put(_Abort((request_id,)))
+            with self._lock:
+                self._streams.pop(request_id, None)
+
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """Run `fn(engine)` on the engine thread between steps (for checks that need a still engine)."""
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(_Call(fn, future))
+        return await future
+
+    def stats(self) -> dict[str, int | float]:
+        """The engine's counters as of the end of its latest step or command (a snapshot)."""
+        return dict(self._stats)
+
+    # ---- the engine thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                self._apply_commands(block=not self.engine.has_unfinished_requests())
+                if self.engine.has_unfinished_requests():
+                    self._deliver(self.engine.step())
+                self._stats = self.engine.get_stats()
+        except BaseException as exc:  # a step that raises leaves the engine unusable: fail everyone
+            logger.exception("the engine thread died")
+            self._error = exc
+            self._fail_all(EngineDeadError(f"the engine failed: {exc}"))
+
+    def _apply_commands(self, block: bool) -> None:
+        """Apply every queued command; when idle, first wait a little for one to arrive."""
+        try:
+            command = self._commands.get(timeout=IDLE_WAIT_S) if block else self._commands.get_nowait()
+            while True:
+                if command is not None:  # None only wakes the thread up (shutdown)
+                    self._apply(command)
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            return
+
+    def _apply(self, command: _Add | _Abort | _Call) -> None:
+        if isinstance(command, _Add):
+            try:
+                self.engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time)
+            except InvalidInputError as exc:
+                self._send(command.request_id, exc)
+        elif isinstance(command, _Abort):
+            self._deliver(self.engine.abort_request(list(command.request_ids)))
+        else:
+            try:
+                result: Any = command.fn(self.engine)
+                setter = command.future.set_result
+            except Exception as exc:  # handed back to the caller, who re-raises it
+                result, setter = exc, command.future.set_exception
+            command.future.get_loop().call_soon_threadsafe(_resolve, command.future, setter, result)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            if output.finished and self._on_output is not None:
+                self._on_output(output)
+            self._send(output.request_id, output)
+
+    def _send(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:  # None: the caller went away and already asked for an abort
+            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            request_ids = list(self._streams)
+        for request_id in request_ids:
+            self._send(request_id, error)
+
+
+def _resolve(future: asyncio.Future, setter: Callable[[Any], None], value: Any) -> None:
+    if not future.done():  # the caller may have been cancelled meanwhile
+        setter(value)

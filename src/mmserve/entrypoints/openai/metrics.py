@@ -1,0 +1,87 @@
+"""Prometheus metrics of one server, in its own `CollectorRegistry` (never the global one).
+
+Role: per-request observations made when a request finishes (count by finish reason,
+time-to-first-token, time-per-output-token, end-to-end latency) plus every number of
+`Engine.get_stats()` exported at scrape time from the engine's latest snapshot: counters for the
+monotonic ones, gauges for the rest, all named `mmserve_<stat>`, and `mmserve_kv_blocks_in_use`.
+What it does not know: HTTP, the engine thread; it is fed outputs and a stats function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from mmserve.outputs import RequestOutput
+
+PREFIX = "mmserve_"
+# get_stats() keys that only ever grow; every other key is a gauge (a level or a configured size)
+MONOTONIC_STATS = frozenset({
+    "requests_finished", "requests_rejected", "prompt_tokens", "prompt_tokens_computed",
+    "prefix_cache_hit_tokens", "generation_tokens", "num_preemptions", "kv_cache_evictions",
+    "encoder_items_encoded", "encoder_tokens_encoded", "encoder_cache_hits", "encoder_cache_misses",
+    "encoder_cache_evictions",
+})
+LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                     10.0, 20.0, 40.0, 80.0)
+TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                   1.0, 2.5)
+
+StatsFn = Callable[[], dict[str, int | float]]
+
+
+class _EngineStatsCollector(Collector):
+    def __init__(self, stats: StatsFn) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        for key, value in sorted(stats.items()):
+            if key in MONOTONIC_STATS:
+                yield CounterMetricFamily(PREFIX + key, f"engine stat {key} (cumulative)", value=value)
+            else:
+                yield GaugeMetricFamily(PREFIX + key, f"engine stat {key}", value=value)
+        if "kv_blocks_total" in stats and "kv_blocks_free" in stats:
+            yield GaugeMetricFamily(PREFIX + "kv_blocks_in_use", "KV cache blocks held by requests or cached",
+                                    value=stats["kv_blocks_total"] - stats["kv_blocks_free"])
+
+
+class ServerMetrics:
+    """Collectors of one server. `observe` is thread-safe (called from the engine thread)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(PREFIX + "requests", "finished requests by finish reason", ["finish_reason"],
+                                registry=self.registry)
+        self.time_to_first_token = Histogram(PREFIX + "time_to_first_token_seconds",
+                                             "arrival to first output token", buckets=LATENCY_BUCKETS_S,
+                                             registry=self.registry)
+        self.time_per_output_token = Histogram(PREFIX + "time_per_output_token_seconds",
+                                               "mean time between output tokens after the first",
+                                               buckets=TOKEN_BUCKETS_S, registry=self.registry)
+        self.e2e_latency = Histogram(PREFIX + "e2e_request_latency_seconds", "arrival to finish",
+                                     buckets=LATENCY_BUCKETS_S, registry=self.registry)
+
+    def attach_engine_stats(self, stats: StatsFn) -> None:
+        self.registry.register(_EngineStatsCollector(stats))
+
+    def observe(self, output: RequestOutput) -> None:
+        """Record a finished request."""
+        completion = output.outputs[0]
+        self.requests.labels(finish_reason=completion.finish_reason or "unknown").inc()
+        m = output.metrics
+        if m is None:
+            return
+        if m.first_token_time is not None:
+            self.time_to_first_token.observe(max(m.first_token_time - m.arrival_time, 0.0))
+            num_tokens = len(completion.token_ids)
+            if m.finish_time is not None and num_tokens > 1:
+                self.time_per_output_token.observe(max(m.finish_time - m.first_token_time, 0.0) / (num_tokens - 1))
+        if m.finish_time is not None:
+            self.e2e_latency.observe(max(m.finish_time - m.arrival_time, 0.0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,203 @@
+"""OpenAI-compatible request and response bodies (pydantic models).
+
+Role: the wire format of `/v1/chat/completions`, `/v1/completions`, `/v1/models` and errors, and
+the one mapping from a request's sampling fields to `SamplingParams`. Unknown request fields are
+accepted and ignored (clients such as the official `openai` package send fields we do not use).
+What it does not know: the engine, media, HTTP routing.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mmserve.errors import InvalidInputError
+from mmserve.sampling_params import SamplingParams
+
+
+class RequestError(Exception):
+    """A request the server refuses, with the HTTP status and OpenAI's error fields."""
+
+    def __init__(self, message: str, status_code: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status_code, self.type, self.param, self.code = message, status_code, type, param, code
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# ---- requests -------------------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields shared by chat and text completions (vLLM's extensions included)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    mm_processor_kwargs: dict[str, Any] | None = None
+    logprobs: Any = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def sampling_params(self, max_model_len: int, num_prompt_tokens: int) -> SamplingParams:
+        """SamplingParams for this request; max_tokens defaults to the rest of the context and may
+        not exceed it."""
+        if self.logprobs not in (None, False):
+            raise RequestError("logprobs are not supported", param="logprobs")
+        room = max_model_len - num_prompt_tokens
+        requested = self.requested_max_tokens()
+        if room < 1 or (requested is not None and requested > room):
+            raise RequestError(f"This model's maximum context length is {max_model_len} tokens. However, you "
+                               f"requested {num_prompt_tokens + (requested or 1)} tokens ({num_prompt_tokens} in "
+                               f"the prompt, {requested or 1} for the completion). Please reduce the length of "
+                               "the prompt or the completion.", param="max_tokens",
+                               code="context_length_exceeded")
+        fields: dict[str, Any] = {"n": self.n, "max_tokens": requested if requested is not None else room,
+                                  "min_tokens": self.min_tokens, "stop": self.stop,
+                                  "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos,
+                                  "skip_special_tokens": self.skip_special_tokens, "seed": self.seed,
+                                  "include_stop_str_in_output": self.include_stop_str_in_output}
+        for name in ("temperature", "top_p", "top_k", "min_p"):
+            value = getattr(self, name)
+            if value is not None:
+                fields[name] = value
+        try:
+            return SamplingParams(**fields)
+        except InvalidInputError as exc:
+            raise RequestError(str(exc)) from exc
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[str] | list[int]
+    # extension: media for the prompt's placeholders, as chat content parts (image_url / video_url)
+    media: list[dict[str, Any]] | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+# ---- responses ------------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    """Both the whole response and, with `stream`, each chunk (OpenAI uses one shape for both)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "mmserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

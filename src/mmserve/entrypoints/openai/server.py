@@ -1,0 +1,166 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app factory and `serve()`.
+
+Role: routes (`/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/v1/stats`, `/health`,
+`/metrics`), Bearer-token authentication on `/v1`, and one error shape for every failure —
+OpenAI's `{"error": {"message", "type", "param", "code"}}` with 400 for bad input (malformed
+JSON and schema errors included), 401, 404, 503 when the engine is down. The engine thread starts
+and stops with the app's lifespan. All state lives on the app (no module globals).
+
+What it does not know: how requests are turned into prompts and responses (serving.py), media
+(media.py), or the engine's internals.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mmserve.engine.async_engine import AsyncEngine, EngineDeadError
+from mmserve.engine.llm_engine import Engine
+from mmserve.entrypoints.openai.metrics import ServerMetrics
+from mmserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    RequestError,
+)
+from mmserve.entrypoints.openai.serving import OpenAIServing, ServerConfig
+from mmserve.errors import InvalidInputError
+
+logger = logging.getLogger("mmserve.server")
+
+
+def _error(status_code: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+           code: str | None = None) -> JSONResponse:
+    body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status_code)
+
+
+def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    errors = exc.errors() if isinstance(exc, RequestValidationError) else []
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return _error(400, f"the request body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
+    where = ".".join(loc)
+    message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: {e.get('msg')}"
+                        for e in errors[:5]) or "invalid request"
+    return _error(400, message, param=where or None)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def request_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestError)
+        return _error(exc.status_code, exc.message, exc.type, exc.param, exc.code)
+
+    async def invalid_input(_: Request, exc: Exception) -> JSONResponse:
+        return _error(400, str(exc))
+
+    async def http_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error(exc.status_code, str(exc.detail), kind)
+
+    async def engine_dead(_: Request, exc: Exception) -> JSONResponse:
+        return _error(503, str(exc), "server_error")
+
+    async def validation(request: Request, exc: Exception) -> JSONResponse:
+        return _validation_error(request, exc)
+
+    app.add_exception_handler(RequestError, request_error)
+    app.add_exception_handler(InvalidInputError, invalid_input)
+    app.add_exception_handler(RequestValidationError, validation)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(EngineDeadError, engine_dead)
+
+
+def _auth_dependency(api_key: str | None):
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise RequestError("Incorrect or missing API key; send 'Authorization: Bearer <key>'.",
+                               status_code=401, code="invalid_api_key")
+    return check
+
+
+def _v1_router(serving: OpenAIServing, engine: AsyncEngine, api_key: str | None) -> APIRouter:
+    router = APIRouter(prefix="/v1", dependencies=[Depends(_auth_dependency(api_key))])
+
+    @router.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
+        return await serving.chat(body, raw)
+
+    @router.post("/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Any:
+        return await serving.completions(body, raw)
+
+    @router.get("/models")
+    async def models() -> ModelList:
+        root = engine.engine.config.model
+        return ModelList(data=[ModelCard(id=serving.config.served_model_name, root=root,
+                                         max_model_len=serving.max_model_len)])
+
+    @router.get("/stats")
+    async def stats() -> dict[str, int | float]:
+        """The engine's counters (the JSON twin of /metrics): KV blocks, encoder cache, requests."""
+        return engine.stats()
+
+    return router
+
+
+def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
+    """A FastAPI app serving `engine`; its lifespan starts and stops the engine thread."""
+    metrics = ServerMetrics()
+    async_engine = AsyncEngine(engine, on_output=metrics.observe)
+    metrics.attach_engine_stats(async_engine.stats)
+    serving = OpenAIServing(async_engine, config)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            async_engine.shutdown()
+
+    app = FastAPI(title="mmserve", summary="OpenAI-compatible server for vision-language models",
+                  lifespan=lifespan)
+    app.state.engine, app.state.metrics, app.state.serving = async_engine, metrics, serving
+    _install_error_handlers(app)
+    app.include_router(_v1_router(serving, async_engine, config.api_key))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_running:
+            return _error(503, "the engine is not running", "server_error")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def serve(engine: Engine, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
+          log_level: str = "info") -> None:
+    """Serve until interrupted (blocks)."""
+    import uvicorn
+
+    app = build_app(engine, config)
+    logger.info("serving %s on http://%s:%d", config.served_model_name, host, port)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

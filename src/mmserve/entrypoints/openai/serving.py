@@ -1,0 +1,237 @@
+"""Chat and text completions: requests in, engine outputs out, as OpenAI responses or SSE streams.
+
+Role: check the model name, resolve media (worker thread), process the prompt (worker thread),
+map the request to `SamplingParams`, submit it to the `AsyncEngine`, and turn its incremental
+outputs into one response or a server-sent-event stream (`stream_options.include_usage` adds a
+last chunk with usage). The first output is awaited before a stream starts, so a request the
+engine refuses is still an HTTP error. A client that goes away aborts its request: a stream is
+cancelled by Starlette; a non-streaming request races its generation against `http.disconnect`.
+
+What it does not know: routing, authentication, metrics, how media is fetched or decoded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
+
+from mmserve.engine.async_engine import AsyncEngine, EngineDeadError
+from mmserve.entrypoints.openai.media import MediaRules, resolve_media, resolve_messages
+from mmserve.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    PromptTokensDetails,
+    RequestError,
+    Usage,
+)
+from mmserve.inputs.items import ProcessedPrompt
+from mmserve.outputs import RequestOutput
+
+T = TypeVar("T")
+CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request": nobody reads it, the logs do
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str
+    media: MediaRules
+    api_key: str | None = None
+    extra_model_names: tuple[str, ...] = field(default=())  # also accepted in `model` (e.g. the path)
+
+
+def _usage(output: RequestOutput) -> Usage:
+    prompt, completion = len(output.prompt_token_ids), len(output.outputs[0].token_ids)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=output.num_cached_tokens))
+
+
+def _sse(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+def _raise_if_failed(output: RequestOutput) -> None:
+    if output.outputs[0].finish_reason == "error":
+        raise RequestError(output.error or "the request failed", param=None, code="request_rejected")
+
+
+async def _wait_disconnect(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(work: Awaitable[T], raw: Request) -> T:
+    """Await `work`, but cancel it (which aborts its request) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(raw))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    raise RequestError("the client disconnected", status_code=CLIENT_CLOSED_STATUS)
+
+
+async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    last = None
+    async for output in outputs:
+        last = output
+    assert last is not None and last.finished
+    return last
+
+
+async def _stream_events(first: RequestOutput, outputs: AsyncIterator[RequestOutput],
+                         render: Callable[[RequestOutput, bool], list[BaseModel]]) -> AsyncIterator[str]:
+    """SSE lines for each output (`render(output, is_first)` makes its chunks), an error event if the request fails
+    mid-stream, then `[DONE]`. Closing this iterator closes `outputs`, which aborts the request."""
+    async with contextlib.aclosing(outputs):
+        output = first
+        try:
+            while True:
+                if output.outputs[0].finish_reason == "error":
+                    error = ErrorInfo(message=output.error or "the request failed", type="server_error")
+                    yield _sse(ErrorResponse(error=error))
+                    break
+                for chunk in render(output, output is first):
+                    yield _sse(chunk)
+                if output.finished:
+                    break
+                output = await anext(outputs)
+        except EngineDeadError as exc:
+            yield _sse(ErrorResponse(error=ErrorInfo(message=str(exc), type="server_error")))
+        yield "data: [DONE]\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.max_model_len = engine.engine.max_model_len
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.config.served_model_name, *self.config.extra_model_names)
+
+    def _check_model(self, name: str | None) -> str:
+        if name is not None and name not in self.model_names:
+            raise RequestError(f"The model `{name}` does not exist.", status_code=404, param="model",
+                               code="model_not_found")
+        return self.config.served_model_name
+
+    async def _in_worker(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(None, partial(fn, *args))
+
+    async def _start(self, request_id: str, prompt: ProcessedPrompt, body: Any, raw: Request,
+                     arrival_time: float) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
+        """Submit and wait for the first output, so refusals are still HTTP errors."""
+        params = body.sampling_params(self.max_model_len, prompt.num_tokens)
+        outputs = self.engine.generate(request_id, prompt, params, arrival_time)
+        first = await _unless_disconnected(anext(outputs), raw)
+        if first.outputs[0].finish_reason == "error":
+            await outputs.aclose()
+            _raise_if_failed(first)
+        return first, outputs
+
+    # ---- chat -------------------------------------------------------------------------------------
+    async def chat(self, body: ChatCompletionRequest, raw: Request) -> Any:
+        arrival_time = time.time()
+        model = self._check_model(body.model)
+        messages = await self._in_worker(resolve_messages, body.messages, self.config.media,
+                                         body.mm_processor_kwargs)
+        prompt = await self.engine.process_chat(messages, body.mm_processor_kwargs)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        first, outputs = await self._start(request_id, prompt, body, raw, arrival_time)
+        if body.stream:
+            render = partial(self._chat_chunks, request_id, model, body.include_usage)
+            return StreamingResponse(_stream_events(first, outputs, render), media_type="text/event-stream")
+        final = first if first.finished else await _unless_disconnected(_last(outputs), raw)
+        _raise_if_failed(final)
+        completion = final.outputs[0]
+        choice = ChatChoice(message=ChatMessage(content=completion.text), finish_reason=completion.finish_reason)
+        return JSONResponse(ChatCompletionResponse(id=request_id, model=model, choices=[choice],
+                                                   usage=_usage(final)).model_dump())
+
+    @staticmethod
+    def _chat_chunks(request_id: str, model: str, include_usage: bool, output: RequestOutput,
+                     is_first: bool) -> list[BaseModel]:
+        chunks = []
+        if is_first:  # the first chunk announces the role, as OpenAI's does
+            chunks.append(DeltaMessage(role="assistant", content=""))
+        if output.delta_text:
+            chunks.append(DeltaMessage(content=output.delta_text))
+        out = [ChatCompletionChunk(id=request_id, model=model, choices=[ChatChunkChoice(delta=d)]) for d in chunks]
+        if output.finished:
+            finish = ChatChunkChoice(delta=DeltaMessage(), finish_reason=output.outputs[0].finish_reason)
+            out.append(ChatCompletionChunk(id=request_id, model=model, choices=[finish]))
+            if include_usage:
+                out.append(ChatCompletionChunk(id=request_id, model=model, choices=[], usage=_usage(output)))
+        return out
+
+    # ---- text completions -------------------------------------------------------------------------
+    def _raw_prompt(self, body: CompletionRequest) -> dict[str, Any]:
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            if len(prompt) != 1:
+                raise RequestError("only one prompt per request is supported", param="prompt")
+            prompt = prompt[0]
+        if body.echo or body.suffix:
+            raise RequestError("echo and suffix are not supported", param="echo" if body.echo else "suffix")
+        if isinstance(prompt, str):
+            return {"prompt": prompt}
+        return {"prompt_token_ids": list(prompt)}
+
+    async def completions(self, body: CompletionRequest, raw: Request) -> Any:
+        arrival_time = time.time()
+        model = self._check_model(body.model)
+        raw_prompt = self._raw_prompt(body)
+        if body.media:
+            media = await self._in_worker(resolve_media, body.media, self.config.media, body.mm_processor_kwargs)
+            raw_prompt["multi_modal_data"] = {"image": media.images, "video": media.videos}
+            raw_prompt["multi_modal_uuids"] = media.uuids
+        prompt = await self.engine.process(raw_prompt, body.mm_processor_kwargs)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        first, outputs = await self._start(request_id, prompt, body, raw, arrival_time)
+        if body.stream:
+            render = partial(self._completion_chunks, request_id, model, body.include_usage)
+            return StreamingResponse(_stream_events(first, outputs, render), media_type="text/event-stream")
+        final = first if first.finished else await _unless_disconnected(_last(outputs), raw)
+        _raise_if_failed(final)
+        completion = final.outputs[0]
+        choice = CompletionChoice(text=completion.text, finish_reason=completion.finish_reason)
+        return JSONResponse(CompletionResponse(id=request_id, model=model, choices=[choice],
+                                               usage=_usage(final)).model_dump())
+
+    @staticmethod
+    def _completion_chunks(request_id: str, model: str, include_usage: bool, output: RequestOutput,
+                           is_first: bool) -> list[BaseModel]:
+        finish = output.outputs[0].finish_reason if output.finished else None
+        out: list[BaseModel] = []
+        if output.delta_text or finish is not None:
+            choice = CompletionChoice(text=output.delta_text, finish_reason=finish)
+            out.append(CompletionResponse(id=request_id, model=model, choices=[choice]))
+        if output.finished and include_usage:
+            out.append(CompletionResponse(id=request_id, model=model, choices=[], usage=_usage(output)))
+        return out

@@ -1,0 +1,101 @@
+"""Helpers for end-to-end server tests: start `mmserve serve` as a subprocess on a free loopback
+port and wait until /health answers; a loopback static file server for media URLs."""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+STARTUP_TIMEOUT_S = 180
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen
+    port: int
+    log_path: Path
+    model: str
+    api_key: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+
+def start_server(model: str, log_path: Path, *flags: str, api_key: str | None = None) -> ServerProcess:
+    port = free_port()
+    args = [sys.executable, "-m", "mmserve.entrypoints.cli", "serve", model, "--port", str(port),
+            "--log-level", "warning", *flags]
+    if api_key:
+        args += ["--api-key", api_key]
+    log = log_path.open("w")
+    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    return ServerProcess(process, port, log_path, model, api_key)
+
+
+def wait_healthy(server: ServerProcess) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.3)
+    raise RuntimeError(f"server did not become healthy in {STARTUP_TIMEOUT_S}s:\n{server.log()}")
+
+
+def stop_server(server: ServerProcess) -> None:
+    server.process.terminate()
+    try:
+        server.process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        server.process.wait(timeout=5)
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    """Static files, plus /redirect?to=PATH answering 302 (to test that redirects are followed)."""
+
+    def do_GET(self) -> None:  # noqa: N802 (the http.server API)
+        if self.path.startswith("/redirect?to="):
+            self.send_response(302)
+            self.send_header("Location", self.path.split("=", 1)[1])
+            self.end_headers()
+            return
+        super().do_GET()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def file_server(root: Path):
+    """Serve `root` over http on a free loopback port; yields the base URL."""
+    handler = lambda *a, **k: _QuietHandler(*a, directory=str(root), **k)  # noqa: E731
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

@@ -1,0 +1,374 @@
+"""`mmserve serve` end to end: a real server subprocess, the official `openai` client (raw httpx
+where the exact wire format is the point), the tiny random checkpoint.
+
+The model is random, so answers are checked for protocol behaviour, token counts and determinism
+(the server's greedy output equals the offline `LLM`'s for the same messages), not correctness.
+Two servers start once for the module: `server` (loopback media URLs allowed, a local media root,
+small limits) and `strict` (default media safety, an API key).
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import io
+import json
+import subprocess
+import sys
+import time
+
+import av
+import httpx
+import numpy as np
+import pytest
+from openai import OpenAI
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
+
+from mmserve import LLM, SamplingParams
+from tests.e2e.conftest import file_server, start_server, stop_server, wait_healthy
+
+API_KEY = "test-secret"
+PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def png_bytes(color: tuple[int, int, int], size: tuple[int, int] = (64, 48)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def mp4_bytes(num_frames: int = 12, fps: int = 6) -> bytes:
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for i in range(num_frames):
+            frame = np.full((48, 64, 3), (20 * i) % 255, np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    return buf.getvalue()
+
+
+def data_uri(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def image_message(url: str, text: str = "What color is it?", **extra) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}, **extra},
+                                         {"type": "text", "text": text}]}]
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("media")
+    (root / "red.png").write_bytes(png_bytes((220, 20, 20)))
+    (root / "clip.mp4").write_bytes(mp4_bytes())
+    return root
+
+
+@pytest.fixture(scope="module")
+def servers(checkpoint_dirs, media_dir, tmp_path_factory):
+    model = str(checkpoint_dirs["qwen2_vl"])
+    logs = tmp_path_factory.mktemp("logs")
+    main = start_server(model, logs / "main.log", "--allow-private-media-urls", "--allowed-local-media-path",
+                        str(media_dir), "--limit-mm-per-prompt", "image=2,video=1", "--max-image-pixels", "1000000",
+                        "--max-video-frames", "4", "--num-kv-blocks", "256")
+    strict = start_server(model, logs / "strict.log", "--num-kv-blocks", "64", api_key=API_KEY)
+    try:
+        wait_healthy(main)
+        wait_healthy(strict)
+        yield {"main": main, "strict": strict}
+    finally:
+        stop_server(main)
+        stop_server(strict)
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers["main"]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def llm(server):
+    return LLM(server.model, num_kv_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def files(media_dir):
+    with file_server(media_dir) as base:
+        yield base
+
+
+def greedy_chat(client, server, messages, max_tokens=8, **kwargs):
+    return client.chat.completions.create(model=server.model, messages=messages, max_tokens=max_tokens,
+                                          temperature=0, **kwargs)
+
+
+def stats(server) -> dict:
+    return httpx.get(server.url + "/v1/stats", timeout=10).json()
+
+
+def metric_samples(server) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+# ---- the happy path ----------------------------------------------------------------------------------
+def test_health_and_models(server, client):
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert [m.id for m in client.models.list().data] == [server.model]
+
+
+def test_chat_matches_offline_llm(server, client, llm):
+    messages = image_message(data_uri(png_bytes((220, 20, 20))))
+    response = greedy_chat(client, server, messages, max_tokens=12)
+    offline = llm.chat(messages, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    choice = response.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == offline.outputs[0].text
+    assert choice.finish_reason == offline.outputs[0].finish_reason
+    assert response.usage.prompt_tokens == len(offline.prompt_token_ids)
+    assert response.usage.completion_tokens == len(offline.outputs[0].token_ids)
+    assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+
+
+def test_streaming_chat_equals_non_streaming(server, client):
+    messages = image_message(data_uri(png_bytes((20, 220, 20))), "Describe the image.")
+    whole = greedy_chat(client, server, messages, max_tokens=10)
+    chunks = list(greedy_chat(client, server, messages, max_tokens=10, stream=True,
+                              stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_twenty_concurrent_clients(server, llm):
+    def ask(i: int):
+        client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        messages = image_message(data_uri(png_bytes((10 * i, 255 - 10 * i, 90))), f"Question {i}?")
+        response = greedy_chat(client, server, messages, max_tokens=4, extra_body={"min_tokens": 4})
+        return messages, response
+
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        results = list(pool.map(ask, range(20)))
+    assert len(results) == 20
+    for messages, response in results:
+        assert response.usage.completion_tokens == 4
+        assert response.usage.prompt_tokens == llm.engine.process_chat(messages).num_tokens
+        assert response.choices[0].finish_reason == "length"
+
+
+def test_text_completion_with_media_matches_offline(server, client, llm):
+    image = png_bytes((30, 30, 200))
+    prompt = f"{PLACEHOLDER}What is this?"
+    response = client.completions.create(model=server.model, prompt=prompt, max_tokens=8, temperature=0,
+                                         extra_body={"media": [{"type": "image_url",
+                                                                "image_url": {"url": data_uri(image)}}]})
+    offline = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}},
+                           SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    assert response.choices[0].text == offline.outputs[0].text
+    assert response.usage.prompt_tokens == len(offline.prompt_token_ids)
+    streamed = client.completions.create(model=server.model, prompt=prompt, max_tokens=8, temperature=0,
+                                         stream=True, extra_body={"media": [{"type": "image_url",
+                                                                             "image_url": {"url": data_uri(image)}}]})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == offline.outputs[0].text
+
+
+def test_media_from_urls_and_local_paths(server, client, media_dir, files):
+    """An image fetched over http (directly and through a redirect) or read from the allowed local
+    root is the very same input as its data URI: same greedy answer, same token counts."""
+    reference = greedy_chat(client, server, image_message(data_uri((media_dir / "red.png").read_bytes())))
+    for url in (f"{files}/red.png", f"{files}/redirect?to=/red.png", str(media_dir / "red.png"),
+                f"file://{media_dir / 'red.png'}"):
+        response = greedy_chat(client, server, image_message(url))
+        assert response.choices[0].message.content == reference.choices[0].message.content, url
+        assert response.usage.prompt_tokens == reference.usage.prompt_tokens
+
+
+def test_video_url_from_file_server_and_data_uri(server, client, media_dir, files):
+    def video_chat(url: str):
+        messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                                 {"type": "text", "text": "Describe the video."}]}]
+        return greedy_chat(client, server, messages, max_tokens=6)
+
+    over_http = video_chat(f"{files}/clip.mp4")
+    inline = video_chat(data_uri((media_dir / "clip.mp4").read_bytes(), "video/mp4"))
+    assert over_http.choices[0].message.content == inline.choices[0].message.content
+    assert over_http.usage.prompt_tokens == inline.usage.prompt_tokens > 20
+
+
+def test_mm_processor_kwargs_change_the_prompt(server, client):
+    messages = image_message(data_uri(png_bytes((200, 200, 20), size=(224, 224))))
+    full = greedy_chat(client, server, messages, max_tokens=1)
+    small = greedy_chat(client, server, messages, max_tokens=1,
+                        extra_body={"mm_processor_kwargs": {"max_pixels": 56 * 56}})
+    assert small.usage.prompt_tokens < full.usage.prompt_tokens
+
+
+# ---- bad input: an error JSON, then the server serves on -----------------------------------------------
+def _chat_body(content, **extra) -> dict:
+    return {"model": None, "messages": [{"role": "user", "content": content}], "max_tokens": 2, **extra}
+
+
+BAD_REQUESTS = {
+    "malformed_json": (b'{"model": "x", "messages": [', 400, "not valid JSON"),
+    "messages_not_a_list": ({"messages": "hi"}, 400, "messages"),
+    "unknown_part_type": (_chat_body([{"type": "audio_url", "audio_url": {"url": "x"}}]), 400,
+                          "unsupported content part type"),
+    "corrupt_base64": (_chat_body([{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}]),
+                       400, "invalid base64"),
+    "undecodable_image": (_chat_body([{"type": "image_url", "image_url": {"url": data_uri(b"not a png")}}]), 400,
+                          "could not be decoded"),
+    "undecodable_video": (_chat_body([{"type": "video_url", "video_url": {"url": data_uri(b"nope" * 50,
+                                                                                        "video/mp4")}}]),
+                          400, "could not be decoded"),
+    "path_outside_root": (_chat_body([{"type": "image_url", "image_url": {"url": "/etc/hostname"}}]), 400,
+                          "outside the allowed"),
+    "too_many_images": (_chat_body([{"type": "image_url", "image_url": {"url": data_uri(png_bytes((1, 2, 3)))}}] * 3),
+                        400, "at most 2 image"),
+    "image_too_large": (_chat_body([{"type": "image_url",
+                                     "image_url": {"url": data_uri(png_bytes((9, 9, 9), (1200, 1000)))}}]),
+                        400, "over the limit"),
+    "unknown_model": ({**_chat_body("hi"), "model": "no-such-model"}, 404, "does not exist"),
+    "max_tokens_beyond_context": ({**_chat_body("hi"), "max_tokens": 10**6}, 400, "maximum context length"),
+    "n_above_one": ({**_chat_body("hi"), "n": 2}, 400, "n=1"),
+    "bad_temperature": ({**_chat_body("hi"), "temperature": -1}, 400, "temperature"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
+def test_bad_request_gets_error_json_and_server_serves_on(server, case):
+    body, status, needle = BAD_REQUESTS[case]
+    if isinstance(body, dict):
+        body = json.dumps({**body, "model": body.get("model") or server.model}).encode()
+    response = httpx.post(server.url + "/v1/chat/completions", content=body,
+                          headers={"content-type": "application/json"}, timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert needle in error["message"], error["message"]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_good_request_after_bad_ones(server, client):
+    response = greedy_chat(client, server, image_message(data_uri(png_bytes((5, 5, 5)))), max_tokens=2)
+    assert response.usage.completion_tokens >= 1
+
+
+def test_private_urls_refused_by_default(servers, files):
+    strict = servers["strict"]
+    client = OpenAI(base_url=strict.url + "/v1", api_key=API_KEY, max_retries=0)
+    with pytest.raises(Exception) as info:
+        greedy_chat(client, strict, image_message(f"{files}/red.png"))
+    assert getattr(info.value, "status_code", None) == 400
+    assert "private, loopback or link-local" in str(info.value)
+    assert httpx.get(strict.url + "/health").status_code == 200
+
+
+def test_api_key_enforced(servers):
+    strict = servers["strict"]
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        response = httpx.get(strict.url + "/v1/models", headers=headers)
+        assert response.status_code == 401
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    client = OpenAI(base_url=strict.url + "/v1", api_key=API_KEY, max_retries=0)
+    assert [m.id for m in client.models.list().data] == [strict.model]
+    assert httpx.get(strict.url + "/health").status_code == 200  # not a /v1 route
+    assert httpx.get(strict.url + "/metrics").status_code == 200
+
+
+# ---- metrics and disconnects ---------------------------------------------------------------------------
+def test_metrics_move_with_a_cached_image(server, client):
+    before = metric_samples(server)
+    messages = image_message(data_uri(png_bytes((123, 45, 67))))
+    for _ in range(2):
+        greedy_chat(client, server, messages, max_tokens=3, extra_body={"min_tokens": 3})
+    after = metric_samples(server)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("mmserve_requests_total", finish_reason="length") == 2
+    assert delta("mmserve_encoder_items_encoded_total") == 1  # the second request reuses the first's output
+    assert delta("mmserve_encoder_cache_misses_total") == 1
+    assert delta("mmserve_encoder_cache_hits_total") >= 1
+    assert delta("mmserve_prefix_cache_hit_tokens_total") > 0
+    assert delta("mmserve_generation_tokens_total") == 6
+    assert delta("mmserve_time_to_first_token_seconds_count") == 2
+    assert delta("mmserve_time_per_output_token_seconds_count") == 2
+    assert ("mmserve_kv_blocks_in_use", ()) in after and ("mmserve_requests_running", ()) in after
+
+
+def _wait_idle(server, timeout_s: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        current = stats(server)
+        idle = current["requests_running"] == 0 and current["requests_waiting"] == 0
+        if idle and current["kv_blocks_free"] == current["kv_blocks_total"] or time.monotonic() > deadline:
+            return current
+        time.sleep(0.1)
+
+
+def _long_request(server, stream: bool) -> dict:
+    return {"model": server.model, "messages": image_message(data_uri(png_bytes((77, 77, 7)))),
+            "max_tokens": 1500, "min_tokens": 1500, "stream": stream}
+
+
+def test_disconnect_mid_stream_frees_everything(server):
+    aborted_before = metric_samples(server).get(("mmserve_requests_total", (("finish_reason", "abort"),)), 0.0)
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=_long_request(server, True),
+                      timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        received = [line for _, line in zip(range(6), lines)]
+        assert any(line.startswith("data: ") for line in received)
+    final = _wait_idle(server)
+    assert final["kv_blocks_free"] == final["kv_blocks_total"], final
+    assert final["encoder_cache_bytes_used"] <= final["encoder_cache_bytes_total"]
+    aborted = metric_samples(server)[("mmserve_requests_total", (("finish_reason", "abort"),))]
+    assert aborted == aborted_before + 1
+
+
+def test_disconnect_while_waiting_for_a_whole_answer(server):
+    aborted_before = metric_samples(server).get(("mmserve_requests_total", (("finish_reason", "abort"),)), 0.0)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", json=_long_request(server, False), timeout=1.0)
+    final = _wait_idle(server)
+    assert final["kv_blocks_free"] == final["kv_blocks_total"], final
+    assert final["requests_running"] == 0
+    aborted = metric_samples(server)[("mmserve_requests_total", (("finish_reason", "abort"),))]
+    assert aborted == aborted_before + 1
+
+
+# ---- the command line ----------------------------------------------------------------------------------
+def test_chat_command_streams_answers_and_attaches_images(server, media_dir):
+    script = f"/image {media_dir / 'red.png'}\nWhat color is it?\n/image /no/such.png\n/clear\nhi\n/quit\n"
+    result = subprocess.run([sys.executable, "-m", "mmserve.entrypoints.cli", "chat", server.model,
+                             "--max-tokens", "4", "--num-kv-blocks", "64"], input=script, capture_output=True,
+                            text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert "attached red.png" in result.stderr and "no such file" in result.stderr
+    assert result.stdout.count("assistant> ") == 2
+
+
+def test_serve_without_a_model_explains():
+    from mmserve.entrypoints.cli import DEMO_MODEL_DIR
+
+    if (DEMO_MODEL_DIR / "config.json").is_file():
+        pytest.skip("the bundled demo model is installed, so MODEL has a default")
+    result = subprocess.run([sys.executable, "-m", "mmserve.entrypoints.cli", "serve"], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2
+    assert "no MODEL given" in result.stderr and "Traceback" not in result.stderr
