@@ -23,6 +23,7 @@ What it does not know: mmserve internals beyond the public offline API, `Engine.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -50,7 +51,9 @@ from benchmarks.workload import LONG_SYSTEM_PROMPT, Workload, build_workload  # 
 
 BENCH_DIR = ROOT / ".bench"
 CONFIG_100M = ROOT / "benchmarks" / "configs" / "bench_100m_qwen2_vl.json"
-MODEL_DIRS = {"tiny": BENCH_DIR / "tiny-qwen2-vl", "100m": BENCH_DIR / "bench-100m-qwen2-vl"}
+# the 100m checkpoint's folder names its config's digest, so a changed config never reuses a stale build
+MODEL_DIRS = {"tiny": BENCH_DIR / "tiny-qwen2-vl",
+              "100m": BENCH_DIR / f"bench-100m-qwen2-vl-{hashlib.sha256(CONFIG_100M.read_bytes()).hexdigest()[:8]}"}
 HF_BATCH_SIZE = 8
 QUICK_SUBSET = 16
 OVERHEAD_BATCH = 32
@@ -504,6 +507,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=None,
                         help="interleaved rounds per system, fastest kept (default: 3 for tiny, 1 for 100m)")
     parser.add_argument("--no-overhead", action="store_true", help="skip the engine-overhead measurement")
+    parser.add_argument("--encoder", action="store_true",
+                        help="also run benchmarks/encoder_cache.py (on 100m unless --model tiny); its results go "
+                             "under \"encoder_cache\" in the JSON line")
     return parser.parse_args(argv)
 
 
@@ -528,13 +534,25 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_overhead:
         print("[overhead] batch-32 decode steps ...", file=sys.stderr, flush=True)
         overhead = measure_overhead(ensure_checkpoint("100m"))
+    encoder = None
+    if args.encoder:
+        from benchmarks import encoder_cache
+
+        print("[encoder] encoder-cache measurements ...", file=sys.stderr, flush=True)
+        encoder = encoder_cache.run("tiny" if args.model == "tiny" else "100m", args.quick, args.seed)
     machine = machine_info(threads)
     print_card(machine, summary, models, args.output_tokens, subset)
     print_table(models)
     if overhead:
         print_overhead(overhead)
-    print(json_line(machine, summary, models, overhead, args.output_tokens, subset,
-                    time.perf_counter() - run_started))
+    if encoder:
+        print()
+        encoder_cache.print_card(machine, encoder)
+        encoder_cache.print_table(encoder)
+    line = json_line(machine, summary, models, overhead, args.output_tokens, subset, time.perf_counter() - run_started)
+    if encoder:
+        line = json.dumps(dict(json.loads(line), encoder_cache=encoder), separators=(",", ":"))
+    print(line)
 
 
 if __name__ == "__main__":
