@@ -8,9 +8,23 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from mmserve.errors import ModelLoadError
 from mmserve.inputs.media import MediaLimits
+
+# the bundled demo VLM, installed as package data
+DEMO_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "demo-model"
+
+
+def resolve_model(model: str | None) -> str:
+    """The checkpoint directory to load: `model`, or the bundled demo model when none is given."""
+    if model:
+        return str(model)
+    if (DEMO_MODEL_DIR / "config.json").is_file():
+        return str(DEMO_MODEL_DIR)
+    raise ModelLoadError("no model given and the bundled demo model is not installed; pass a checkpoint directory")
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 

@@ -19,11 +19,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mmserve.config import CacheConfig, EncoderConfig, SchedulerConfig
+from mmserve.config import CacheConfig, EncoderConfig, SchedulerConfig, resolve_model
 from mmserve.errors import InvalidInputError, ModelLoadError
 from mmserve.inputs.media import MediaLimits
 
-DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "assets" / "demo-model"
 ENGINE_ARG_GROUPS = (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("encoder budgets", EncoderConfig),
                      ("media limits", MediaLimits))
 SIZE_SUFFIXES = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
@@ -86,15 +85,6 @@ def _model_arg(parser: argparse.ArgumentParser) -> None:
                              "default: the bundled demo model")
 
 
-def _resolve_model(model: str | None) -> str:
-    if model:
-        return model
-    if (DEMO_MODEL_DIR / "config.json").is_file():
-        return str(DEMO_MODEL_DIR)
-    raise InvalidInputError("no MODEL given and the bundled demo model is not installed; "
-                            "pass a checkpoint directory, e.g. `mmserve serve ./my-qwen2-vl`")
-
-
 def _add_serve_parser(sub: Any) -> None:
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                            description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
@@ -130,7 +120,8 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(sub)
     gen = sub.add_parser("generate", help="answer one prompt about an image and print the answer",
                          description="Load a model, ask one question about an image, print the answer.")
-    gen.add_argument("--model", required=True, help="checkpoint directory (config.json, *.safetensors, tokenizer)")
+    gen.add_argument("--model", default=None,
+                     help="checkpoint directory (config.json, *.safetensors, tokenizer); default: the demo model")
     gen.add_argument("--image", action="append", default=[], metavar="PATH",
                      help="image file to show the model (repeat for several)")
     gen.add_argument("--prompt", required=True, help="the question or instruction")
@@ -151,28 +142,23 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from mmserve.inputs.media import MediaLimits
-    from mmserve.models.generation import generate
-    from mmserve.models.loader import load_model
-    from mmserve.models.qwen2_vl.processor import Qwen2VLProcessor
+    from mmserve.entrypoints.llm import LLM
+    from mmserve.sampling_params import SamplingParams
 
     started = time.perf_counter()
-    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    model = load_model(args.model, args.dtype, args.device)
+    model = resolve_model(args.model)
+    print(f"loading {model} ...", file=sys.stderr, flush=True)
     images = [str(Path(p).resolve()) for p in args.image]
     roots = {str(Path(p).parent) for p in images}
-    limits = MediaLimits(allowed_local_media_path=roots.pop() if len(roots) == 1 else "/")
-    processor = Qwen2VLProcessor(args.model, model.config, limits)
-    content = [{"type": "image", "image": p} for p in images] + [{"type": "text", "text": args.prompt}]
-    chat = processor.render_chat([{"role": "user", "content": content}])
-    prompt = processor.process(chat.prompt, images=chat.images)
-    stop = tuple(model.config.eos_token_ids) + tuple(
-        t for t in (processor.tokenizer.eos_token_id,) if t is not None)
+    llm = LLM(model, dtype=args.dtype, device=args.device,
+              allowed_local_media_path=roots.pop() if len(roots) == 1 else "/")
     print(f"loaded in {time.perf_counter() - started:.1f}s; generating ...", file=sys.stderr, flush=True)
-    tokens = list(generate(model, prompt, args.max_tokens, stop, args.min_tokens))
-    print(processor.tokenizer.decode(tokens))
+    content = [{"type": "image_url", "image_url": {"url": p}} for p in images] + [{"type": "text", "text": args.prompt}]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, min_tokens=args.min_tokens)
+    output = llm.chat([{"role": "user", "content": content}], params, use_tqdm=False)[0]
+    if output.error:
+        raise InvalidInputError(output.error)
+    print(output.outputs[0].text)
     return 0
 
 
@@ -194,7 +180,7 @@ def _serve(args: argparse.Namespace) -> int:
     from mmserve.entrypoints.openai.serving import ServerConfig
     from mmserve.inputs.fetch import FetchPolicy
 
-    model = _resolve_model(args.model)
+    model = resolve_model(args.model)
     limits = {"image": 16, "video": 4, **_limit_per_prompt(args.limit_mm_per_prompt)}
     config = EngineConfig.from_kwargs(model, **_engine_kwargs(args))
     fetch = FetchPolicy(timeout_s=args.media_fetch_timeout, allowed_domains=tuple(args.allowed_media_domains),
@@ -228,7 +214,7 @@ def _chat(args: argparse.Namespace) -> int:
     from mmserve.engine.llm_engine import Engine
     from mmserve.sampling_params import SamplingParams
 
-    model = _resolve_model(args.model)
+    model = resolve_model(args.model)
     print(f"loading {model} ...", file=sys.stderr, flush=True)
     engine = Engine(EngineConfig.from_kwargs(model, **_engine_kwargs(args)))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from mmserve.config import EngineConfig
+from mmserve.config import EngineConfig, resolve_model
 from mmserve.engine.llm_engine import Engine
 from mmserve.errors import InvalidInputError
 from mmserve.inputs.items import ProcessedPrompt
@@ -40,8 +40,9 @@ class _Progress:
 
 
 class LLM:
-    def __init__(self, model: str, **engine_args: Any) -> None:
-        self.engine = Engine(EngineConfig.from_kwargs(model, **engine_args))
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        """`model`: a checkpoint directory; None loads the bundled demo model."""
+        self.engine = Engine(EngineConfig.from_kwargs(resolve_model(model), **engine_args))
         self._ids = itertools.count()
 
     @staticmethod
