@@ -507,6 +507,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=None,
                         help="interleaved rounds per system, fastest kept (default: 3 for tiny, 1 for 100m)")
     parser.add_argument("--no-overhead", action="store_true", help="skip the engine-overhead measurement")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for every system (default: the usable CPUs); 1 on a busy machine")
     parser.add_argument("--encoder", action="store_true",
                         help="also run benchmarks/encoder_cache.py (on 100m unless --model tiny); its results go "
                              "under \"encoder_cache\" in the JSON line")
@@ -516,7 +518,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     run_started = time.perf_counter()
-    threads = len(os.sched_getaffinity(0))
+    threads = args.threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
     subset = args.hf_subset or (QUICK_SUBSET if args.quick else None)
     if subset is not None and subset >= args.num_requests:

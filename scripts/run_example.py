@@ -1,7 +1,8 @@
-"""Draw an example image, then ask `mmserve generate` about it and print the answer.
+"""The main job: draw a shapes picture, ask the bundled demo model about it, then serve it.
 
-Until the bundled demo model lands, the model is a tiny random Qwen2-VL checkpoint built here
-(in .run/, once), so the answer is noise — but it goes through the real processor and model.
+Generates one image with the demo task's generator, saves it to .run/example.png, prints the
+question, the expected answer and the model's answer (through `mmserve generate`), then starts
+`mmserve serve` on the demo model (Ctrl-C stops it). `--no-serve` stops after the answer.
 """
 
 from __future__ import annotations
@@ -10,38 +11,26 @@ import subprocess
 import sys
 from pathlib import Path
 
-from PIL import Image, ImageDraw
-
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / ".run"
 
 
-def draw_example(path: Path) -> None:
-    img = Image.new("RGB", (160, 120), (255, 255, 255))
-    draw = ImageDraw.Draw(img)
-    draw.ellipse((15, 30, 65, 80), fill=(220, 20, 20))
-    draw.rectangle((95, 40, 140, 85), fill=(20, 40, 220))
-    img.save(path)
-
-
-def main() -> int:
-    sys.path.insert(0, str(ROOT))
-    from tests.fixtures.tiny_checkpoints import build_checkpoint
+def main(argv: list[str]) -> int:
+    from mmserve.demo import shapes
 
     WORK.mkdir(exist_ok=True)
-    model_dir = WORK / "tiny-qwen2-vl"
-    if not (model_dir / "config.json").is_file():
-        print(f"building a tiny random Qwen2-VL checkpoint in {model_dir} ...", flush=True)
-        build_checkpoint(model_dir, "qwen2_vl")
+    sample = shapes.make_sample(seed=2024, index=4, question_type="shape")
     image = WORK / "example.png"
-    draw_example(image)
-    question = "Describe the image."
-    print(f"image: {image}\nquestion: {question}", flush=True)
-    cmd = [sys.executable, "-m", "mmserve.entrypoints.cli", "generate", "--model", str(model_dir),
-           "--image", str(image), "--prompt", question, "--max-tokens", "24", "--min-tokens", "8"]
-    print("answer: ", end="", flush=True)
-    return subprocess.call(cmd)
+    sample.images[0].save(image)
+    print(f"image: {image}\nquestion: {sample.question}\nexpected: {sample.answer}", flush=True)
+    cli = [sys.executable, "-m", "mmserve.entrypoints.cli"]
+    print("model's answer: ", end="", flush=True)
+    rc = subprocess.call([*cli, "generate", "--image", str(image), "--prompt", sample.question, "--max-tokens", "32"])
+    if rc != 0 or "--no-serve" in argv:
+        return rc
+    print("\nserving the demo model at http://127.0.0.1:8000/v1 (Ctrl-C to stop)", flush=True)
+    return subprocess.call([*cli, "serve", "--host", "127.0.0.1", "--port", "8000"])
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
