@@ -25,7 +25,7 @@ from openai import OpenAI
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from mmserve import LLM, SamplingParams
+from mmserve import LLM, ModelLoadError, SamplingParams
 from tests.e2e.conftest import file_server, start_server, stop_server, wait_healthy
 
 API_KEY = "test-secret"
@@ -363,12 +363,11 @@ def test_chat_command_streams_answers_and_attaches_images(server, media_dir):
     assert result.stdout.count("assistant> ") == 2
 
 
-def test_serve_without_a_model_explains():
-    from mmserve.entrypoints.cli import DEMO_MODEL_DIR
+def test_model_defaults_to_the_bundled_demo_model(monkeypatch, tmp_path):
+    from mmserve import config
 
-    if (DEMO_MODEL_DIR / "config.json").is_file():
-        pytest.skip("the bundled demo model is installed, so MODEL has a default")
-    result = subprocess.run([sys.executable, "-m", "mmserve.entrypoints.cli", "serve"], capture_output=True,
-                            text=True, timeout=60)
-    assert result.returncode == 2
-    assert "no MODEL given" in result.stderr and "Traceback" not in result.stderr
+    assert config.resolve_model(None) == str(config.DEMO_MODEL_DIR)
+    assert (config.DEMO_MODEL_DIR / "config.json").is_file()
+    monkeypatch.setattr(config, "DEMO_MODEL_DIR", tmp_path / "missing")
+    with pytest.raises(ModelLoadError, match="no model given and the bundled demo model is not installed"):
+        config.resolve_model(None)
