@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,7 +48,6 @@ class _Tracked:
     detokenizer: IncrementalDetokenizer
     metrics: RequestMetrics
     stop_reason: int | str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Engine:
