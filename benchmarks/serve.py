@@ -1,14 +1,20 @@
 """Online serving benchmark: N concurrent clients with the official `openai` client against a server.
 
-Role: send the fixed-seed multimodal workload of `benchmarks/workload.py` (images as PNG data URIs;
-repeated images are byte-identical, so the server's encoder cache can reuse them) as streaming chat
-completions from `--clients` concurrent clients, each taking the next conversation when its last one
-is answered; every answer is exactly `--output-tokens` tokens (min_tokens = max_tokens, greedy).
+Role: send a fixed-seed multimodal workload as streaming chat completions from N concurrent clients
+(`--clients 1,8,32` runs each count in turn against the same server), each client taking the next
+conversation when its last one is answered; greedy. Two workloads:
+- `shapes` (default): conversations from `mmserve.demo.shapes` (every question type, two-image
+  comparisons included) for the bundled demo model; answers end naturally and are checked against
+  the generator's ground truth, so the report includes accuracy under concurrency;
+- `generic`: the offline benchmark's workload of `benchmarks/workload.py` (images as PNG data URIs;
+  repeated images are byte-identical, so the encoder cache reuses them); every answer is exactly
+  `--output-tokens` tokens (min_tokens = max_tokens).
 Measures per request: time to first token (TTFT), time per output token after the first (TPOT) and
 every inter-token latency (ITL, between chunks that carry text: a token that completes no
 character yet arrives with the next one, so ITL can exceed TPOT); overall: request and output-token throughput.
-With `--url` it talks to a running server; otherwise it starts `mmserve serve` on the tiny random
-checkpoint (built under `.bench/` on first use) on a free loopback port and stops it afterwards.
+With `--url` it talks to a running server; otherwise it starts `mmserve serve` on a free loopback
+port (`--server-model`: the bundled demo model by default, or `tiny`, the tiny random checkpoint built
+under `.bench/` on first use, or a directory) and stops it afterwards.
 
 Prints a card (machine, server, model, workload), a human table, and one JSON line last.
 What it does not know: mmserve internals; it only speaks HTTP.
@@ -48,6 +54,8 @@ class RequestRecord:
     latency_s: float
     output_tokens: int
     itl_s: list[float] = field(default_factory=list)
+    text: str = ""
+    expected: str | None = None  # the ground-truth answer, when the workload has one
 
     @property
     def tpot_s(self) -> float | None:
@@ -79,40 +87,77 @@ def to_openai_messages(workload: Workload) -> list[list[dict[str, Any]]]:
     return out
 
 
+def image_data_uri(image: Any) -> str:
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@dataclass
+class Job:
+    """One conversation to send: its messages, its sampling, and the right answer when known."""
+
+    messages: list[dict[str, Any]]
+    max_tokens: int
+    min_tokens: int = 0
+    expected: str | None = None
+
+
+def shapes_jobs(num_requests: int, seed: int, start: int = 0) -> tuple[list[Job], dict[str, Any]]:
+    from mmserve.demo import shapes
+
+    seed = seed + 17  # an eval-range seed (below the trainer's), never trained on
+    samples = shapes.make_samples(seed, num_requests, start)
+    jobs = [Job([{"role": "user", "content": [*({"type": "image_url", "image_url": {"url": image_data_uri(i)}}
+                                               for i in s.images), {"type": "text", "text": s.question}]}],
+                max_tokens=24, expected=s.answer) for s in samples]
+    summary = {"name": "shapes", "num_requests": num_requests, "seed": seed,
+               "num_images": sum(len(s.images) for s in samples), "question_types": list(shapes.QUESTION_TYPES)}
+    return jobs, summary
+
+
+def generic_jobs(num_requests: int, seed: int, output_tokens: int) -> tuple[list[Job], dict[str, Any]]:
+    workload = build_workload(num_requests=num_requests, seed=seed)
+    jobs = [Job(m, output_tokens, output_tokens) for m in to_openai_messages(workload)]
+    return jobs, {"name": "generic", **workload.summary()}
+
+
 # ---- clients ---------------------------------------------------------------------------------------
-async def one_request(client: Any, model: str, messages: list[dict[str, Any]], output_tokens: int) -> RequestRecord:
+async def one_request(client: Any, model: str, job: Job) -> RequestRecord:
     started = time.perf_counter()
     arrivals: list[float] = []
+    pieces: list[str] = []
     usage_tokens = None
     stream = await client.chat.completions.create(
-        model=model, messages=messages, max_tokens=output_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"min_tokens": output_tokens})
+        model=model, messages=job.messages, max_tokens=job.max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"min_tokens": job.min_tokens})
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             arrivals.append(time.perf_counter())
+            pieces.append(chunk.choices[0].delta.content)
         if chunk.usage is not None:
             usage_tokens = chunk.usage.completion_tokens
     finished = time.perf_counter()
     if not arrivals:
         raise RuntimeError("a request streamed no content")
     return RequestRecord(arrivals[0] - started, finished - started, usage_tokens or len(arrivals),
-                         [b - a for a, b in zip(arrivals, arrivals[1:])])
+                         [b - a for a, b in zip(arrivals, arrivals[1:])], "".join(pieces), job.expected)
 
 
-async def run_clients(base_url: str, api_key: str, model: str, conversations: list[list[dict[str, Any]]],
-                      num_clients: int, output_tokens: int) -> tuple[list[RequestRecord], float]:
+async def run_clients(base_url: str, api_key: str, model: str, jobs: list[Job],
+                      num_clients: int) -> tuple[list[RequestRecord], float]:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=base_url + "/v1", api_key=api_key, max_retries=0, timeout=600)
-    await one_request(client, model, conversations[0], 2)  # warm-up, off the clock
+    await one_request(client, model, Job(jobs[0].messages, 2))  # warm-up, off the clock
     queue: asyncio.Queue = asyncio.Queue()
-    for conv in conversations:
-        queue.put_nowait(conv)
+    for job in jobs:
+        queue.put_nowait(job)
     records: list[RequestRecord] = []
 
     async def worker() -> None:
         while not queue.empty():
-            records.append(await one_request(client, model, queue.get_nowait(), output_tokens))
+            records.append(await one_request(client, model, queue.get_nowait()))
 
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(num_clients)))
@@ -123,13 +168,15 @@ async def run_clients(base_url: str, api_key: str, model: str, conversations: li
 
 # ---- the server under test -------------------------------------------------------------------------
 @contextlib.contextmanager
-def local_server(model_dir: Path, extra_args: list[str]):
-    """`mmserve serve` on a free loopback port; yields its base URL."""
+def local_server(model_dir: Path | None, extra_args: list[str]):
+    """`mmserve serve [model_dir]` on a free loopback port (no model_dir: the demo model); yields its URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    (ROOT / ".bench").mkdir(exist_ok=True)
     log = open(ROOT / ".bench" / "serve-bench-server.log", "w")  # noqa: SIM115 (closed below)
-    process = subprocess.Popen([sys.executable, "-m", "mmserve.entrypoints.cli", "serve", str(model_dir),
+    model_arg = [str(model_dir)] if model_dir else []
+    process = subprocess.Popen([sys.executable, "-m", "mmserve.entrypoints.cli", "serve", *model_arg,
                                 "--port", str(port), "--log-level", "warning", *extra_args],
                                stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -160,6 +207,7 @@ def percentiles_ms(values: list[float]) -> dict[str, float]:
 
 def summarize(records: list[RequestRecord], wall_s: float) -> dict[str, Any]:
     output_tokens = sum(r.output_tokens for r in records)
+    checked = [r for r in records if r.expected is not None]
     return {
         "num_requests": len(records), "wall_s": round(wall_s, 3),
         "request_throughput_per_s": round(len(records) / wall_s, 3),
@@ -168,61 +216,88 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict[str, Any]:
         "tpot_ms": percentiles_ms([t for r in records if (t := r.tpot_s) is not None]),
         "itl_ms": percentiles_ms([x for r in records for x in r.itl_s]),
         "e2e_latency_ms": percentiles_ms([r.latency_s for r in records]),
+        "accuracy": round(sum(r.text == r.expected for r in checked) / len(checked), 4) if checked else None,
     }
 
 
-def print_report(card: dict[str, Any], result: dict[str, Any]) -> None:
+def print_card(card: dict[str, Any]) -> None:
     print("== mmserve serving benchmark ==")
     print(f"machine   : {card['usable_cpus']} usable CPUs ({card['cpu_count']} total), {card['platform']}, "
           f"python {card['python']}")
     print(f"server    : {card['server']} model {card['model']}")
     w = card["workload"]
-    print(f"workload  : {w['num_requests']} chat requests (seed {w['seed']}), {w['num_images']} images "
-          f"({w['repeated_image_fraction']:.0%} repeats) as PNG data URIs, {card['clients']} concurrent "
-          f"clients, {card['output_tokens']} greedy output tokens each (streaming)")
+    if w["name"] == "shapes":
+        what = (f"{w['num_requests']} shapes conversations (seed {w['seed']}, every question type), "
+                f"{w['num_images']} images as PNG data URIs; answers end naturally (max 24 tokens) and are checked")
+    else:
+        what = (f"{w['num_requests']} chat requests (seed {w['seed']}), {w['num_images']} images "
+                f"({w['repeated_image_fraction']:.0%} repeats) as PNG data URIs, {card['output_tokens']} greedy "
+                f"output tokens each")
+    print(f"workload  : {what}; streaming; clients {', '.join(str(c) for c in card['clients'])}, "
+          "fresh conversations for each count")
     print()
-    print(f"{'metric':<22}{'p50':>10}{'p99':>10}{'mean':>10}")
-    for key, label in (("ttft_ms", "TTFT (ms)"), ("tpot_ms", "TPOT (ms)"), ("itl_ms", "ITL (ms)"),
-                       ("e2e_latency_ms", "latency (ms)")):
-        row = result[key]
-        print(f"{label:<22}{row['p50']:>10.2f}{row['p99']:>10.2f}{row['mean']:>10.2f}")
-    print(f"{'requests/s':<22}{result['request_throughput_per_s']:>10.3f}")
-    print(f"{'output tokens/s':<22}{result['output_token_throughput_per_s']:>10.2f}")
-    print(f"{'wall (s)':<22}{result['wall_s']:>10.3f}")
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    head = (f"{'clients':>7} {'req/s':>8} {'tok/s':>8} {'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} {'p99':>8} "
+            f"{'ITL p50':>8} {'p99':>8} {'accuracy':>9}")
+    print(head + "\n" + "-" * len(head))
+    for r in results:
+        acc = "-" if r["accuracy"] is None else f"{r['accuracy']:.3f}"
+        print(f"{r['clients']:>7} {r['request_throughput_per_s']:>8.2f} {r['output_token_throughput_per_s']:>8.1f} "
+              f"{r['ttft_ms']['p50']:>9.1f} {r['ttft_ms']['p99']:>8.1f} {r['tpot_ms']['p50']:>9.2f} "
+              f"{r['tpot_ms']['p99']:>8.2f} {r['itl_ms']['p50']:>8.2f} {r['itl_ms']['p99']:>8.2f} {acc:>9}")
+    print("(latencies in ms; TTFT = time to first token, TPOT = time per output token after the first, "
+          "ITL = inter-token latency)")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", help="a running server (default: start one on the tiny checkpoint)")
+    parser.add_argument("--url", help="a running server (default: start one, see --server-model)")
+    parser.add_argument("--server-model", default="demo",
+                        help="for a local server: demo (the bundled model, default), tiny, or a model directory")
     parser.add_argument("--model", help="model name to request (default: the server's first model)")
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "unused"))
-    parser.add_argument("--clients", type=int, default=8, help="concurrent clients (default 8)")
-    parser.add_argument("--requests", type=int, default=32, help="conversations to send (default 32)")
-    parser.add_argument("--output-tokens", type=int, default=16, help="tokens per answer (default 16)")
+    parser.add_argument("--workload", choices=("shapes", "generic"), default="shapes")
+    parser.add_argument("--clients", default="1,8,32", help="concurrent client counts, run in turn (default 1,8,32)")
+    parser.add_argument("--requests", type=int, default=64, help="conversations per client count (default 64)")
+    parser.add_argument("--output-tokens", type=int, default=16, help="generic workload: tokens per answer")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     parser.add_argument("--server-args", default="", help="extra `mmserve serve` flags for a local server")
     args = parser.parse_args(argv)
+    client_counts = [int(c) for c in args.clients.split(",")]
 
-    workload = build_workload(num_requests=args.requests, seed=args.seed)
-    conversations = to_openai_messages(workload)
+    def jobs_for(round_index: int) -> tuple[list[Job], dict[str, Any]]:
+        """Fresh conversations for every client count, so no round finds the last one's images cached."""
+        if args.workload == "shapes":
+            return shapes_jobs(args.requests, args.seed, start=round_index * args.requests)
+        return generic_jobs(args.requests, args.seed + round_index, args.output_tokens)
+
+    workload = jobs_for(0)[1]
+    results = []
     with contextlib.ExitStack() as stack:
         url = args.url
         if url is None:
-            from benchmarks.offline import ensure_checkpoint
+            model_dir = None
+            if args.server_model == "tiny":
+                from benchmarks.offline import ensure_checkpoint
 
-            url = stack.enter_context(local_server(ensure_checkpoint("tiny"), args.server_args.split()))
+                model_dir = ensure_checkpoint("tiny")
+            elif args.server_model != "demo":
+                model_dir = Path(args.server_model)
+            url = stack.enter_context(local_server(model_dir, args.server_args.split()))
         headers = {"Authorization": f"Bearer {args.api_key}"}
         model = args.model or httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
-        records, wall = asyncio.run(run_clients(url, args.api_key, model, conversations, args.clients,
-                                                args.output_tokens))
-    result = summarize(records, wall)
+        for round_index, clients in enumerate(client_counts):
+            records, wall = asyncio.run(run_clients(url, args.api_key, model, jobs_for(round_index)[0], clients))
+            results.append({"clients": clients, **summarize(records, wall)})
     card = {"cpu_count": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
             "platform": platform.platform(), "python": platform.python_version(), "server": url, "model": model,
-            "clients": args.clients, "output_tokens": args.output_tokens, "workload": workload.summary()}
-    print_report(card, result)
-    print(json.dumps({"benchmark": "serve", "model": model, "clients": args.clients,
-                      "output_tokens": args.output_tokens, "workload": workload.summary(), **result}))
+            "clients": client_counts, "output_tokens": args.output_tokens, "workload": workload}
+    print_card(card)
+    print_table(results)
+    print(json.dumps({"benchmark": "serve", "model": model, "workload": workload, "results": results}))
 
 
 if __name__ == "__main__":

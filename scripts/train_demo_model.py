@@ -57,6 +57,10 @@ class TrainConfig:
     batch_size: int = 32
     aux_steps: int = 2500  # phase 1: vision tower + merger on dense targets only
     joint_steps: int = 4000  # phase 2: everything on conversations (+ dense loss)
+    focus_steps: int = 0  # phase 3: a lower-lr pass that weights the hardest question types up
+    focus_lr: float = 5e-4
+    # count, color, shape, yesno, describe, compare: colour-of-kind and left-to-right order lag the rest
+    focus_weights: tuple[float, ...] = (1.0, 3.0, 1.0, 1.0, 3.0, 1.0)
     lr: float = 2e-3
     warmup_steps: int = 100
     weight_decay: float = 0.01
@@ -151,9 +155,12 @@ class Encoded:
     answer: str
 
 
-def aux_targets(scene: shapes.Scene, grid: tuple[int, int, int]) -> np.ndarray:
+def aux_targets(scene: shapes.Scene, grid: tuple[int, int, int], cover_rank: bool = False) -> np.ndarray:
     """(rows, 13) per merged row: cover label of its 4 patches, centre label of its 4 patches,
-    centre rank of its 4 patches, shape count - 1. Patches are in the processor's (dy, dx) order."""
+    rank of its 4 patches, shape count - 1. Patches are in the processor's (dy, dx) order.
+
+    The rank is the left-to-right rank of the shape whose box centre falls in the patch, or with
+    `cover_rank` (phase 3) of the shape covering the patch, so every row of a shape knows its order."""
     _, gh, gw = grid
     height, width = gh * PATCH, gw * PATCH
     labels = scene.pixel_labels()
@@ -170,6 +177,11 @@ def aux_targets(scene: shapes.Scene, grid: tuple[int, int, int]) -> np.ndarray:
         py = min(gh - 1, int(cy * height / scene.height) // PATCH)
         px = min(gw - 1, int(cx * width / scene.width) // PATCH)
         centre[py, px], rank[py, px] = shape.label, r + 1
+    if cover_rank:
+        rank_of_label = np.zeros(shapes.NUM_LABELS, np.int64)
+        for r, shape in enumerate(scene.left_to_right()):
+            rank_of_label[shape.label] = r + 1
+        rank = rank_of_label[cover]
 
     def per_row(a: np.ndarray) -> np.ndarray:  # (gh, gw) -> (rows, 4) in merge-block order
         return a.reshape(gh // MERGE, MERGE, gw // MERGE, MERGE).transpose(0, 2, 1, 3).reshape(-1, MERGE * MERGE)
@@ -178,7 +190,7 @@ def aux_targets(scene: shapes.Scene, grid: tuple[int, int, int]) -> np.ndarray:
     return np.concatenate([per_row(cover), per_row(centre), per_row(rank), count], axis=1)
 
 
-def encode(processor: Qwen2VLProcessor, sample: shapes.Sample, im_end_id: int) -> Encoded:
+def encode(processor: Qwen2VLProcessor, sample: shapes.Sample, im_end_id: int, cover_rank: bool = False) -> Encoded:
     chat = processor.render_chat(sample.messages)
     prompt = processor.process(chat.prompt, images=chat.images)
     answer_ids = processor.tokenizer.encode(sample.answer) + [im_end_id]
@@ -188,14 +200,23 @@ def encode(processor: Qwen2VLProcessor, sample: shapes.Sample, im_end_id: int) -
     grids = [tuple(int(x) for x in item.grid_thw) for item in prompt.items]
     return Encoded(list(prompt.prompt_token_ids) + answer_ids, positions, n,
                    [np.asarray(item.pixel_values) for item in prompt.items], grids,
-                   [aux_targets(s, g) for s, g in zip(sample.scenes, grids)], sample.question_type, sample.answer)
+                   [aux_targets(s, g, cover_rank) for s, g in zip(sample.scenes, grids)], sample.question_type, sample.answer)
 
 
 def batches_for_pool(processor: Qwen2VLProcessor, cfg: TrainConfig, pool: int, im_end_id: int) -> list[list[Encoded]]:
-    """Pool `pool` of the training stream: pool_batches batches of similar length, in a fixed order."""
+    """Pool `pool` of the training stream: pool_batches batches of similar length, in a fixed order.
+
+    Pools that start in phase 3 draw each sample's question type with the focus weights (sample i's
+    type depends only on the seed and i) and use the cover-rank dense target."""
     size = cfg.batch_size * cfg.pool_batches
     seed = shapes.TRAIN_SEED_BASE + cfg.seed
-    encoded = [encode(processor, shapes.make_sample(seed, i), im_end_id) for i in range(pool * size, (pool + 1) * size)]
+    focus = pool * cfg.pool_batches >= cfg.aux_steps + cfg.joint_steps
+    encoded = []
+    for i in range(pool * size, (pool + 1) * size):
+        qtype = random.Random(f"focus:{cfg.seed}:{i}").choices(shapes.QUESTION_TYPES, cfg.focus_weights)[0] \
+            if focus else None
+        sample = shapes.make_sample(seed, i, qtype)
+        encoded.append(encode(processor, sample, im_end_id, cover_rank=focus))
     encoded.sort(key=lambda e: len(e.token_ids))
     batches = [encoded[i:i + cfg.batch_size] for i in range(0, size, cfg.batch_size)]
     random.Random(f"order:{cfg.seed}:{pool}").shuffle(batches)
@@ -313,13 +334,18 @@ def heldout_accuracy(model, processor, heldout: list[Encoded], ids: dict[str, in
 # ---- training loop ---------------------------------------------------------------------------
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Warmup, then cosine to 10% within each phase (the LM starts its own schedule in phase 2)."""
-    start, total = (0, cfg.aux_steps) if step < cfg.aux_steps else (cfg.aux_steps, cfg.joint_steps)
+    """Warmup, then cosine to 10% within each phase (the LM starts its own schedule in phase 2;
+    phase 3 restarts at the lower focus_lr)."""
+    peak, start, total = cfg.lr, 0, cfg.aux_steps
+    if step >= cfg.aux_steps + cfg.joint_steps:
+        peak, start, total = cfg.focus_lr, cfg.aux_steps + cfg.joint_steps, cfg.focus_steps
+    elif step >= cfg.aux_steps:
+        start, total = cfg.aux_steps, cfg.joint_steps
     s = step - start
     if s < cfg.warmup_steps:
-        return cfg.lr * (s + 1) / cfg.warmup_steps
+        return peak * (s + 1) / cfg.warmup_steps
     frac = min(1.0, (s - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
-    return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
 
 
 @dataclass
@@ -366,9 +392,12 @@ def run(args: argparse.Namespace) -> None:
     resumed = torch.load(ckpt_path, weights_only=False) if args.resume and ckpt_path.is_file() else None
     cfg = TrainConfig(**resumed["cfg"]) if resumed else TrainConfig(
         seed=args.seed, batch_size=args.batch_size, aux_steps=args.aux_steps,
-        joint_steps=args.joint_steps or TrainConfig.joint_steps, lr=args.lr)
+        joint_steps=args.joint_steps or TrainConfig.joint_steps, lr=args.lr,
+        focus_steps=args.focus_steps or 0, focus_lr=args.focus_lr)
     if resumed and args.joint_steps:  # extending a run: the cosine schedule stretches from here on
         cfg = replace(cfg, joint_steps=args.joint_steps)
+    if resumed and args.focus_steps is not None:  # adding (or resizing) phase 3 before it starts
+        cfg = replace(cfg, focus_steps=args.focus_steps, focus_lr=args.focus_lr)
     torch.manual_seed(cfg.seed)
     assets = work / "assets"
     config = write_assets(assets, build_tokenizer())
@@ -389,7 +418,7 @@ def run(args: argparse.Namespace) -> None:
                for i in range(cfg.eval_per_type * len(shapes.QUESTION_TYPES))]
     log(work, {"event": "start", "step": state.step, "cfg": asdict(cfg),
                "params": sum(p.numel() for p in model.parameters())})
-    total = cfg.aux_steps + cfg.joint_steps
+    total = cfg.aux_steps + cfg.joint_steps + cfg.focus_steps
     model.train()
     last_save, started = time.time(), time.time() - state.elapsed_s
     while state.step < total:
@@ -461,6 +490,9 @@ def main() -> None:
     p.add_argument("--aux-steps", type=int, default=TrainConfig.aux_steps)
     p.add_argument("--joint-steps", type=int, default=None,
                    help=f"phase-2 steps (default {TrainConfig.joint_steps}); with --resume, extends the run")
+    p.add_argument("--focus-steps", type=int, default=None,
+                   help="phase-3 steps (default 0): lower lr, colour and describe questions weighted up")
+    p.add_argument("--focus-lr", type=float, default=TrainConfig.focus_lr)
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--export", choices=("best", "last"), help="only export WORK_DIR's checkpoint to --out")

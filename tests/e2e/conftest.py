@@ -40,15 +40,16 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")[-4000:]
 
 
-def start_server(model: str, log_path: Path, *flags: str, api_key: str | None = None) -> ServerProcess:
+def start_server(model: str | None, log_path: Path, *flags: str, api_key: str | None = None) -> ServerProcess:
+    """`mmserve serve [model]` on a free loopback port; no model: the bundled demo model."""
     port = free_port()
-    args = [sys.executable, "-m", "mmserve.entrypoints.cli", "serve", model, "--port", str(port),
-            "--log-level", "warning", *flags]
+    args = [sys.executable, "-m", "mmserve.entrypoints.cli", "serve", *([model] if model else []), "--port",
+            str(port), "--log-level", "warning", *flags]
     if api_key:
         args += ["--api-key", api_key]
     log = log_path.open("w")
     process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-    return ServerProcess(process, port, log_path, model, api_key)
+    return ServerProcess(process, port, log_path, model or "", api_key)
 
 
 def wait_healthy(server: ServerProcess) -> None:

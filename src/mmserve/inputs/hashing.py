@@ -34,76 +34,97 @@ def _u32(n: int) -> bytes:
     return struct.pack(">I", n)
 
 
-def _blob(tag: int, payload: bytes) -> bytes:
-    return bytes([tag]) + _u32(len(payload)) + payload
-
-
 def _int_bytes(value: int) -> bytes:
     length = (value.bit_length() + 8) // 8  # room for the sign bit
     return value.to_bytes(length, "big", signed=True)
 
 
-def _array(arr: np.ndarray, dtype_name: str | None = None) -> bytes:
+def _write_blob(tag: int, payload: bytes, out: list) -> None:
+    out.append(bytes([tag]) + _u32(len(payload)))
+    out.append(payload)
+
+
+def _write_array(arr: np.ndarray, out: list, dtype_name: str | None = None) -> None:
     arr = np.ascontiguousarray(arr)
     if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and not np.little_endian):
         arr = arr.astype(arr.dtype.newbyteorder("<"))
     name = (dtype_name or arr.dtype.str.lstrip("<>|=")).encode()
     meta = _u32(len(name)) + name + _u32(arr.ndim) + b"".join(struct.pack(">Q", d) for d in arr.shape)
-    return bytes([_ARRAY]) + meta + _u32(arr.nbytes) + arr.view(np.uint8).tobytes()
+    out.append(bytes([_ARRAY]) + meta + _u32(arr.nbytes))
+    out.append(memoryview(arr.reshape(-1).view(np.uint8)))  # no copy: the hasher reads the buffer
 
 
-def _torch_array(value: Any) -> bytes:
+def _write_torch(value: Any, out: list) -> None:
     import torch  # only when a tensor is actually passed
 
     t = value.detach().to("cpu").contiguous()
     if t.dtype == torch.bfloat16:  # numpy has no bfloat16: hash its bits under its own name
-        return _array(t.view(torch.int16).numpy(), "bfloat16")
-    return _array(t.numpy())
+        _write_array(t.view(torch.int16).numpy(), out, "bfloat16")
+    else:
+        _write_array(t.numpy(), out)
 
 
-def _image(img: Image.Image) -> bytes:
+def _write_image(img: Image.Image, out: list) -> None:
     mode = img.mode.encode()
     palette = img.getpalette() if img.mode in ("P", "PA") else None
-    meta = _u32(len(mode)) + mode + _u32(img.width) + _u32(img.height)
-    meta += _blob(_BYTES, bytes(palette) if palette else b"")
-    pixels = img.tobytes()
-    return bytes([_IMAGE]) + meta + _u32(len(pixels)) + pixels
+    pixels = img.tobytes()  # the one copy: Pillow's storage is not a single exported buffer
+    palette_bytes = bytes(palette) if palette else b""
+    out.append(bytes([_IMAGE]) + _u32(len(mode)) + mode + _u32(img.width) + _u32(img.height)
+               + bytes([_BYTES]) + _u32(len(palette_bytes)) + palette_bytes + _u32(len(pixels)))
+    out.append(pixels)
+
+
+def _write(value: Any, out: list) -> None:
+    """Append the canonical serialization of `value` to `out` as pieces (bytes or buffers), so large
+    payloads are never concatenated: hashing feeds the pieces to blake3 one by one."""
+    if value is None:
+        out.append(bytes([_NONE]))
+    elif isinstance(value, bool):  # before int: bool is an int subclass
+        out.append(bytes([_BOOL, int(value)]))
+    elif isinstance(value, (int, np.integer)) and not isinstance(value, np.bool_):
+        _write_blob(_INT, _int_bytes(int(value)), out)
+    elif isinstance(value, (float, np.floating)):
+        out.append(bytes([_FLOAT]) + struct.pack(">d", float(value)))
+    elif isinstance(value, str):
+        _write_blob(_STR, value.encode("utf-8"), out)
+    elif isinstance(value, (bytes, bytearray, memoryview)):
+        _write_blob(_BYTES, bytes(value), out)
+    elif isinstance(value, (list, tuple)):
+        out.append(bytes([_LIST if isinstance(value, list) else _TUPLE]) + _u32(len(value)))
+        for v in value:
+            _write(v, out)
+    elif isinstance(value, dict):
+        # keys are distinct, and so are their serializations: sorting by the key bytes is total
+        keyed = sorted(((serialize_item(k), v) for k, v in value.items()), key=lambda kv: kv[0])
+        out.append(bytes([_DICT]) + _u32(len(value)))
+        for key_bytes, v in keyed:
+            out.append(key_bytes)
+            _write(v, out)
+    elif isinstance(value, Image.Image):
+        _write_image(value, out)
+    elif isinstance(value, np.ndarray):
+        _write_array(value, out)
+    elif type(value).__module__ == "torch" and type(value).__name__ in ("Tensor", "Parameter"):
+        _write_torch(value, out)
+    else:
+        raise TypeError(f"cannot hash a value of type {type(value).__name__}")
 
 
 def serialize_item(value: Any) -> bytes:
     """Canonical bytes of `value` (None, bool, int, float, str, bytes, list, tuple, dict, PIL image,
     numpy array, torch tensor); anything else is a TypeError."""
-    if value is None:
-        return bytes([_NONE])
-    if isinstance(value, bool):  # before int: bool is an int subclass
-        return bytes([_BOOL, int(value)])
-    if isinstance(value, (int, np.integer)) and not isinstance(value, np.bool_):
-        return _blob(_INT, _int_bytes(int(value)))
-    if isinstance(value, (float, np.floating)):
-        return bytes([_FLOAT]) + struct.pack(">d", float(value))
-    if isinstance(value, str):
-        return _blob(_STR, value.encode("utf-8"))
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return _blob(_BYTES, bytes(value))
-    if isinstance(value, (list, tuple)):
-        tag = _LIST if isinstance(value, list) else _TUPLE
-        return bytes([tag]) + _u32(len(value)) + b"".join(serialize_item(v) for v in value)
-    if isinstance(value, dict):
-        pairs = sorted((serialize_item(k), serialize_item(v)) for k, v in value.items())
-        return bytes([_DICT]) + _u32(len(pairs)) + b"".join(k + v for k, v in pairs)
-    if isinstance(value, Image.Image):
-        return _image(value)
-    if isinstance(value, np.ndarray):
-        return _array(value)
-    if type(value).__module__ == "torch" and type(value).__name__ in ("Tensor", "Parameter"):
-        return _torch_array(value)
-    raise TypeError(f"cannot hash a value of type {type(value).__name__}")
+    out: list = []
+    _write(value, out)
+    return b"".join(out)
 
 
 def hash_item(value: Any) -> str:
-    """Hex blake3 digest of the domain tag plus the canonical serialization."""
+    """Hex blake3 digest of the domain tag plus the canonical serialization (streamed, no joined copy)."""
+    out: list = []
+    _write(value, out)
     h = blake3.blake3(HASH_DOMAIN)
-    h.update(serialize_item(value))
+    for piece in out:
+        h.update(piece)
     return h.hexdigest()
 
 
