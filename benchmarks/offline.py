@@ -127,6 +127,60 @@ def parameter_count(model_dir: Path) -> int:
     return total
 
 
+def matmul_param_counts(model_dir: Path) -> dict[str, int]:
+    """Weight-matrix parameters (ndim >= 2, so no norms or biases) by where they run: per vision patch
+    (blocks + patch embedding), per merged vision row (merger), per language-model token (decoder
+    layers), per sampled token (lm_head). Embedding tables do no matmul work."""
+    from safetensors import safe_open
+
+    counts = {"vision_per_patch": 0, "vision_per_row": 0, "lm_per_token": 0, "lm_head": 0}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                shape = f.get_slice(key).get_shape()
+                if len(shape) < 2 or "embed_tokens" in key:
+                    continue
+                n = math.prod(shape)
+                if "visual.merger" in key:
+                    counts["vision_per_row"] += n
+                elif "visual." in key:
+                    counts["vision_per_patch"] += n
+                elif "lm_head" in key:
+                    counts["lm_head"] += n
+                elif ".layers." in key:
+                    counts["lm_per_token"] += n
+    return counts
+
+
+def matmul_peak_gflops(size: int = 1536, reps: int = 7) -> float:
+    """The machine's best fp32 matmul rate at the current torch threads (a large square product)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)
+    best = math.inf
+    for _ in range(reps):
+        started = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - started)
+    return 2 * size**3 / best / 1e9
+
+
+def compute_floor(model_dir: Path, stats: dict[str, int], num_requests: int, peak_gflops: float) -> dict[str, Any]:
+    """A lower bound on the wall of the work mmserve did: its weight-matrix FLOPs (encoder patches it
+    encoded, prompt tokens it computed, decode tokens, lm_head per sampled token; attention, norms
+    and everything else ignored) at the machine's peak matmul rate. No engine that does the same
+    work can be faster; with reuse and prefix caching counted in, it bounds any speedup from above."""
+    counts = matmul_param_counts(model_dir)
+    merge = json.loads((model_dir / "config.json").read_text())["vision_config"].get("spatial_merge_size", 2)
+    patches = stats["encoder_tokens_encoded"]
+    lm_tokens = stats["prompt_tokens_computed"] + stats["generation_tokens"] - num_requests
+    flops = {"encoder": 2 * (patches * counts["vision_per_patch"] + patches // merge**2 * counts["vision_per_row"]),
+             "lm": 2 * lm_tokens * counts["lm_per_token"],
+             "lm_head": 2 * stats["generation_tokens"] * counts["lm_head"]}
+    total = sum(flops.values())
+    return {"peak_matmul_gflops": round(peak_gflops, 1), "gflop": {k: round(v / 1e9, 1) for k, v in flops.items()},
+            "floor_s": round(total / (peak_gflops * 1e9), 3)}
+
+
 # ---- results -------------------------------------------------------------------------------------
 @dataclass
 class SystemResult:
@@ -183,7 +237,7 @@ def run_mmserve(model_dir: Path, workload: Workload, output_tokens: int) -> Syst
     preprocess_s = time.perf_counter() - started
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     keep = ("prompt_tokens", "prompt_tokens_computed", "prefix_cache_hit_tokens", "generation_tokens",
-            "encoder_items_encoded", "num_preemptions")
+            "encoder_items_encoded", "encoder_tokens_encoded", "num_preemptions")
     extra = {"load_s": round(load_s, 3), "preprocess_s": round(preprocess_s, 3),
              "stats": {k: stats[k] for k in keep if k in stats},
              "prompt_tokens": {"min": min(prompt_lens), "max": max(prompt_lens),
@@ -340,6 +394,10 @@ def bench_model(name: str, model_dir: Path, workload: Workload, output_tokens: i
         rounds["hf_batched"].append(run_hf_batched(model, inputs, output_tokens, pad_id))
         log(f"round {i + 1}/{repeats}: " + ", ".join(f"{k} {v[-1].wall_s:.1f}s" for k, v in rounds.items()))
     mm, single, batched = (_best_of(rounds[k]) for k in ("mmserve", "hf_single", "hf_batched"))
+    floor = compute_floor(model_dir, mm.extra["stats"], len(workload.conversations), matmul_peak_gflops())
+    best_hf_s_per_token = min(r.wall_s / r.output_tokens for r in (single, batched))
+    floor.update(mmserve_wall_over_floor=round(mm.wall_s / floor["floor_s"], 2),
+                 max_possible_speedup_vs_best_hf=round(best_hf_s_per_token * mm.output_tokens / floor["floor_s"], 2))
     return {
         "model_dir": str(model_dir.relative_to(ROOT)),
         "params": parameter_count(model_dir),
@@ -351,6 +409,7 @@ def bench_model(name: str, model_dir: Path, workload: Workload, output_tokens: i
         "speedup_end_to_end": _speedups(mm, [SystemResult(r.name, r.wall_s + hf_preprocess_s, r.output_tokens,
                                                           r.tokens, r.extra) for r in (single, batched)]),
         "greedy": _greedy_report(model, inputs, mm, single, batched),
+        "floor": floor,
     }
 
 
@@ -466,6 +525,11 @@ def print_table(models: dict[str, dict[str, Any]]) -> None:
         print(f"{'':<6} with transformers' image preprocessing ({res['hf_preprocess_s']:.2f}s) in its walls: "
               f"mmserve x {e2e.get('vs_hf_single', 0):.2f} vs 1-at-a-time, x {e2e.get('vs_hf_batched', 0):.2f} "
               f"vs batch {HF_BATCH_SIZE}")
+        fl = res["floor"]
+        print(f"{'':<6} floor: {sum(fl['gflop'].values()):.0f} GFLOP of weight matmuls ({fl['gflop']}) at the "
+              f"machine's {fl['peak_matmul_gflops']:.0f} GFLOP/s peak = {fl['floor_s']:.2f}s; mmserve's wall is "
+              f"{fl['mmserve_wall_over_floor']:.2f}x that; no engine doing this work beats the best transformers "
+              f"mode by more than {fl['max_possible_speedup_vs_best_hf']:.2f}x here")
         print(f"{'':<6} greedy: mmserve == transformers 1-at-a-time on {single['identical']}/{single['compared']}"
               f"{flag}; batch-{HF_BATCH_SIZE} padded == 1-at-a-time on {batched['identical']}/{batched['compared']}; "
               f"stats {res['systems']['mmserve'].extra['stats']}")

@@ -16,6 +16,7 @@ from mmserve.inputs.media import MediaLimits
 
 # the bundled demo VLM, installed as package data
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "demo-model"
+DEMO_MODEL_NAME = "mmserve-demo"  # what the server calls the bundled model when none is given
 
 
 def resolve_model(model: str | None) -> str:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mmserve.config import CacheConfig, EncoderConfig, SchedulerConfig, resolve_model
+from mmserve.config import DEMO_MODEL_NAME, CacheConfig, EncoderConfig, SchedulerConfig, resolve_model
 from mmserve.errors import InvalidInputError, ModelLoadError
 from mmserve.inputs.media import MediaLimits
 
@@ -94,7 +94,7 @@ def _add_serve_parser(sub: Any) -> None:
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     http.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     http.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    http.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+    http.add_argument("--served-model-name", default=None, help=f"the model name clients send (default: MODEL, or {DEMO_MODEL_NAME} for the demo model)")
     http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     media = serve.add_argument_group("media fetching")
     media.add_argument("--limit-mm-per-prompt", default="image=16,video=4", metavar="image=N,video=M",
@@ -186,7 +186,7 @@ def _serve(args: argparse.Namespace) -> int:
     fetch = FetchPolicy(timeout_s=args.media_fetch_timeout, allowed_domains=tuple(args.allowed_media_domains),
                         allow_private=args.allow_private_media_urls)
     rules = MediaRules(config.media, fetch, args.max_video_bytes, limits)
-    name = args.served_model_name or model
+    name = args.served_model_name or args.model or DEMO_MODEL_NAME
     server_config = ServerConfig(name, rules, args.api_key, extra_model_names=(model,) if name != model else ())
     print(f"loading {model} ...", file=sys.stderr, flush=True)
     engine = Engine(config)

@@ -74,8 +74,8 @@ class PagedKVCache:
                 if table is None:  # no cached context: attend over this step's own keys
                     out[start:end] = causal_attention(q[start:end], k[start:end], v[start:end], 0)
                 else:
-                    keys = key_cache[table].flatten(0, 1)[: ctx + q_len]
-                    values = value_cache[table].flatten(0, 1)[: ctx + q_len]
+                    keys = key_cache.index_select(0, table).flatten(0, 1)[: ctx + q_len]
+                    values = value_cache.index_select(0, table).flatten(0, 1)[: ctx + q_len]
                     out[start:end] = causal_attention(q[start:end], keys, values, ctx)
             start = end
         for group in meta.decode_groups:
@@ -85,10 +85,13 @@ class PagedKVCache:
     @staticmethod
     def _decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 group: DecodeGroup) -> torch.Tensor:
-        # (num, max_blocks * block_size, kv_heads, head_dim) -> (num, kv_heads, keys, head_dim)
-        keys = key_cache[group.block_table].flatten(1, 2).transpose(1, 2)
-        values = value_cache[group.block_table].flatten(1, 2).transpose(1, 2)
-        num, kv_heads = keys.shape[0], keys.shape[1]
+        # (num, max_blocks * block_size, kv_heads, head_dim) -> (num, kv_heads, keys, head_dim);
+        # index_select on the flattened table: several times faster on the CPU than advanced indexing
+        num = group.block_table.shape[0]
+        flat = group.block_table.reshape(-1)
+        keys = key_cache.index_select(0, flat).view(num, -1, *key_cache.shape[2:]).transpose(1, 2)
+        values = value_cache.index_select(0, flat).view(num, -1, *value_cache.shape[2:]).transpose(1, 2)
+        kv_heads = keys.shape[1]
         qd = q[group.token_index].view(num, kv_heads, -1, q.shape[-1])  # heads of a kv head as query rows
         out = F.scaled_dot_product_attention(qd, keys, values, attn_mask=group.mask)
         return out.reshape(num, -1)
