@@ -73,3 +73,19 @@ def test_bfloat16_tensor_hashes_by_bits():
 def test_unsupported_type():
     with pytest.raises(TypeError, match="cannot hash a value of type object"):
         serialize_item(object())
+
+
+@pytest.mark.parametrize("mode", ["RGB", "RGBA", "L", "1", "P", "I;16", "F", "CMYK"])
+def test_image_payload_is_exactly_its_pixel_bytes(mode):
+    """The serialization ends with the image's `tobytes()`, length-prefixed, whatever the mode and
+    however many pieces the pixels are streamed in (the 2000x1500 RGB image takes several)."""
+    rng = np.random.default_rng(0)
+    for height, width in ((7, 5), (1500, 2000)):
+        if mode == "I;16":
+            img = Image.fromarray(rng.integers(0, 65535, (height, width), dtype=np.uint16))
+        else:
+            img = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).convert(mode)
+        pixels = img.tobytes()
+        data = serialize_item(img)
+        assert data.endswith(len(pixels).to_bytes(4, "big") + pixels)
+        assert hash_item(img) == hash_item(img.copy())

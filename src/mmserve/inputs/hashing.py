@@ -64,14 +64,40 @@ def _write_torch(value: Any, out: list) -> None:
         _write_array(t.numpy(), out)
 
 
+_PIXEL_CHUNK_BYTES = 1 << 20
+
+
+def _pixel_chunks(img: Image.Image) -> list[bytes]:
+    """The bytes of `img.tobytes()` as ~1 MiB pieces, from the same raw encoder tobytes runs, without
+    joining them: a multi-megabyte join costs a copy plus fresh pages, ~10% of hashing a 1280x720 image."""
+    encoder_factory = getattr(Image, "_getencoder", None)
+    img.load()
+    if encoder_factory is None or img.width == 0 or img.height == 0:
+        return [img.tobytes()]
+    encoder = encoder_factory(img.mode, "raw", img.mode)
+    chunks = []
+    try:
+        encoder.setimage(img.im, (0, 0, *img.size))
+        while True:
+            _, status, data = encoder.encode(max(_PIXEL_CHUNK_BYTES, img.width * 4))
+            chunks.append(data)
+            if status:
+                break
+    finally:
+        encoder.cleanup()
+    if status < 0:
+        return [img.tobytes()]  # let Pillow raise its own error
+    return chunks
+
+
 def _write_image(img: Image.Image, out: list) -> None:
     mode = img.mode.encode()
     palette = img.getpalette() if img.mode in ("P", "PA") else None
-    pixels = img.tobytes()  # the one copy: Pillow's storage is not a single exported buffer
+    pixels = _pixel_chunks(img)
     palette_bytes = bytes(palette) if palette else b""
     out.append(bytes([_IMAGE]) + _u32(len(mode)) + mode + _u32(img.width) + _u32(img.height)
-               + bytes([_BYTES]) + _u32(len(palette_bytes)) + palette_bytes + _u32(len(pixels)))
-    out.append(pixels)
+               + bytes([_BYTES]) + _u32(len(palette_bytes)) + palette_bytes + _u32(sum(map(len, pixels))))
+    out.extend(pixels)
 
 
 def _write(value: Any, out: list) -> None:
