@@ -1,5 +1,5 @@
-"""The bundled demo model: standard checkpoint files, and the engine and transformers giving the
-same greedy answers. (The accuracy-floor test joins when a checkpoint meets the floors.)"""
+"""The bundled demo model: standard checkpoint files, the engine and transformers giving the same
+greedy answers, and the accuracy floors of the shapes task on conversations never trained on."""
 
 from __future__ import annotations
 
@@ -49,3 +49,14 @@ def test_engine_and_transformers_agree():
     reference = _transformers_answers(samples)
     diffs = [(i, s.question, e, r) for i, (s, e, r) in enumerate(zip(samples, engine, reference)) if e != r]
     assert not diffs, f"{len(diffs)} answers differ (index, question, engine, transformers): {diffs[:5]}"
+
+
+FLOOR_SEED, FLOOR_N = 11, 300  # 50 conversations per question type: a floor of 0.95 allows 2 misses
+FLOORS = {"count": 0.95, "color": 0.95, "shape": 0.95, "yesno": 0.95, "describe": 0.90, "compare": 0.90}
+
+
+def test_eval_meets_floors():
+    result = evaluate(MODEL_DIR, n=FLOOR_N, seed=FLOOR_SEED)
+    assert result.counts == {t: FLOOR_N // len(shapes.QUESTION_TYPES) for t in shapes.QUESTION_TYPES}
+    below = {t: round(result.accuracy[t], 3) for t, floor in FLOORS.items() if result.accuracy[t] < floor}
+    assert not below, f"below the floors {FLOORS}: {below}"
