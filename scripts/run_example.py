@@ -24,11 +24,14 @@ def main(argv: list[str]) -> int:
     sample.images[0].save(image)
     print(f"image: {image}\nquestion: {sample.question}\nexpected: {sample.answer}", flush=True)
     cli = [sys.executable, "-m", "mmserve.entrypoints.cli"]
-    print("model's answer: ", end="", flush=True)
-    rc = subprocess.call([*cli, "generate", "--image", str(image), "--prompt", sample.question, "--max-tokens", "32"])
-    if rc != 0 or "--no-serve" in argv:
-        return rc
-    print("\nserving the demo model at http://127.0.0.1:8000/v1 (Ctrl-C to stop)", flush=True)
+    # progress lines go to stderr as they happen; the answer is printed once it is complete
+    done = subprocess.run([*cli, "generate", "--image", str(image), "--prompt", sample.question, "--max-tokens",
+                           "32"], stdout=subprocess.PIPE, text=True)
+    answer = done.stdout.strip()
+    print(f"model's answer: {answer} ({'right' if answer == sample.answer else 'wrong'})", flush=True)
+    if done.returncode != 0 or "--no-serve" in argv:
+        return done.returncode
+    print("\nserving the demo model as mmserve-demo at http://127.0.0.1:8000/v1 (Ctrl-C to stop)", flush=True)
     return subprocess.call([*cli, "serve", "--host", "127.0.0.1", "--port", "8000"])
 
 
