@@ -14,7 +14,9 @@ three measurements, float32, torch threads = the machine's usable cores:
     `multi_modal_uuids` entry per image occurrence, so nothing is shared: the previous inline
     encoding). Fresh LLM per run, interleaved rounds; greedy outputs must be identical. Headline:
     the default config (prefix caching on); also run with prefix caching off to isolate the encoder.
-(c) per 1280x720 RGB image: `hash_item(img)` and the processor's full key vs its preprocessing.
+(c) per 1280x720 RGB image: `hash_item(img)` and the processor's full key vs its preprocessing, as
+    cost = CPU time of the process (headline: preprocessing runs on a thread pool, so its wall is
+    shorter than its cost while hashing runs on one thread) and as wall time.
 
 Prints a card (machine, model, dtype, workload), a human table, and one JSON line last.
 
@@ -235,16 +237,21 @@ def measure_hashing(llm: Any, reps: int) -> dict[str, Any]:
     for call in calls.values():  # warm-up
         call()
     walls: dict[str, list[float]] = {name: [] for name in calls}
+    cpus: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(reps):
         for name, call in calls.items():
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             call()
+            cpus[name].append(time.process_time() - cpu_started)  # every thread of the process
             walls[name].append(time.perf_counter() - started)
     out: dict[str, Any] = {f"{name}_ms": round(_median(w) * 1000, 3) for name, w in walls.items()}
     out.update({f"{name}_ms_min": round(min(w) * 1000, 3) for name, w in walls.items()})
+    # process_time ticks coarsely per call on some kernels: the mean over reps, not the median
+    out.update({f"{name}_cpu_ms": round(sum(c) / len(c) * 1000, 3) for name, c in cpus.items()})
     grid = processor.image_processor.preprocess_image(image).grid_thw
     out.update(image=f"{HASH_SIZE[0]}x{HASH_SIZE[1]} RGB", reps=reps, max_pixels=cfg.max_pixels,
                grid_thw=[int(g) for g in grid], preprocess_threads=processor.image_processor._threads,
+               ratio_hash_over_preprocess_cpu=round(out["hash_item_cpu_ms"] / out["preprocess_cpu_ms"], 4),
                ratio_hash_over_preprocess=round(out["hash_item_ms"] / out["preprocess_ms"], 4),
                default_cfg_max_pixels=default_cfg.cfg.max_pixels,
                ratio_key_over_preprocess=round(out["processor_key_ms"] / out["preprocess_ms"], 4),
@@ -281,7 +288,8 @@ def run(model: str = "100m", quick: bool = False, seed: int = 0, rounds: int | N
         "ttft_cached_over_uncached": head_t["ratio_cached_over_uncached"],
         "throughput_reuse_over_inline": head_b["ratio_reuse_over_inline"],
         "throughput_never_slower": all(r >= 1.0 for t in throughput.values() for r in t["ratio_per_round"]),
-        "hash_over_preprocess": hashing["ratio_hash_over_preprocess"],
+        "hash_over_preprocess": hashing["ratio_hash_over_preprocess_cpu"],
+        "hash_over_preprocess_wall": hashing["ratio_hash_over_preprocess"],
     }
     verdicts["meets"] = {
         "ttft": verdicts["ttft_cached_over_uncached"] <= TARGETS["ttft_cached_over_uncached"],
@@ -348,8 +356,11 @@ def print_table(res: dict[str, Any]) -> None:
     print(f"{'(c) preprocess_image, Qwen2-VL default cfg':<44} {h['preprocess_default_cfg_ms']:>9.2f} ms {'':>8} "
           f"{'':>8}  max_pixels {h['default_cfg_max_pixels']}; hash is "
           f"{h['ratio_hash_over_preprocess_default_cfg']:.1%} of it")
-    print(f"{'(c) hash_item(img)':<44} {h['hash_item_ms']:>9.2f} ms {h['ratio_hash_over_preprocess']:>7.1%} "
-          f"{'<=10%':>8}  min {h['hash_item_ms_min']:.2f} ms")
+    print(f"{'(c) hash_item(img), wall':<44} {h['hash_item_ms']:>9.2f} ms {h['ratio_hash_over_preprocess']:>7.1%} "
+          f"{'':>8}  min {h['hash_item_ms_min']:.2f} ms")
+    print(f"{'(c) hash_item(img), CPU time [headline]':<44} {h['hash_item_cpu_ms']:>9.2f} ms "
+          f"{h['ratio_hash_over_preprocess_cpu']:>7.1%} {'<=10%':>8}  preprocessing's CPU time "
+          f"{h['preprocess_cpu_ms']:.2f} ms ({h['preprocess_threads']} threads)")
     print(f"{'(c) processor key (dict incl. img)':<44} {h['processor_key_ms']:>9.2f} ms "
           f"{h['ratio_key_over_preprocess']:>7.1%} {'':>8}  what process() computes per image")
     print(f"\nheadline: {json.dumps(res['headline'])}")
