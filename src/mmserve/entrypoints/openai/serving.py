@@ -163,16 +163,25 @@ class OpenAIServing:
                                          body.mm_processor_kwargs)
         prompt = await self.engine.process_chat(messages, body.mm_processor_kwargs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+
+        def whole(final: RequestOutput) -> BaseModel:
+            completion = final.outputs[0]
+            choice = ChatChoice(message=ChatMessage(content=completion.text), finish_reason=completion.finish_reason)
+            return ChatCompletionResponse(id=request_id, model=model, choices=[choice], usage=_usage(final))
+
+        return await self._respond(request_id, model, prompt, body, raw, arrival_time, self._chat_chunks, whole)
+
+    async def _respond(self, request_id: str, model: str, prompt: ProcessedPrompt, body: Any, raw: Request,
+                       arrival_time: float, chunks: Callable[..., list[BaseModel]],
+                       whole: Callable[[RequestOutput], BaseModel]) -> Any:
+        """Run one request: server-sent events rendered by `chunks`, or the answer built by `whole`."""
         first, outputs = await self._start(request_id, prompt, body, raw, arrival_time)
         if body.stream:
-            render = partial(self._chat_chunks, request_id, model, body.include_usage)
+            render = partial(chunks, request_id, model, body.include_usage)
             return StreamingResponse(_stream_events(first, outputs, render), media_type="text/event-stream")
         final = first if first.finished else await _unless_disconnected(_last(outputs), raw)
         _raise_if_failed(final)
-        completion = final.outputs[0]
-        choice = ChatChoice(message=ChatMessage(content=completion.text), finish_reason=completion.finish_reason)
-        return JSONResponse(ChatCompletionResponse(id=request_id, model=model, choices=[choice],
-                                                   usage=_usage(final)).model_dump())
+        return JSONResponse(whole(final).model_dump())
 
     @staticmethod
     def _chat_chunks(request_id: str, model: str, include_usage: bool, output: RequestOutput,
@@ -213,16 +222,14 @@ class OpenAIServing:
             raw_prompt["multi_modal_uuids"] = media.uuids
         prompt = await self.engine.process(raw_prompt, body.mm_processor_kwargs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        first, outputs = await self._start(request_id, prompt, body, raw, arrival_time)
-        if body.stream:
-            render = partial(self._completion_chunks, request_id, model, body.include_usage)
-            return StreamingResponse(_stream_events(first, outputs, render), media_type="text/event-stream")
-        final = first if first.finished else await _unless_disconnected(_last(outputs), raw)
-        _raise_if_failed(final)
-        completion = final.outputs[0]
-        choice = CompletionChoice(text=completion.text, finish_reason=completion.finish_reason)
-        return JSONResponse(CompletionResponse(id=request_id, model=model, choices=[choice],
-                                               usage=_usage(final)).model_dump())
+
+        def whole(final: RequestOutput) -> BaseModel:
+            completion = final.outputs[0]
+            choice = CompletionChoice(text=completion.text, finish_reason=completion.finish_reason)
+            return CompletionResponse(id=request_id, model=model, choices=[choice], usage=_usage(final))
+
+        return await self._respond(request_id, model, prompt, body, raw, arrival_time, self._completion_chunks,
+                                   whole)
 
     @staticmethod
     def _completion_chunks(request_id: str, model: str, include_usage: bool, output: RequestOutput,
