@@ -396,7 +396,7 @@ def run(args: argparse.Namespace) -> None:
     cfg = TrainConfig(**resumed["cfg"]) if resumed else TrainConfig(
         seed=args.seed, batch_size=args.batch_size, aux_steps=args.aux_steps,
         joint_steps=args.joint_steps or TrainConfig.joint_steps, lr=args.lr,
-        focus_steps=args.focus_steps or 0, focus_lr=args.focus_lr)
+        focus_steps=TrainConfig.focus_steps if args.focus_steps is None else args.focus_steps, focus_lr=args.focus_lr)
     if resumed and args.joint_steps:  # extending a run: the cosine schedule stretches from here on
         cfg = replace(cfg, joint_steps=args.joint_steps)
     if resumed and args.focus_steps is not None:  # adding (or resizing) phase 3 before it starts
