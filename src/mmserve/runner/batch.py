@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from mmserve.runner.attention import DecodeGroup, PagedAttentionMetadata
-from mmserve.runner.fusion import gather_chunk_rows
+from mmserve.runner.fusion import ChunkPiece, gather_chunk_rows
 
 if TYPE_CHECKING:
     from mmserve.runner.model_runner import RunnerRequest
@@ -55,8 +55,10 @@ class BatchBuilder:
         self.sample_rows: list[RunnerRequest] = []
         self.num_tokens = 0
 
-    def add(self, state: RunnerRequest, num: int, item_outputs: dict[int, torch.Tensor]) -> None:
-        """Append `num` tokens of `state`; `item_outputs` maps item index -> encoder rows (prefill only)."""
+    def add(self, state: RunnerRequest, num: int, pieces: list[ChunkPiece],
+            item_outputs: dict[int, torch.Tensor]) -> None:
+        """Append `num` tokens of `state`; `pieces` are the encoder rows the chunk fuses (its plan) and
+        `item_outputs` maps each piece's item index -> that item's encoder rows."""
         start, end = state.num_computed_tokens, state.num_computed_tokens + num
         offset = self.num_tokens
         self.ids.append(np.asarray(state.token_ids[start:end], dtype=np.int64))
@@ -74,10 +76,8 @@ class BatchBuilder:
             self.prefill_tables.append(None)
         else:
             self.prefill_tables.append(state.block_ids[:num_blocks] if start > 0 else None)
-        if state.mm is not None and start < state.num_prompt_tokens:
-            pieces = state.mm.plan_chunk(start, end)
-            for rows, piece in zip(gather_chunk_rows(pieces, item_outputs), pieces):
-                self.fusion.append((rows, piece.token_positions + offset))
+        for rows, piece in zip(gather_chunk_rows(pieces, item_outputs), pieces):
+            self.fusion.append((rows, piece.token_positions + offset))
         if end == len(state.token_ids):  # the chunk reaches the last known token: sample the next
             self.sample_index.append(offset + num - 1)
             self.sample_rows.append(state)

@@ -23,7 +23,7 @@ from mmserve.models.qwen2_vl.model import Qwen2VLForConditionalGeneration
 from mmserve.runner.attention import PagedAttentionMetadata, PagedKVCache
 from mmserve.runner.batch import BatchBuilder
 from mmserve.runner.encoder_runner import EncodeJob, EncoderRunner
-from mmserve.runner.fusion import MultimodalRuntimeData
+from mmserve.runner.fusion import ChunkPiece, MultimodalRuntimeData
 from mmserve.runner.sampler import Sampler, SamplingMetadata
 from mmserve.sampling_params import SamplingParams
 
@@ -100,11 +100,13 @@ class ModelRunner:
             assert state.num_computed_tokens == cached.num_computed_tokens, "runner and scheduler disagree"
         result = ModelRunnerOutput()
         self._encode(sched, result)
-        result.skipped = {rid for rid, n in sched.num_scheduled_tokens.items() if not self._rows_ready(rid, n)}
+        # each prefill chunk's fusion pieces, planned once: to check its rows are ready, then to fuse them
+        plans = {rid: self._plan(rid, n) for rid, n in sched.num_scheduled_tokens.items()}
+        result.skipped = {rid for rid, pieces in plans.items() if not self._rows_ready(rid, pieces)}
         scheduled = {rid: n for rid, n in sched.num_scheduled_tokens.items()
                      if rid not in result.failed and rid not in result.skipped}
         if scheduled:
-            self._forward(scheduled, result)
+            self._forward(scheduled, plans, result)
         self.last_step.total_s = time.perf_counter() - started
         return result
 
@@ -135,22 +137,26 @@ class ModelRunner:
                 for it in items:
                     it.pixel_values = None
 
-    def _rows_ready(self, rid: str, num: int) -> bool:
-        """Are the encoder rows this request's chunk fuses all in the store?"""
+    def _plan(self, rid: str, num: int) -> list[ChunkPiece]:
+        """The encoder rows this request's next `num` tokens fuse (none outside a multimodal prefill)."""
         state = self.requests[rid]
         if state.mm is None or state.num_computed_tokens >= state.num_prompt_tokens:
-            return True
-        pieces = state.mm.plan_chunk(state.num_computed_tokens, state.num_computed_tokens + num)
-        return all(state.prompt.items[p.item_index].content_hash in self.encoder.store for p in pieces)
+            return []
+        return state.mm.plan_chunk(state.num_computed_tokens, state.num_computed_tokens + num)
 
-    def _forward(self, scheduled: dict[str, int], result: ModelRunnerOutput) -> None:
+    def _rows_ready(self, rid: str, pieces: list[ChunkPiece]) -> bool:
+        """Are the encoder rows this request's chunk fuses all in the store?"""
+        items = self.requests[rid].prompt.items
+        return all(items[p.item_index].content_hash in self.encoder.store for p in pieces)
+
+    def _forward(self, scheduled: dict[str, int], plans: dict[str, list[ChunkPiece]],
+                 result: ModelRunnerOutput) -> None:
         builder = BatchBuilder(self.block_size, self.device)
         for rid, num in scheduled.items():
-            state = self.requests[rid]
-            outputs = {}
-            if state.mm is not None and state.num_computed_tokens < state.num_prompt_tokens:
-                outputs = {i: self.encoder.store.get(it.content_hash) for i, it in enumerate(state.prompt.items)}
-            builder.add(state, num, outputs)
+            state, pieces = self.requests[rid], plans[rid]
+            outputs = {p.item_index: self.encoder.store[state.prompt.items[p.item_index].content_hash]
+                       for p in pieces}
+            builder.add(state, num, pieces, outputs)
         batch = builder.build()
         embeds = self.model.embed(batch.input_ids)
         for rows, positions in batch.fusion:
