@@ -198,11 +198,11 @@ def encode(processor: Qwen2VLProcessor, sample: shapes.Sample, im_end_id: int, c
     prompt = processor.process(chat.prompt, images=chat.images)
     answer_ids = processor.tokenizer.encode(sample.answer) + [im_end_id]
     n = len(prompt.prompt_token_ids)
-    tail = prompt.mrope_positions[:, -1:] + 1 + np.arange(len(answer_ids))[None, :]  # (3, answer)
-    positions = np.concatenate([prompt.mrope_positions, tail], axis=1)
-    grids = [tuple(int(x) for x in item.grid_thw) for item in prompt.items]
+    tail = prompt.positions.table[:, -1:] + 1 + np.arange(len(answer_ids))[None, :]  # (3, answer)
+    positions = np.concatenate([prompt.positions.table, tail], axis=1)
+    grids = [tuple(int(x) for x in item.payload.grid_thw) for item in prompt.items]
     return Encoded(list(prompt.prompt_token_ids) + answer_ids, positions, n,
-                   [np.asarray(item.pixel_values) for item in prompt.items], grids,
+                   [np.asarray(item.payload.pixel_values) for item in prompt.items], grids,
                    [aux_targets(s, g, cover_rank) for s, g in zip(sample.scenes, grids)], sample.question_type, sample.answer)
 
 

@@ -7,31 +7,43 @@ import torch
 from PIL import Image
 
 from mmserve.inputs.items import ProcessedPrompt
-from mmserve.models.generation import prefill_embeds
+from mmserve.inputs.media import MediaLimits
+from mmserve.models.generation import prefill_inputs, prompt_positions
 from mmserve.models.layers.attention import AttentionMetadata, ContiguousKVCache
 from mmserve.models.loader import load_model, read_config
-from mmserve.models.qwen2_vl.config import parse_config
-from mmserve.models.qwen2_vl.processor import Qwen2VLProcessor
+from mmserve.models.registry import resolve
+from mmserve.models.spec import FamilySpec
 
 
-def load_processor(model_dir) -> Qwen2VLProcessor:
-    return Qwen2VLProcessor(model_dir, parse_config(read_config(model_dir)))
+def load_processor(model_dir):
+    """The family's processor for a checkpoint, without loading weights."""
+    family = resolve(read_config(model_dir))
+    return family.processor_class(model_dir, family.parse_config(read_config(model_dir)), MediaLimits())
+
+
+def load_family(model_dir, dtype: str = "float32"):
+    """(model, processor, spec) for a checkpoint, as the engine builds them."""
+    family = resolve(read_config(model_dir))
+    model = load_model(model_dir, dtype)
+    processor = family.processor_class(model_dir, model.config, MediaLimits())
+    return model, processor, family.build_spec(model.config, processor, MediaLimits())
 
 
 def load_pair(model_dir):
-    model = load_model(model_dir)
-    return model, Qwen2VLProcessor(model_dir, model.config)
+    model, processor, _ = load_family(model_dir)
+    return model, processor
 
 
 @torch.inference_mode()
-def full_logits(model, prompt: ProcessedPrompt) -> torch.Tensor:
+def full_logits(model, prompt: ProcessedPrompt, spec: FamilySpec) -> torch.Tensor:
     """(num_tokens, vocab) logits of a whole prompt in one prefill."""
-    t = model.config.text
+    layout = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
     n = prompt.num_tokens
     dtype = next(model.parameters()).dtype
-    cache = ContiguousKVCache(t.num_hidden_layers, 1, n, t.num_key_value_heads, t.head_dim, dtype)
-    hidden = model(prefill_embeds(model, prompt, torch.device("cpu")), torch.from_numpy(prompt.mrope_positions),
-                   cache, AttentionMetadata([n], [0]))
+    cpu = torch.device("cpu")
+    cache = ContiguousKVCache(layout[0], 1, n, layout[1], layout[2], dtype)
+    embeds, extra = prefill_inputs(model, prompt, cpu)
+    hidden = model(embeds, prompt_positions(prompt, 0, n, cpu), cache, AttentionMetadata([n], [0]), extra)
     return model.compute_logits(hidden)
 
 

@@ -122,11 +122,11 @@ def test_batch_failure_fails_producer_consumer_completes(model_dir, images, refe
     encoder = llm.engine.runner.encoder
     real, calls = encoder.encode_fn, []
 
-    def flaky(pixels, grids):
-        calls.append(len(grids))
+    def flaky(payloads):
+        calls.append(len(payloads))
         if len(calls) == 1:
             raise RuntimeError("device fell over")
-        return real(pixels, grids)
+        return real(payloads)
 
     encoder.encode_fn = flaky
     outs = llm.chat([_conv(images[0]), _conv(images[0]), _conv(images[1])], GREEDY, use_tqdm=False)
@@ -143,13 +143,13 @@ def test_wrong_rows_for_one_key_fail_exactly_its_users(model_dir, images, refere
     real = encoder.encode_fn
     bad_rows = 64  # image 0 (224x224) has 64 rows; image 1 has 30
 
-    def corrupt(pixels, grids):
-        return [o[:-1] if o.shape[0] == bad_rows else o for o in real(pixels, grids)]
+    def corrupt(payloads):
+        return [o[:, :-1] if o.shape[1] == bad_rows else o for o in real(payloads)]
 
     encoder.encode_fn = corrupt
     outs = llm.chat([_conv(images[0]), _conv(*images), _conv(images[1])], GREEDY, use_tqdm=False)
     assert [o.outputs[0].finish_reason for o in outs[:2]] == ["error", "error"]
-    assert all("expected 64 rows" in o.error for o in outs[:2])
+    assert all("expected (1, 64, 64) (streams, rows, width)" in o.error for o in outs[:2])
     assert outs[2].outputs[0].token_ids == reference["b"]
     assert len(llm.engine.runner.encoder.store) == 1  # nothing half-written stays
     llm.check_integrity()
@@ -165,17 +165,19 @@ def test_request_over_output_budget_rejected_others_finish(model_dir, images, re
     llm.check_integrity()
 
 
-def test_pixels_dropped_once_encoded_rope_delta_kept(model_dir, images):
+def test_pixels_released_once_encoded_caller_prompt_untouched(model_dir, images):
     llm = LLM(model_dir)
     engine = llm.engine
-    engine.add_request("r", engine.process_chat(_conv(*images[:2])), GREEDY)
+    prompt = engine.process_chat(_conv(*images[:2]))
+    engine.add_request("r", prompt, GREEDY)
+    assert len(engine.tracked["r"].payloads) == 2
     engine.step()
-    prompt, _ = engine.runner.prompts["r"]
-    assert all(item.pixel_values is None for item in prompt.items)
-    delta, patches = prompt.rope_delta, [item.encoder_tokens for item in prompt.items]
+    assert engine.tracked["r"].payloads == {}  # encoded and held by the request: pixels released
+    assert all(item.payload is not None for item in prompt.items)  # the caller's prompt is not mutated
+    delta, patches = prompt.positions.decode_delta, [item.encoder_tokens for item in prompt.items]
     while engine.has_unfinished_requests():
         engine.step()
-    assert delta != 0 and "r" not in engine.runner.prompts
+    assert delta != 0 and "r" not in engine.runner.requests
     stats = llm.get_stats()
     for key in ("encoder_items_encoded", "encoder_cache_hits", "encoder_cache_misses", "encoder_cache_bytes_used",
                 "encoder_cache_bytes_total", "encoder_cache_evictions", "encoder_tokens_encoded",

@@ -71,7 +71,7 @@ def expected(checkpoint_dirs):
             kwargs = {}
             if frames is not None:
                 item = llm.engine.process_chat(ours).items[0]
-                kwargs = dict(videos_pixel_values=item.pixel_values, video_grid_thw=[list(item.grid_thw)])
+                kwargs = dict(videos_pixel_values=item.payload.pixel_values, video_grid_thw=[list(item.payload.grid_thw)])
             inputs, _ = reference_inputs(model_dir, ref_msgs, images, **kwargs)
             with torch.no_grad():
                 out = ref_model.generate(**inputs, max_new_tokens=NUM_TOKENS, min_new_tokens=NUM_TOKENS,

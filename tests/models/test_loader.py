@@ -12,7 +12,7 @@ from mmserve import ModelLoadError
 from mmserve.models.generation import generate
 from mmserve.models.loader import load_model
 from mmserve.models.registry import supported_architectures
-from tests.models.helpers import full_logits, image_part, load_processor, random_image, text_part, user
+from tests.models.helpers import full_logits, image_part, load_family, random_image, text_part, user
 
 
 def _copy(src, dst):
@@ -82,13 +82,13 @@ def test_sharded_checkpoint_loads_identically(model_dir, tmp_path):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_dtypes_load_and_stay_close(model_dir, dtype):
     img = random_image(np.random.default_rng(5), 64, 64)
-    proc = load_processor(model_dir)
+    reference, proc, spec = load_family(model_dir)
     chat = proc.render_chat(user(image_part(img), text_part("Describe.")))
     prompt = proc.process(chat.prompt, images=chat.images)
-    ref = full_logits(load_model(model_dir), prompt)
+    ref = full_logits(reference, prompt, spec)
     model = load_model(model_dir, dtype)
     assert next(model.parameters()).dtype == getattr(torch, dtype)
-    low = full_logits(model, prompt).float()
+    low = full_logits(model, prompt, spec).float()
     assert low.shape == ref.shape
     assert (low - ref).abs().max().item() < 0.25 * ref.abs().max().item()
-    assert len(list(generate(model, prompt, 4, min_new_tokens=4))) == 4
+    assert len(list(generate(model, spec, prompt, 4, min_new_tokens=4))) == 4

@@ -12,7 +12,7 @@ from tests.models.helpers import (
     REFERENCE_VIDEO_PART,
     full_logits,
     image_part,
-    load_pair,
+    load_family,
     random_image,
     text_part,
     user,
@@ -25,8 +25,8 @@ REFERENCE_CLASSES = {
 
 
 @pytest.fixture
-def pair(model_dir):
-    return load_pair(model_dir)
+def loaded(model_dir):
+    return load_family(model_dir)
 
 
 @pytest.fixture
@@ -61,30 +61,30 @@ def _both_inputs(model_dir, processor, case):
     video_items = [i for i in ours.items if i.modality == "video"]
     kwargs = {}
     if frames is not None:  # feed both implementations the same pixel_values_videos
-        kwargs = dict(videos_pixel_values=np.concatenate([i.pixel_values for i in video_items]),
-                      video_grid_thw=[list(i.grid_thw) for i in video_items])
+        kwargs = dict(videos_pixel_values=np.concatenate([i.payload.pixel_values for i in video_items]),
+                      video_grid_thw=[list(i.payload.grid_thw) for i in video_items])
     ref, _ = reference_inputs(model_dir, _reference_messages(messages), images, **kwargs)
     assert ours.prompt_token_ids == ref["input_ids"][0].tolist()
     return ours, ref
 
 
 @pytest.mark.parametrize("case", ["text", "one_image", "two_images", "video"])
-def test_logits_match_reference(model_dir, pair, reference, case):
-    model, processor = pair
+def test_logits_match_reference(model_dir, loaded, reference, case):
+    model, processor, spec = loaded
     ours, ref = _both_inputs(model_dir, processor, _cases(np.random.default_rng(11))[case])
     with torch.no_grad():
         ref_logits = reference(**ref).logits[0]
-    our_logits = full_logits(model, ours)
+    our_logits = full_logits(model, ours, spec)
     assert our_logits.shape == ref_logits.shape
     assert (our_logits - ref_logits).abs().max().item() <= 1e-4
 
 
 @pytest.mark.parametrize("case", ["one_image", "two_images", "video"])
-def test_greedy_generation_matches_reference(model_dir, pair, reference, case):
-    model, processor = pair
+def test_greedy_generation_matches_reference(model_dir, loaded, reference, case):
+    model, processor, spec = loaded
     ours, ref = _both_inputs(model_dir, processor, _cases(np.random.default_rng(12))[case])
     with torch.no_grad():
         out = reference.generate(**ref, max_new_tokens=24, min_new_tokens=24, do_sample=False)
     expected = out[0, ref["input_ids"].shape[1]:].tolist()
-    got = list(generate(model, ours, 24, min_new_tokens=24, stop_token_ids=model.config.eos_token_ids))
+    got = list(generate(model, spec, ours, 24, min_new_tokens=24, stop_token_ids=model.config.eos_token_ids))
     assert got == expected

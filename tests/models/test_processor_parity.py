@@ -54,8 +54,8 @@ def test_prompt_with_several_images_matches_reference(model_dir):
                         REFERENCE_IMAGE_PART, text_part("Which is brighter?")), images)
     assert chat.prompt == ref_prompt
     assert ours.prompt_token_ids == ref["input_ids"][0].tolist()
-    assert [list(i.grid_thw) for i in ours.items] == ref["image_grid_thw"].tolist()
-    pixels = np.concatenate([i.pixel_values for i in ours.items])
+    assert [list(i.payload.grid_thw) for i in ours.items] == ref["image_grid_thw"].tolist()
+    pixels = np.concatenate([i.payload.pixel_values for i in ours.items])
     assert np.abs(pixels - ref["pixel_values"].numpy()).max() <= 1e-5
     assert ours.metadata.output_embedding_lengths == tuple(int(g.prod()) // 4 for g in ref["image_grid_thw"])
     assert ours.metadata.encoder_token_lengths == tuple(int(g.prod()) for g in ref["image_grid_thw"])
@@ -73,4 +73,4 @@ def test_token_id_prompt_expands_like_text_prompt(model_dir):
     assert from_ids.prompt_token_ids == from_text.prompt_token_ids
     already_expanded = proc.process(prompt_token_ids=from_text.prompt_token_ids, images=[img])
     assert already_expanded.prompt_token_ids == from_text.prompt_token_ids
-    assert (from_ids.mrope_positions == from_text.mrope_positions).all()
+    assert (from_ids.positions.table == from_text.positions.table).all()

@@ -41,7 +41,7 @@ def make_items(max_items: int = 8, max_tokens: int = 1024, output_bytes: int | N
     budget, _ = EncoderBudget.resolve(max_items_per_step=max_items, max_encoder_tokens_per_step=max_tokens,
                                       output_budget_bytes=output_bytes, cache_bytes=cache_bytes,
                                       bytes_per_row=BYTES_PER_ROW, model_atomic_max_tokens=atomic_max,
-                                      tokens_per_row=4)
+                                      model_atomic_max_rows=atomic_max // 4)
     return ItemScheduler(EncoderCacheManager(budget.cache_bytes, budget.output_budget_bytes), budget)
 
 
@@ -59,6 +59,7 @@ class FakeRunner:
     def __init__(self, fail_batch_steps: set[int] = frozenset(), bad_keys: set[str] = frozenset()) -> None:
         self.fail_batch_steps = set(fail_batch_steps)  # step numbers whose encoder batch raises
         self.bad_keys = set(bad_keys)  # keys whose encoder output has the wrong shape
+        self.lost_keys: set[str] = set()  # keys the runner, once, neither commits nor reports failed
         self.items: dict[str, tuple] = {}
         self.encoded: list[tuple[str, int]] = []  # (request id, item index) in encoding order
         self.progress: dict[str, int] = {}
@@ -86,6 +87,9 @@ class FakeRunner:
             result.encoder_failed_keys = {k: f"bad output for {k}" for k in failed}
             self.encoded.extend((rid, i) for rid, idx in out.encoder_items.items() for i in idx
                                 if self.items[rid][i].content_hash not in failed)
+            lost, self.lost_keys = produced & self.lost_keys, self.lost_keys - produced  # lost once
+            result.encoder_committed_keys = sorted(produced - failed - lost)
+            failed = failed | lost  # a lost output's rows are not there either
         for rid, n in out.num_scheduled_tokens.items():
             s, e = self.progress[rid], self.progress[rid] + n
             if any(it.content_hash in failed and it.offset < e and it.end > s for it in self.items[rid]):

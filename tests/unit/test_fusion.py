@@ -19,13 +19,14 @@ def test_rows_before_is_the_cumsum(mm):
     assert [mm.rows_before(t) for t in (0, 2, 4, 6, 7, 10, 12)] == [0, 0, 2, 4, 4, 7, 7]
 
 
-def test_chunk_inside_one_item_is_a_view(mm):
-    outputs = {0: torch.randn(4, 8), 1: torch.randn(3, 8)}
+@pytest.mark.parametrize("streams", [1, 3])
+def test_chunk_inside_one_item_is_a_view_of_every_stream(mm, streams):
+    outputs = {0: torch.randn(streams, 4, 8), 1: torch.randn(streams, 3, 8)}
     pieces = mm.plan_chunk(3, 5)
     assert [(p.item_index, p.row_start, p.row_end, p.token_positions.tolist()) for p in pieces] == [(0, 1, 3, [0, 1])]
     (rows,) = gather_chunk_rows(pieces, outputs)
-    assert rows.data_ptr() == outputs[0][1].data_ptr()  # no copy
-    assert torch.equal(rows, outputs[0][1:3])
+    assert rows.data_ptr() == outputs[0][0, 1].data_ptr()  # no copy
+    assert torch.equal(rows, outputs[0][:, 1:3])
 
 
 def test_chunk_across_items_splits_by_item(mm):

@@ -34,6 +34,20 @@ def test_eight_requests_two_images_encode_twice():
     assert all(r.status == RequestStatus.FINISHED_LENGTH for r in reqs)
 
 
+def test_unset_budgets_take_the_one_set_of_defaults():
+    budget, warnings = EncoderBudget.resolve(max_items_per_step=4, max_encoder_tokens_per_step=None,
+                                             output_budget_bytes=None, cache_bytes=None, bytes_per_row=8,
+                                             model_atomic_max_tokens=64, model_atomic_max_rows=16)
+    assert warnings == []
+    assert budget.max_encoder_tokens_per_step == 16384
+    assert budget.output_budget_bytes == 256 << 20 and budget.cache_bytes == 2 * budget.output_budget_bytes
+    big, _ = EncoderBudget.resolve(max_items_per_step=4, max_encoder_tokens_per_step=None,
+                                   output_budget_bytes=None, cache_bytes=None, bytes_per_row=1 << 20,
+                                   model_atomic_max_tokens=40000, model_atomic_max_rows=10000)
+    assert big.max_encoder_tokens_per_step == 40000  # lifted to the largest item, no warning: none configured
+    assert big.output_budget_bytes == 10000 << 20 and big.cache_bytes == 2 * big.output_budget_bytes
+
+
 def test_one_item_per_step():
     sched, runner = make_scheduler(items=make_items(max_items=1)), FakeRunner()
     reqs = [_img_request("a", "b"), _img_request("c")]
@@ -50,7 +64,7 @@ def test_one_item_per_step():
 def test_token_budget_below_one_item_is_lifted_with_one_warning_line():
     budget, warnings = EncoderBudget.resolve(max_items_per_step=4, max_encoder_tokens_per_step=10,
                                              output_budget_bytes=None, cache_bytes=None, bytes_per_row=8,
-                                             model_atomic_max_tokens=64, tokens_per_row=4)
+                                             model_atomic_max_tokens=64, model_atomic_max_rows=16)
     assert budget.max_encoder_tokens_per_step == 64
     assert warnings == ["encoder token budget lifted: configured=10 effective=64 model_atomic_max=64"]
     sched, runner = make_scheduler(items=make_items(max_tokens=1, atomic_max=24)), FakeRunner()
@@ -113,6 +127,20 @@ def test_bad_output_for_one_key_fails_exactly_its_users():
     assert other.status == RequestStatus.FINISHED_LENGTH
     assert "bad" not in sched.encoder_cache.entries  # nothing half-written stays
     assert sorted(o.request_id for o in outs if o.finish_reason == "error") == sorted(u.request_id for u in users)
+
+
+def test_only_reported_commits_become_ready_an_unreported_key_is_produced_again():
+    sched, runner = make_scheduler(), FakeRunner()
+    runner.lost_keys = {"x"}
+    req = _img_request("x")
+    sched.add_request(req)
+    first = sched.schedule()
+    assert first.encoder_items == {req.request_id: (0,)}
+    sched.update(first, runner.execute(first))
+    assert sched.encoder_cache.state("x").value == "missing" and req.num_computed_tokens == 0
+    run_to_completion(sched, runner)
+    assert req.status == RequestStatus.FINISHED_LENGTH
+    assert [h.encoder_items for h in runner.history[:2]] == [{req.request_id: (0,)}] * 2
 
 
 def test_items_inside_a_prefix_hit_are_not_encoded():

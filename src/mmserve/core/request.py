@@ -94,7 +94,3 @@ class Request:
         if not self.sampling_params.ignore_eos:
             ids.update(self.eos_token_ids)
         return frozenset(ids)
-
-    def token_at(self, index: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]

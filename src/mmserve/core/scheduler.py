@@ -248,7 +248,9 @@ class Scheduler:
         return EngineCoreOutput(request.request_id, (), "error", error=error)
 
     def _apply_encoder_results(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Commit this step's encoder outputs, or fail exactly who the failure belongs to."""
+        """Commit what the runner reports committed; fail exactly who a failure belongs to. A key this step
+        produced that the runner reports neither committed nor failed goes back to MISSING: a later step
+        produces it again."""
         outputs = []
         produced = {}  # key -> producer request id
         for rid, indices in sched.encoder_items.items():
@@ -259,12 +261,11 @@ class Scheduler:
         for key, reason in result.encoder_failed_keys.items():  # pinned to one key: all its users fail
             for rid in sorted(self.encoder_cache.users(key)):
                 outputs.append(self._fail(self.requests[rid], reason))
+        committed = set(result.encoder_committed_keys)
         for key in produced:
-            if key in result.encoder_failed_keys:
-                continue
-            if result.encoder_batch_error is None:
+            if key in committed:
                 self.encoder_cache.commit(key)
-            else:
+            elif key not in result.encoder_failed_keys:
                 self.encoder_cache.fail(key)
         if result.encoder_batch_error is not None:  # only the producers fail; consumers keep waiting
             for rid in sorted(set(produced.values())):

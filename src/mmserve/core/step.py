@@ -41,7 +41,8 @@ class SchedulerOutput:
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     # tokens to compute this step per request, in batch order (prefill chunks and decodes together)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    # items each request must encode this step, by item index (runner holds the pixels)
+    # items each request must encode this step, by item index (the engine sends their payloads to the
+    # runner keyed by content key; pixels never enter core/)
     encoder_items: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # requests finished, aborted or preempted since the last step: the runner drops their state
     finished_request_ids: set[str] = field(default_factory=set)
@@ -63,6 +64,8 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     # requests that failed in the runner, with the reason; they finish with an error
     failed: dict[str, str] = field(default_factory=dict)
+    # encoder outputs validated and committed to the runner's store this step: only these become READY
+    encoder_committed_keys: list[str] = field(default_factory=list)
     # encoder outputs that failed validation, by key: every request using the key fails
     encoder_failed_keys: dict[str, str] = field(default_factory=dict)
     # an encoder batch failure not attributable to one item: only this step's producers fail

@@ -1,9 +1,12 @@
 """The engine: composes the processor, the scheduler (core/) and the model runner (runner/).
 
-Role: `add_request` turns user input into a `ProcessedPrompt`, hands the scheduler a torch-free
-`Request` and the runner the payload; `step` runs schedule -> execute -> update, detokenizes,
-applies stop strings and returns `RequestOutput`s; `abort_request` finishes requests at any time.
-This is the only module that holds both core/ and runner/.
+Role: build the model family's pieces from the registry (model, processor, `FamilySpec`) and size
+the KV cache and encoder budgets from the spec; `add_request` turns user input into a
+`ProcessedPrompt`, hands the scheduler a torch-free `Request` and keeps the items' payloads; `step`
+runs schedule -> execute -> update, sending the runner each new request's prompt and the payloads
+of the items to encode (keyed by content key), releases payloads once encoded, detokenizes, applies
+stop strings and returns `RequestOutput`s; `abort_request` finishes requests at any time.
+This is the only module that holds both core/ and runner/. It knows no family.
 """
 
 from __future__ import annotations
@@ -11,32 +14,32 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from mmserve.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
 from mmserve.core.budget import EncoderBudget, bytes_per_embedding_row
-from mmserve.core.encoder_cache import EncoderCacheManager
+from mmserve.core.encoder_cache import EncoderCacheManager, EntryState
 from mmserve.core.item_scheduler import ItemScheduler
 from mmserve.core.kv_cache import KVCacheManager
 from mmserve.core.request import ItemSpec, Request, RequestStatus
 from mmserve.core.scheduler import Scheduler, SchedulerLimits
-from mmserve.core.step import EngineCoreOutput
+from mmserve.core.step import EngineCoreOutput, SchedulerOutput
 from mmserve.engine.detokenizer import IncrementalDetokenizer
 from mmserve.engine.prompts import parse_prompt
 from mmserve.errors import InvalidInputError
 from mmserve.inputs.items import ProcessedPrompt
-from mmserve.models.loader import generation_eos_ids, load_model, parse_dtype
-from mmserve.models.qwen2_vl.processor import Qwen2VLProcessor
+from mmserve.models.loader import generation_eos_ids, load_model, parse_dtype, read_config
+from mmserve.models.registry import resolve
 from mmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mmserve.runner.attention import PagedKVCache
-from mmserve.runner.model_runner import ModelRunner
+from mmserve.runner.encoder_runner import EncodeJob
+from mmserve.runner.model_runner import ModelRunner, RunnerPrompt, StepInputs
 from mmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("mmserve.engine")
-DEFAULT_ENCODER_TOKENS_PER_STEP = 16384
-DEFAULT_ENCODER_OUTPUT_BYTES = 256 * 1024 * 1024
 
 
 @dataclass
@@ -47,6 +50,8 @@ class _Tracked:
     prompt: str | None
     detokenizer: IncrementalDetokenizer
     metrics: RequestMetrics
+    runner_prompt: RunnerPrompt
+    payloads: dict[int, Any]  # item index -> the family's encoder input, until the item is encoded and held
     stop_reason: int | str | None = None
 
 
@@ -56,13 +61,15 @@ class Engine:
         torch.manual_seed(config.seed)
         self.device = torch.device(config.device)
         self.dtype = parse_dtype(config.dtype)
+        family = resolve(read_config(config.model))
         self.model = load_model(config.model, self.dtype, self.device)
-        self.processor = Qwen2VLProcessor(config.model, self.model.config, config.media)
-        text = self.model.config.text
-        self.max_model_len = config.scheduler.max_model_len or text.max_position_embeddings
+        self.processor = family.processor_class(Path(config.model), self.model.config, config.media)
+        self.spec = family.build_spec(self.model.config, self.processor, config.media)
+        self.max_model_len = config.scheduler.max_model_len or self.spec.max_position_embeddings
         num_blocks = self._num_kv_blocks()
-        self.kv_cache = PagedKVCache(text.num_hidden_layers, num_blocks, config.cache.block_size,
-                                     text.num_key_value_heads, text.head_dim, self.dtype, self.device)
+        spec = self.spec
+        self.kv_cache = PagedKVCache(spec.num_layers, num_blocks, config.cache.block_size, spec.num_kv_heads,
+                                     spec.head_dim, self.dtype, self.device)
         kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.budget = self._resolve_budget()
         items = ItemScheduler(EncoderCacheManager(self.budget.cache_bytes, self.budget.output_budget_bytes),
@@ -70,46 +77,35 @@ class Engine:
         sched = config.scheduler
         self.scheduler = Scheduler(SchedulerLimits(sched.max_num_seqs, sched.max_num_batched_tokens,
                                                    sched.enable_chunked_prefill, self.max_model_len), kv, items)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
-        eos = set(self.model.config.eos_token_ids) | set(generation_eos_ids(config.model))
+        self.runner = ModelRunner(self.model, spec, self.kv_cache, self.device)
+        eos = set(spec.eos_token_ids) | set(generation_eos_ids(config.model))
         if self.processor.tokenizer.eos_token_id is not None:
             eos.add(self.processor.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
         self.tracked: dict[str, _Tracked] = {}
         self._pending_outputs: list[RequestOutput] = []  # rejected at admission, returned by the next step
 
-    def _model_atomic_max_tokens(self) -> int:
-        """Encoder tokens of the largest item the model accepts: an image at max_pixels, or a video of
-        max_video_frames frames at max_pixels each."""
-        ip = self.processor.image_processor.cfg
-        per_frame = ip.max_pixels // (ip.patch_size * ip.patch_size)
-        frames = -(-self.config.media.max_video_frames // ip.temporal_patch_size)
-        return per_frame * max(frames, 1)
-
     def _resolve_budget(self) -> EncoderBudget:
-        enc = self.config.encoder
+        enc, spec = self.config.encoder, self.spec
         element = torch.empty((), dtype=self.dtype).element_size()
-        row_bytes = bytes_per_embedding_row(element, self.model.config.vision.out_hidden_size,
-                                            tuple(self.model.language_model.embed_tokens.weight.shape))
-        atomic = self._model_atomic_max_tokens()
+        row_bytes = bytes_per_embedding_row(element, spec.embed_dim * spec.num_embedding_streams)
         budget, _ = EncoderBudget.resolve(
             max_items_per_step=enc.max_encoder_items_per_step,
-            max_encoder_tokens_per_step=enc.max_encoder_tokens_per_step or max(DEFAULT_ENCODER_TOKENS_PER_STEP, atomic),
-            output_budget_bytes=enc.encoder_output_budget_bytes or DEFAULT_ENCODER_OUTPUT_BYTES,
-            cache_bytes=enc.encoder_cache_bytes or 2 * (enc.encoder_output_budget_bytes or DEFAULT_ENCODER_OUTPUT_BYTES),
-            bytes_per_row=row_bytes, model_atomic_max_tokens=atomic,
-            tokens_per_row=self.model.config.vision.spatial_merge_size ** 2)
+            max_encoder_tokens_per_step=enc.max_encoder_tokens_per_step,
+            output_budget_bytes=enc.encoder_output_budget_bytes, cache_bytes=enc.encoder_cache_bytes,
+            bytes_per_row=row_bytes, model_atomic_max_tokens=spec.max_item_encoder_tokens,
+            model_atomic_max_rows=spec.max_item_rows)
         logger.info("encoder budgets: items/step=%d tokens/step=%d output=%dB cache=%dB row=%dB atomic_max=%d",
                     budget.max_items_per_step, budget.max_encoder_tokens_per_step, budget.output_budget_bytes,
                     budget.cache_bytes, budget.bytes_per_row, budget.model_atomic_max_tokens)
         return budget
 
     def _num_kv_blocks(self) -> int:
-        cache, text = self.config.cache, self.model.config.text
+        cache, spec = self.config.cache, self.spec
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
-        per_block = PagedKVCache.bytes_per_block(text.num_hidden_layers, cache.block_size,
-                                                 text.num_key_value_heads, text.head_dim, self.dtype)
+        per_block = PagedKVCache.bytes_per_block(spec.num_layers, cache.block_size, spec.num_kv_heads,
+                                                 spec.head_dim, self.dtype)
         num = (cache.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // per_block
         if num < 1:
             raise ValueError(f"kv_cache_bytes={cache.kv_cache_bytes} is smaller than one block ({per_block} bytes)")
@@ -141,13 +137,16 @@ class Engine:
                           arrival_time or time.time())
         detok = IncrementalDetokenizer(self.processor.tokenizer, request.prompt_token_ids,
                                        params.skip_special_tokens, params.stop, params.include_stop_str_in_output)
-        tracked = _Tracked(request, prompt.prompt, detok, RequestMetrics(request.arrival_time))
+        runner_prompt = RunnerPrompt(prompt.positions, prompt.embed_mask, prompt.embed_cumsum,
+                                     tuple(i.content_hash for i in prompt.items),
+                                     tuple(i.output_rows for i in prompt.items), tuple(sorted(request.stop_token_ids)))
+        tracked = _Tracked(request, prompt.prompt, detok, RequestMetrics(request.arrival_time), runner_prompt,
+                           {i: it.payload for i, it in enumerate(prompt.items)})
         rejection = self.scheduler.add_request(request)
         if rejection is not None:  # can never fit the encoder budgets: finish now, others run on
             self._pending_outputs.append(self._make_output(tracked, "error", rejection))
             return
         self.tracked[request_id] = tracked
-        self.runner.add_prompt(request_id, prompt, tuple(sorted(request.stop_token_ids)))
 
     # ---- stepping -------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -162,9 +161,36 @@ class Engine:
         for new in sched.new_requests:
             tracked = self.tracked[new.request_id]
             tracked.metrics.first_scheduled_time = tracked.metrics.first_scheduled_time or now
-        result = self.runner.execute(sched)
+        result = self.runner.execute(sched, self._step_inputs(sched))
         core_outputs = self.scheduler.update(sched, result)
+        self._drop_encoded_payloads(set(sched.num_scheduled_tokens) | set(sched.encoder_items))
         return pending + [self._output(o) for o in core_outputs]
+
+    def _step_inputs(self, sched: SchedulerOutput) -> StepInputs:
+        """The prompts of new (or resumed) requests and the payloads of this step's items, by content key."""
+        inputs = StepInputs({n.request_id: self.tracked[n.request_id].runner_prompt for n in sched.new_requests})
+        for rid, indices in sched.encoder_items.items():
+            tracked = self.tracked[rid]
+            for i in indices:
+                spec = tracked.request.items[i]
+                if i not in tracked.payloads:  # dropped only once encoded and held: a bookkeeping bug
+                    raise RuntimeError(f"{rid}: item {i} is scheduled for encoding but its payload was released")
+                inputs.encoder_jobs.append(EncodeJob(spec.content_hash, tracked.payloads[i], spec.output_rows,
+                                                     spec.encoder_tokens))
+        return inputs
+
+    def _drop_encoded_payloads(self, request_ids: set[str]) -> None:
+        """Release the pixels of items that are encoded and referenced by their request: the cache keeps
+        a referenced entry until the request finishes, so they are never needed again."""
+        cache = self.scheduler.encoder_cache
+        for rid in request_ids:
+            tracked = self.tracked.get(rid)
+            if tracked is None or not tracked.payloads:
+                continue
+            for i in list(tracked.payloads):
+                key = tracked.request.items[i].content_hash
+                if cache.state(key) == EntryState.READY and cache.holds(rid, key):
+                    del tracked.payloads[i]
 
     def _output(self, core: EngineCoreOutput) -> RequestOutput:
         tracked = self.tracked[core.request_id]
@@ -188,7 +214,7 @@ class Engine:
             tracked.metrics.finish_time = time.time()
             tracked.metrics.num_preemptions = request.num_preemptions
             self.tracked.pop(request.request_id, None)
-            self.runner.drop_prompt(request.request_id)
+            self.runner.release(request.request_id)
         delta = tracked.detokenizer.take_delta(finished)
         completion = CompletionOutput(0, tracked.detokenizer.output_text, list(request.output_token_ids), finish,
                                       tracked.stop_reason if finish == "stop" else None)
@@ -239,7 +265,7 @@ class Engine:
         self.scheduler.check_integrity()
         live = set(self.scheduler.requests)
         assert set(self.tracked) == live, "engine and scheduler disagree on live requests"
-        assert set(self.runner.prompts) <= live, "runner holds payloads of finished requests"
+        assert set(self.runner.requests) <= live, "runner holds state of finished requests"
         cache = self.scheduler.encoder_cache
-        ready = {k for k, e in cache.entries.items() if e.state.value == "ready"}
+        ready = {k for k, e in cache.entries.items() if e.state == EntryState.READY}
         assert ready <= set(self.runner.encoder.store), "a ready encoder entry has no tensor in the runner"

@@ -185,11 +185,11 @@ def _serve(args: argparse.Namespace) -> int:
     config = EngineConfig.from_kwargs(model, **_engine_kwargs(args))
     fetch = FetchPolicy(timeout_s=args.media_fetch_timeout, allowed_domains=tuple(args.allowed_media_domains),
                         allow_private=args.allow_private_media_urls)
-    rules = MediaRules(config.media, fetch, args.max_video_bytes, limits)
     name = args.served_model_name or args.model or DEMO_MODEL_NAME
-    server_config = ServerConfig(name, rules, args.api_key, extra_model_names=(model,) if name != model else ())
     print(f"loading {model} ...", file=sys.stderr, flush=True)
     engine = Engine(config)
+    rules = MediaRules(config.media, fetch, args.max_video_bytes, limits, engine.spec.default_video_fps)
+    server_config = ServerConfig(name, rules, args.api_key, extra_model_names=(model,) if name != model else ())
     serve(engine, server_config, args.host, args.port, args.log_level)
     return 0
 

@@ -153,9 +153,3 @@ def hash_item(value: Any) -> str:
         h.update(piece)
     return h.hexdigest()
 
-
-def digest_bytes(data: bytes) -> str:
-    """Hex blake3 digest of raw source bytes (e.g. a video file), domain-tagged."""
-    h = blake3.blake3(HASH_DOMAIN + b".bytes")
-    h.update(data)
-    return h.hexdigest()

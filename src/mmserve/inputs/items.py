@@ -2,13 +2,15 @@
 
 Role: the typed result of input processing and the only thing the engine sees of a prompt.
 An item carries its placeholder span, its encoder sizes (pre-merge patches, post-merge rows),
-its content key and, until it is encoded, its pixel payload.
-What it does not know: engine state, tensors on devices.
+its content key and its family-owned payload (pixels, grids: whatever the family's encoder reads).
+The prompt carries its placeholder masks, the embed cumsum and its position table.
+What it does not know: engine state, tensors on devices, what a payload holds.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -16,22 +18,47 @@ IMAGE = "image"
 VIDEO = "video"
 
 
-@dataclass
+@dataclass(frozen=True)
 class MMItem:
     modality: str  # IMAGE or VIDEO
     index: int  # position among the prompt's items of this modality
     offset: int  # first token of the item's placeholder span in the prompt
     length: int  # tokens in the span (embedding rows plus any special tokens inside it)
-    grid_thw: tuple[int, int, int]  # patch grid before merging
     encoder_tokens: int  # pre-merge patches the vision tower processes
     output_rows: int  # post-merge embedding rows the item fills
     content_hash: str  # identity of what the model sees (pixels + processing)
-    pixel_values: np.ndarray | None = None  # (encoder_tokens, C*T*P*P) float32; dropped once encoded
-    time_interval: float = 1.0  # M-RoPE step between temporal patches (videos on Qwen2.5-VL)
+    payload: Any = None  # the family's encoder input; only the family's model reads it
 
     @property
     def ref(self) -> tuple[str, int]:
         return (self.modality, self.index)
+
+
+@dataclass(frozen=True)
+class PromptPositions:
+    """Rotary positions of a prompt's tokens, and of the tokens generated after it.
+
+    `table` is (num_rows, num_prompt_tokens) int64, or None when a token's position is its index
+    (1-D RoPE). Past the prompt every row holds `index + decode_delta`."""
+
+    num_rows: int
+    table: np.ndarray | None = None
+    decode_delta: int = 0
+
+    def columns(self, start: int, end: int, num_prompt_tokens: int) -> np.ndarray:
+        """(num_rows, end - start) positions of tokens [start, end)."""
+        if self.table is None and self.decode_delta == 0:
+            row = np.arange(start, end, dtype=np.int64)
+            return np.broadcast_to(row, (self.num_rows, row.size))
+        cols = []
+        if start < num_prompt_tokens:
+            stop = min(end, num_prompt_tokens)
+            cols.append(self.table[:, start:stop] if self.table is not None
+                        else np.broadcast_to(np.arange(start, stop, dtype=np.int64), (self.num_rows, stop - start)))
+        if end > num_prompt_tokens:
+            row = np.arange(max(start, num_prompt_tokens), end, dtype=np.int64) + self.decode_delta
+            cols.append(np.broadcast_to(row, (self.num_rows, row.size)))
+        return cols[0] if len(cols) == 1 else np.concatenate(cols, axis=1)
 
 
 @dataclass(frozen=True)
@@ -56,8 +83,7 @@ class ProcessedPrompt:
     mm_mask: np.ndarray | None = None  # (num_tokens,) bool: inside a multimodal span
     embed_mask: np.ndarray | None = None  # (num_tokens,) bool: row comes from an encoder output
     embed_cumsum: np.ndarray | None = None  # (num_tokens,) int64 running count of embed rows
-    mrope_positions: np.ndarray | None = None  # (3, num_tokens) int64
-    rope_delta: int = 0  # decode position = token index + rope_delta
+    positions: PromptPositions = field(default_factory=lambda: PromptPositions(1))
 
     @property
     def metadata(self) -> ItemMetadata:

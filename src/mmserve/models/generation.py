@@ -1,9 +1,10 @@
-"""Single-request generation over a contiguous KV cache.
+"""Single-request generation over a contiguous KV cache, for any family.
 
 Role: the shortest honest path from a `ProcessedPrompt` to tokens — encode the items, fuse
-their rows at the embed-mask positions, prefill, then decode with the rope delta. Used by
-`mmserve generate` and as a check on the model; the engine does the same work batched.
-What it does not know: scheduling, batching, paged KV.
+their rows (every embedding stream) at the embed-mask positions, prefill, then decode with the
+prompt's positions. Used by `mmserve generate` and as a check on the model; the engine does the
+same work batched.
+What it does not know: scheduling, batching, paged KV, any family.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ import torch
 
 from mmserve.inputs.items import ProcessedPrompt
 from mmserve.models.layers.attention import AttentionMetadata, ContiguousKVCache
-from mmserve.models.qwen2_vl.model import Qwen2VLForConditionalGeneration
-from mmserve.models.qwen2_vl.mrope import decode_positions
+from mmserve.models.spec import FamilyModel, FamilySpec
 
 # Picks the next token from (vocab,) logits given the tokens generated so far.
 TokenPicker = Callable[[torch.Tensor, list[int]], int]
@@ -26,30 +26,39 @@ def greedy(logits: torch.Tensor, generated: list[int]) -> int:
     return int(torch.argmax(logits))
 
 
-def prefill_embeds(model: Qwen2VLForConditionalGeneration, prompt: ProcessedPrompt,
-                   device: torch.device) -> torch.Tensor:
-    """(num_tokens, hidden) input embeddings with every item's rows fused in."""
+def prefill_inputs(model: FamilyModel, prompt: ProcessedPrompt,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(num_tokens, hidden) input embeddings with every item's main rows fused in, and the extra
+    embedding streams (streams - 1, num_tokens, hidden), zero at text rows, or None."""
     ids = torch.tensor(prompt.prompt_token_ids, dtype=torch.long, device=device)
+    embeds = model.embed(ids)
     if not prompt.items:
-        return model.embed(ids)
-    pixels = torch.from_numpy(np.concatenate([i.pixel_values for i in prompt.items])).to(device)
-    rows = model.encode(pixels, [i.grid_thw for i in prompt.items])
+        return embeds, None
+    rows = torch.cat(model.encode_items([i.payload for i in prompt.items]), dim=1)  # (streams, rows, hidden)
     positions = torch.from_numpy(np.flatnonzero(prompt.embed_mask)).to(device)  # built on the CPU
-    return model.embed(ids, rows, positions)
+    embeds = embeds.index_copy(0, positions, rows[0].to(embeds.dtype))
+    if rows.shape[0] == 1:
+        return embeds, None
+    extra = embeds.new_zeros(rows.shape[0] - 1, *embeds.shape)
+    return embeds, extra.index_copy_(1, positions, rows[1:].to(embeds.dtype))
+
+
+def prompt_positions(prompt: ProcessedPrompt, start: int, end: int, device: torch.device) -> torch.Tensor:
+    cols = prompt.positions.columns(start, end, prompt.num_tokens)
+    return torch.from_numpy(np.ascontiguousarray(cols)).to(device)
 
 
 @torch.inference_mode()
-def generate(model: Qwen2VLForConditionalGeneration, prompt: ProcessedPrompt, max_new_tokens: int,
+def generate(model: FamilyModel, spec: FamilySpec, prompt: ProcessedPrompt, max_new_tokens: int,
              stop_token_ids: tuple[int, ...] = (), min_new_tokens: int = 0,
              pick: TokenPicker = greedy) -> Iterator[int]:
     """Yield generated token ids one at a time (stop tokens are yielded, then generation ends)."""
     device = next(model.parameters()).device
-    text = model.config.text
     n = prompt.num_tokens
-    cache = ContiguousKVCache(text.num_hidden_layers, 1, n + max_new_tokens, text.num_key_value_heads,
-                              text.head_dim, next(model.parameters()).dtype, device)
-    positions = torch.from_numpy(prompt.mrope_positions).to(device)
-    hidden = model(prefill_embeds(model, prompt, device), positions, cache, AttentionMetadata([n], [0]))
+    cache = ContiguousKVCache(spec.num_layers, 1, n + max_new_tokens, spec.num_kv_heads, spec.head_dim,
+                              next(model.parameters()).dtype, device)
+    embeds, extra = prefill_inputs(model, prompt, device)
+    hidden = model(embeds, prompt_positions(prompt, 0, n, device), cache, AttentionMetadata([n], [0]), extra)
     logits = model.compute_logits(hidden[-1:])[0]
     generated: list[int] = []
     for step in range(max_new_tokens):
@@ -60,7 +69,7 @@ def generate(model: Qwen2VLForConditionalGeneration, prompt: ProcessedPrompt, ma
         yield token
         if token in stop_token_ids and step >= min_new_tokens or step + 1 == max_new_tokens:
             return
-        pos = torch.from_numpy(decode_positions(n + step, 1, prompt.rope_delta).copy()).to(device)
         ids = torch.tensor([token], dtype=torch.long, device=device)
+        pos = prompt_positions(prompt, n + step, n + step + 1, device)
         hidden = model(model.embed(ids), pos, cache, AttentionMetadata([1], [n + step]))
         logits = model.compute_logits(hidden)[0]

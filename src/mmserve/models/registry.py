@@ -1,28 +1,21 @@
-"""Architecture name (config.json `architectures[0]`) -> model family entry.
+"""Architecture name (config.json `architectures[0]`) -> model family.
 
-Role: the one table that says which architectures mmserve serves and with which classes.
+Role: the one table that says which architectures mmserve serves; each family's folder exports
+its `FAMILIES` (architecture -> `ModelFamily`), and adding a family adds one line here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 from mmserve.errors import ModelLoadError
-from mmserve.models.qwen2_vl.config import QWEN2_5_VL, QWEN2_VL, parse_config
-from mmserve.models.qwen2_vl.model import Qwen2VLForConditionalGeneration
+from mmserve.models.llava_onevision import family as llava_onevision
+from mmserve.models.qwen2_vl import family as qwen2_vl
+from mmserve.models.qwen3_vl import family as qwen3_vl
+from mmserve.models.spec import ModelFamily
 
-
-@dataclass(frozen=True)
-class ModelFamily:
-    name: str
-    model_class: type
-    parse_config: Any  # callable(raw config dict) -> typed config
-
-
-_FAMILIES = {
-    QWEN2_VL: ModelFamily("qwen2_vl", Qwen2VLForConditionalGeneration, parse_config),
-    QWEN2_5_VL: ModelFamily("qwen2_5_vl", Qwen2VLForConditionalGeneration, parse_config),
+_FAMILIES: dict[str, ModelFamily] = {
+    **qwen2_vl.FAMILIES,
+    **llava_onevision.FAMILIES,
+    **qwen3_vl.FAMILIES,
 }
 
 

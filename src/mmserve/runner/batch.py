@@ -1,6 +1,6 @@
 """Build one step's flattened ragged batch on the CPU.
 
-Role: for every scheduled request, in batch order, append its new tokens' ids, M-RoPE positions
+Role: for every scheduled request, in batch order, append its new tokens' ids, positions
 and KV slots; plan which encoder rows each prefill chunk fuses and where; note which rows are
 sampled; build the paged-attention metadata (block tables, decode padding masks). Everything is
 numpy/ints until `build()`, which ships tensors to the device with non_blocking copies (from
@@ -31,7 +31,7 @@ DECODE_BUCKET_FILL = 0.75
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # (num_tokens,)
-    positions: torch.Tensor  # (3, num_tokens)
+    positions: torch.Tensor  # (num_position_rows, num_tokens)
     attn: PagedAttentionMetadata
     fusion: list[tuple[torch.Tensor, torch.Tensor]]  # (rows view, batch token positions)
     sample_index: torch.Tensor  # (num_sampled,) rows of the batch whose logits are sampled

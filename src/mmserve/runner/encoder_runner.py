@@ -1,32 +1,35 @@
-"""Run scheduled media items through the vision tower; validate, then commit.
+"""Run scheduled media items through the family's encoder; validate, then commit.
 
-Role: encode one step's items as one batch, check every output's rows, width and dtype before
-committing any of them to the store (content key -> embedding rows), and attribute failures:
-an output of the wrong shape fails its key only; an exception from the batch as a whole cannot be
-pinned to one item and is reported as a batch error (the scheduler fails only its producers).
+Role: encode one step's items as one batch (`EncodeJob`s: a content key, the family's payload, the
+rows expected), check every output's streams, rows, width and dtype before committing any of them
+to the store (content key -> (streams, rows, width) tensor), and attribute failures: an output of
+the wrong shape fails its key only; an exception from the batch as a whole cannot be pinned to one
+item and is reported as a batch error (the scheduler fails only its producers).
 
 What it does not know: requests' progress, budgets, eviction policy (the scheduler sends the keys
-to free).
+to free), what a payload holds (only the family's encoder reads it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-import numpy as np
 import torch
 
-# (pixel_values, grids) -> one (rows, hidden) tensor per item, in order
-EncodeFn = Callable[[torch.Tensor, Sequence[tuple[int, int, int]]], list[torch.Tensor]]
+# payloads -> one (streams, rows, width) tensor per payload, in order
+EncodeFn = Callable[[Sequence[Any]], list[torch.Tensor]]
 
 
 @dataclass(frozen=True)
 class EncodeJob:
+    """One item to encode, keyed by content: the message that carries its payload to the runner."""
+
     key: str
-    pixel_values: np.ndarray  # (encoder_tokens, C*T*P*P)
-    grid_thw: tuple[int, int, int]
+    payload: Any  # the family's encoder input
     expected_rows: int
+    encoder_tokens: int  # pre-merge patches (for accounting)
 
 
 @dataclass
@@ -37,12 +40,19 @@ class EncodeResult:
     num_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class OutputShape:
+    """What every committed encoder output must look like (besides its rows)."""
+
+    num_streams: int
+    width: int
+    dtype: torch.dtype
+
+
 class EncoderRunner:
-    def __init__(self, encode_fn: EncodeFn, width: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, encode_fn: EncodeFn, shape: OutputShape) -> None:
         self.encode_fn = encode_fn
-        self.width = width
-        self.dtype = dtype
-        self.device = device
+        self.shape = shape
         self.store: dict[str, torch.Tensor] = {}
         self.num_items_encoded = 0
         self.num_tokens_encoded = 0
@@ -56,8 +66,7 @@ class EncoderRunner:
         if not jobs:
             return result
         try:
-            pixels = torch.from_numpy(np.concatenate([j.pixel_values for j in jobs]))
-            outputs = self.encode_fn(pixels.to(self.device, non_blocking=True), [j.grid_thw for j in jobs])
+            outputs = self.encode_fn([j.payload for j in jobs])
             if len(outputs) != len(jobs):
                 raise RuntimeError(f"encoder returned {len(outputs)} outputs for {len(jobs)} items")
         except Exception as exc:  # cannot be pinned to one item
@@ -73,17 +82,17 @@ class EncoderRunner:
         for job, out in valid:
             self.store[job.key] = out
             result.committed.append(job.key)
-            result.num_tokens += job.pixel_values.shape[0]
+            result.num_tokens += job.encoder_tokens
         self.num_items_encoded += len(valid)
         self.num_tokens_encoded += result.num_tokens
         return result
 
     def _problem(self, job: EncodeJob, out: torch.Tensor) -> str | None:
-        if out.dim() != 2 or out.shape[0] != job.expected_rows:
-            return (f"encoder output for item {job.key[:12]} has shape {tuple(out.shape)}; "
-                    f"expected {job.expected_rows} rows")
-        if out.shape[1] != self.width:
-            return f"encoder output for item {job.key[:12]} has width {out.shape[1]}; expected {self.width}"
-        if out.dtype != self.dtype:
-            return f"encoder output for item {job.key[:12]} has dtype {out.dtype}; expected {self.dtype}"
+        s = self.shape
+        expected = (s.num_streams, job.expected_rows, s.width)
+        if tuple(out.shape) != expected:
+            return (f"encoder output for item {job.key[:12]} has shape {tuple(out.shape)}; expected "
+                    f"{expected} (streams, rows, width)")
+        if out.dtype != s.dtype:
+            return f"encoder output for item {job.key[:12]} has dtype {out.dtype}; expected {s.dtype}"
         return None

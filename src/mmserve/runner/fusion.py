@@ -4,7 +4,7 @@ Role: `MultimodalRuntimeData` answers, per request, three O(1) questions from pr
 arrays: how many embedding rows precede a token (the embed cumsum), which item holds a given
 row, and where that item's rows start. `plan_chunk` turns a chunk [start, end) into
 (item, row slice, token positions) pieces; `gather_chunk_rows` slices the items' output
-tensors — a chunk inside one item gets a view, never a copy (slice before joining).
+tensors (all embedding streams alike) — a chunk inside one item gets a view, never a copy (slice before joining).
 
 What it does not know: scheduling, models, devices beyond the tensors it is given.
 """
@@ -63,5 +63,5 @@ class MultimodalRuntimeData:
 
 
 def gather_chunk_rows(pieces: list[ChunkPiece], item_outputs: Mapping[int, torch.Tensor]) -> list[torch.Tensor]:
-    """Row slices for each piece: views into the items' output tensors."""
-    return [item_outputs[p.item_index][p.row_start:p.row_end] for p in pieces]
+    """Row slices for each piece, every stream: views into the items' (streams, rows, width) outputs."""
+    return [item_outputs[p.item_index][:, p.row_start:p.row_end] for p in pieces]

@@ -1,30 +1,31 @@
 """The model runner: execute one `SchedulerOutput` on the device, return sampled tokens.
 
-Role: keep per-request device-side state (token ids, block table, M-RoPE positions, encoder
-outputs), encode the items the scheduler asked for, build the flattened ragged batch (token ids,
-positions, KV slots, fusion indices) on the CPU, ship it with non_blocking copies, run the model
-and the sampler. One host sync per step: the sampled token ids.
+Role: keep per-request device-side state (token ids, block table, positions, the fusion map),
+encode the items the scheduler asked for (their payloads arrive keyed by content key with the
+step), build the flattened ragged batch (token ids, positions, KV slots, fusion indices) on the
+CPU, ship it with non_blocking copies, run the model and the sampler. One host sync per step: the
+sampled token ids. Reports which encoder keys it committed and which failed.
 
-What it does not know: scheduling policy, budgets, text. Pixels arrive through `add_prompt`
-(registered by the engine, keyed by request) and never cross the scheduler boundary.
+What it does not know: scheduling policy, budgets, text, any family (the model is a
+`FamilyModel`; its facts come from the `FamilySpec`).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from mmserve.core.step import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from mmserve.inputs.items import ProcessedPrompt
-from mmserve.models.qwen2_vl.model import Qwen2VLForConditionalGeneration
+from mmserve.inputs.items import PromptPositions
+from mmserve.models.spec import FamilyModel, FamilySpec
 from mmserve.runner.attention import PagedAttentionMetadata, PagedKVCache
 from mmserve.runner.batch import BatchBuilder
-from mmserve.runner.encoder_runner import EncodeJob, EncoderRunner
+from mmserve.runner.encoder_runner import EncodeJob, EncoderRunner, OutputShape
 from mmserve.runner.fusion import ChunkPiece, MultimodalRuntimeData
-from mmserve.runner.sampler import Sampler, SamplingMetadata
+from mmserve.runner.sampler import Sampler, SamplingMetadata, make_generator
 from mmserve.sampling_params import SamplingParams
 
 
@@ -37,14 +38,34 @@ class StepTiming:
     num_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class RunnerPrompt:
+    """What the runner needs of a prompt to compute it (no pixels: those come as `EncodeJob`s)."""
+
+    positions: PromptPositions
+    embed_mask: np.ndarray | None  # (num_prompt_tokens,) bool
+    embed_cumsum: np.ndarray | None  # (num_prompt_tokens,) int64
+    item_keys: tuple[str, ...]  # content key of each item, in item order
+    item_rows: tuple[int, ...]
+    stop_token_ids: tuple[int, ...]
+
+
+@dataclass
+class StepInputs:
+    """What the engine sends with a step besides the scheduler's output: each new (or resumed)
+    request's prompt, and the payloads of the items to encode, keyed by content key."""
+
+    prompts: dict[str, RunnerPrompt] = field(default_factory=dict)
+    encoder_jobs: list[EncodeJob] = field(default_factory=list)
+
+
 @dataclass
 class RunnerRequest:
     request_id: str
     token_ids: list[int]
     num_prompt_tokens: int
-    prompt: ProcessedPrompt
+    prompt: RunnerPrompt
     sampling_params: SamplingParams
-    stop_token_ids: tuple[int, ...]
     block_ids: list[int]
     num_computed_tokens: int
     mm: MultimodalRuntimeData | None = None
@@ -53,89 +74,66 @@ class RunnerRequest:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return self.prompt.stop_token_ids
+
     def position_columns(self, start: int, end: int) -> np.ndarray:
-        """(3, end - start) M-RoPE positions of tokens [start, end)."""
-        p = self.num_prompt_tokens
-        cols = [self.prompt.mrope_positions[:, start:min(end, p)]]
-        if end > p:
-            row = np.arange(max(start, p), end, dtype=np.int64) + self.prompt.rope_delta
-            cols.append(np.broadcast_to(row, (3, row.size)))
-        return cols[0] if len(cols) == 1 else np.concatenate(cols, axis=1)
+        """(num_position_rows, end - start) positions of tokens [start, end)."""
+        return self.prompt.positions.columns(start, end, self.num_prompt_tokens)
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen2VLForConditionalGeneration, kv: PagedKVCache, device: torch.device) -> None:
+    def __init__(self, model: FamilyModel, spec: FamilySpec, kv: PagedKVCache, device: torch.device) -> None:
         self.model = model
+        self.spec = spec
         self.kv = kv
         self.device = device
         self.block_size = kv.block_size
         self.sampler = Sampler()
-        self.prompts: dict[str, tuple[ProcessedPrompt, tuple[int, ...]]] = {}
         self.requests: dict[str, RunnerRequest] = {}
         dtype = next(model.parameters()).dtype
-        self.encoder = EncoderRunner(model.encode_items, model.config.vision.out_hidden_size, dtype, device)
+        self.encoder = EncoderRunner(model.encode_items, OutputShape(spec.num_embedding_streams, spec.embed_dim, dtype))
         self.last_step = StepTiming()
 
-    # ---- payloads -------------------------------------------------------------------------------
-    def add_prompt(self, request_id: str, prompt: ProcessedPrompt, stop_token_ids: tuple[int, ...]) -> None:
-        self.prompts[request_id] = (prompt, stop_token_ids)
-
-    def drop_prompt(self, request_id: str) -> None:
-        self.prompts.pop(request_id, None)
+    def release(self, request_id: str) -> None:
+        """Drop a finished request's state now (the step contract would also drop it next step)."""
         self.requests.pop(request_id, None)
 
     # ---- step -----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, sched: SchedulerOutput, inputs: StepInputs) -> ModelRunnerOutput:
         started = time.perf_counter()
         self.last_step = StepTiming(num_tokens=sched.total_num_scheduled_tokens)
         for rid in sched.finished_request_ids:
             self.requests.pop(rid, None)
         self.encoder.free(sched.free_encoder_keys)
         for new in sched.new_requests:
-            self.requests[new.request_id] = self._start(new)
+            self.requests[new.request_id] = self._start(new, inputs.prompts[new.request_id])
         for cached in sched.cached_requests:
             state = self.requests[cached.request_id]
             state.block_ids.extend(cached.new_block_ids)
             assert state.num_computed_tokens == cached.num_computed_tokens, "runner and scheduler disagree"
         result = ModelRunnerOutput()
-        self._encode(sched, result)
+        outcome = self.encoder.forward_items(inputs.encoder_jobs)
+        result.encoder_committed_keys = outcome.committed
+        result.encoder_failed_keys = outcome.failed_keys
+        result.encoder_batch_error = outcome.batch_error
         # each prefill chunk's fusion pieces, planned once: to check its rows are ready, then to fuse them
         plans = {rid: self._plan(rid, n) for rid, n in sched.num_scheduled_tokens.items()}
         result.skipped = {rid for rid, pieces in plans.items() if not self._rows_ready(rid, pieces)}
-        scheduled = {rid: n for rid, n in sched.num_scheduled_tokens.items()
-                     if rid not in result.failed and rid not in result.skipped}
+        scheduled = {rid: n for rid, n in sched.num_scheduled_tokens.items() if rid not in result.skipped}
         if scheduled:
             self._forward(scheduled, plans, result)
         self.last_step.total_s = time.perf_counter() - started
         return result
 
-    def _start(self, new: NewRequestData) -> RunnerRequest:
-        prompt, stop_ids = self.prompts[new.request_id]
+    def _start(self, new: NewRequestData, prompt: RunnerPrompt) -> RunnerRequest:
         mm = None
-        if prompt.items:
-            mm = MultimodalRuntimeData(prompt.embed_mask, prompt.embed_cumsum, [i.output_rows for i in prompt.items])
+        if prompt.item_keys:
+            mm = MultimodalRuntimeData(prompt.embed_mask, prompt.embed_cumsum, list(prompt.item_rows))
         return RunnerRequest(new.request_id, list(new.token_ids), new.num_prompt_tokens, prompt,
-                             new.sampling_params, stop_ids, list(new.block_ids), new.num_computed_tokens, mm)
-
-    def _encode(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> None:
-        """Encode this step's items as one batch; validate, then commit to the store."""
-        jobs = []
-        for rid, indices in sched.encoder_items.items():
-            for i in indices:
-                item = self.requests[rid].prompt.items[i]
-                if item.pixel_values is None:
-                    result.failed[rid] = f"{item.modality} {item.index}: pixels were released before encoding"
-                    continue
-                jobs.append(EncodeJob(item.content_hash, item.pixel_values, item.grid_thw, item.output_rows))
-        outcome = self.encoder.forward_items(jobs)
-        result.encoder_failed_keys = outcome.failed_keys
-        result.encoder_batch_error = outcome.batch_error
-        for rid in sched.encoder_items:  # lifecycle: once every item is ready, drop the raw pixels
-            items = self.requests[rid].prompt.items
-            if all(it.content_hash in self.encoder.store for it in items):
-                for it in items:
-                    it.pixel_values = None
+                             new.sampling_params, list(new.block_ids), new.num_computed_tokens, mm)
 
     def _plan(self, rid: str, num: int) -> list[ChunkPiece]:
         """The encoder rows this request's next `num` tokens fuse (none outside a multimodal prefill)."""
@@ -146,29 +144,31 @@ class ModelRunner:
 
     def _rows_ready(self, rid: str, pieces: list[ChunkPiece]) -> bool:
         """Are the encoder rows this request's chunk fuses all in the store?"""
-        items = self.requests[rid].prompt.items
-        return all(items[p.item_index].content_hash in self.encoder.store for p in pieces)
+        keys = self.requests[rid].prompt.item_keys
+        return all(keys[p.item_index] in self.encoder.store for p in pieces)
 
     def _forward(self, scheduled: dict[str, int], plans: dict[str, list[ChunkPiece]],
                  result: ModelRunnerOutput) -> None:
         builder = BatchBuilder(self.block_size, self.device)
         for rid, num in scheduled.items():
             state, pieces = self.requests[rid], plans[rid]
-            outputs = {p.item_index: self.encoder.store[state.prompt.items[p.item_index].content_hash]
-                       for p in pieces}
+            outputs = {p.item_index: self.encoder.store[state.prompt.item_keys[p.item_index]] for p in pieces}
             builder.add(state, num, pieces, outputs)
         batch = builder.build()
         embeds = self.model.embed(batch.input_ids)
-        for rows, positions in batch.fusion:
-            embeds.index_copy_(0, positions, rows.to(embeds.dtype))
+        extra = None
+        if batch.fusion and self.spec.num_embedding_streams > 1:  # deepstack: zero at text rows
+            extra = embeds.new_zeros(self.spec.num_embedding_streams - 1, *embeds.shape)
+        for rows, positions in batch.fusion:  # rows: (streams, n, hidden)
+            embeds.index_copy_(0, positions, rows[0].to(embeds.dtype))
+            if extra is not None:
+                extra.index_copy_(1, positions, rows[1:].to(embeds.dtype))
         forward_started = time.perf_counter()
-        hidden = self.model(embeds, batch.positions, self.kv, batch.attn)
+        hidden = self.model(embeds, batch.positions, self.kv, batch.attn, extra)
         if batch.sample_rows:
             logits = self.model.compute_logits(hidden[batch.sample_index])
-            if logits.is_cuda:
-                torch.cuda.synchronize()  # only so the timing below is honest
+            tokens = self.sampler(logits, self._sampling_metadata(batch.sample_rows)).tolist()  # the one sync
             self.last_step.forward_s = time.perf_counter() - forward_started
-            tokens = self.sampler(logits, self._sampling_metadata(batch.sample_rows)).tolist()
             for state, token in zip(batch.sample_rows, tokens):
                 state.token_ids.append(token)
                 result.sampled_token_ids[state.request_id] = token
@@ -192,9 +192,7 @@ class ModelRunner:
         if seed is None:
             return None
         # seeded per (seed, output index): the same tokens whatever the batch, also after preemption
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed((seed * 1_000_003 + state.num_output_tokens) % 2**63)
-        return gen
+        return make_generator(seed * 1_000_003 + state.num_output_tokens, self.device)
 
 
-__all__ = ["ModelRunner", "PagedAttentionMetadata", "RunnerRequest"]
+__all__ = ["ModelRunner", "PagedAttentionMetadata", "RunnerPrompt", "RunnerRequest", "StepInputs"]

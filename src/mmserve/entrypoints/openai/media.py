@@ -20,7 +20,6 @@ from mmserve.inputs.fetch import FetchPolicy, fetch_url
 from mmserve.inputs.items import IMAGE, VIDEO
 from mmserve.inputs.media import MediaLimits, decode_data_uri, read_local_file
 from mmserve.inputs.video import decode_video
-from mmserve.models.qwen2_vl.processor import DEFAULT_VIDEO_FPS
 
 SUPPORTED_PARTS = ("text", "image_url", "video_url")
 HTTP_SCHEMES = ("http://", "https://")
@@ -32,6 +31,7 @@ class MediaRules:
     fetch: FetchPolicy = field(default_factory=FetchPolicy)
     max_video_bytes: int = 64 * 1024 * 1024  # encoded size of one video file
     limit_per_prompt: dict[str, int] = field(default_factory=lambda: {IMAGE: 16, VIDEO: 4})
+    default_video_fps: float = 2.0  # frames sampled per second of a video file: the served family's default
 
     def __post_init__(self) -> None:
         if self.max_video_bytes <= 0:
@@ -101,8 +101,8 @@ def _resolve_part(part: dict[str, Any], rules: MediaRules, fps: float, where: st
                             f"{', '.join(SUPPORTED_PARTS)}")
 
 
-def _video_fps(mm_processor_kwargs: dict[str, Any] | None) -> float:
-    fps = (mm_processor_kwargs or {}).get("fps", DEFAULT_VIDEO_FPS)
+def _video_fps(mm_processor_kwargs: dict[str, Any] | None, default_fps: float) -> float:
+    fps = (mm_processor_kwargs or {}).get("fps", default_fps)
     if isinstance(fps, bool) or not isinstance(fps, (int, float)) or fps <= 0:
         raise InvalidInputError(f"mm_processor_kwargs.fps must be a positive number, got {fps!r}")
     return float(fps)
@@ -124,7 +124,7 @@ def resolve_messages(messages: list[dict[str, Any]], rules: MediaRules,
                     raise InvalidInputError(f"messages[{i}].content[{j}] must be an object")
                 located.append((f"messages[{i}].content[{j}]", part))
     _check_counts(located, rules)
-    fps = _video_fps(mm_processor_kwargs)
+    fps = _video_fps(mm_processor_kwargs, rules.default_video_fps)
     resolved = iter([_resolve_part(part, rules, fps, where) for where, part in located])
     out = []
     for message in messages:
@@ -143,7 +143,7 @@ def resolve_media(parts: list[dict[str, Any]], rules: MediaRules,
         if not isinstance(part, dict) or part.get("type") not in ("image_url", "video_url"):
             raise InvalidInputError(f"{where}: media parts must be image_url or video_url objects")
     _check_counts(located, rules)
-    fps = _video_fps(mm_processor_kwargs)
+    fps = _video_fps(mm_processor_kwargs, rules.default_video_fps)
     out = ResolvedMedia()
     for where, part in located:
         item = _resolve_part(part, rules, fps, where)

@@ -1,4 +1,5 @@
-"""Rotary position embeddings: M-RoPE for the language model, 2-D axial RoPE for the vision tower.
+"""Rotary position embeddings: M-RoPE and plain 1-D RoPE for language models, 2-D axial RoPE for the
+vision tower.
 
 Positions arrive as CPU-built integer tensors; angles are computed in float32 (as the reference
 does) and rotate the full head dim ("rotate half" convention).
@@ -63,3 +64,19 @@ class VisionRotaryEmbedding(torch.nn.Module):
         freqs = (hw_positions.to(torch.float32).unsqueeze(-1) * self.inv_freq).flatten(1)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Plain 1-D RoPE over the full head dim.
+
+    forward(positions (1, num_tokens) or (num_tokens,) int64) -> cos, sin of shape (num_tokens, head_dim).
+    """
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", inverse_frequencies(head_dim, theta), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.reshape(-1, 1).to(torch.float32) * self.inv_freq  # (num_tokens, head_dim/2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)

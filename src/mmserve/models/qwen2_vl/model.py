@@ -11,21 +11,24 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
 from mmserve.models.layers.attention import AttentionBackend, AttentionMetadata
 from mmserve.models.qwen2_vl.config import Qwen2VLConfig
 from mmserve.models.qwen2_vl.language import Qwen2LanguageModel
+from mmserve.models.qwen2_vl.processor import VisionInput
 from mmserve.models.qwen2_vl.vision import GridTHW, VisionTransformer
+from mmserve.models.weights import StackedParam, even_shards, expected_weight_names, load_weights
 
-# (hf fragment, our fragment, shard index) for projections we store stacked
+# projections we store stacked: q/k/v in one matrix, gate/up in one matrix
 _STACKED = (
-    (".q_proj.", ".qkv_proj.", 0),
-    (".k_proj.", ".qkv_proj.", 1),
-    (".v_proj.", ".qkv_proj.", 2),
-    (".gate_proj.", ".gate_up_proj.", 0),
-    (".up_proj.", ".gate_up_proj.", 1),
+    StackedParam(".q_proj.", ".qkv_proj.", 0),
+    StackedParam(".k_proj.", ".qkv_proj.", 1),
+    StackedParam(".v_proj.", ".qkv_proj.", 2),
+    StackedParam(".gate_proj.", ".gate_up_proj.", 0),
+    StackedParam(".up_proj.", ".gate_up_proj.", 1),
 )
 
 
@@ -41,22 +44,21 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         """Embedding rows for a batch of items, concatenated in item order."""
         return self.visual(pixel_values, grids)
 
-    def encode_items(self, pixel_values: torch.Tensor, grids: Sequence[GridTHW]) -> list[torch.Tensor]:
-        """One (rows, hidden) tensor per item: views into one batched encoder output."""
+    def encode_items(self, payloads: Sequence[VisionInput]) -> list[torch.Tensor]:
+        """One (1, rows, hidden) tensor per item (one embedding stream): views into one batched output."""
+        device = self.language_model.embed_tokens.weight.device
+        pixels = torch.from_numpy(np.concatenate([p.pixel_values for p in payloads]))
+        grids = [p.grid_thw for p in payloads]
         unit = self.config.vision.spatial_merge_size ** 2
-        rows = self.encode(pixel_values, grids)
-        return list(rows.split([t * h * w // unit for t, h, w in grids]))
+        rows = self.encode(pixels.to(device, non_blocking=True), grids)
+        return [r[None] for r in rows.split([t * h * w // unit for t, h, w in grids])]
 
-    def embed(self, input_ids: torch.Tensor, mm_rows: torch.Tensor | None = None,
-              mm_positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Token embeddings with `mm_rows` written at token positions `mm_positions` (a CPU-built index)."""
-        embeds = self.language_model.embed(input_ids)
-        if mm_rows is not None and mm_rows.shape[0]:
-            embeds = embeds.index_copy(0, mm_positions, mm_rows.to(embeds.dtype))
-        return embeds
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed(input_ids)
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
-                backend: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
+                meta: AttentionMetadata, extra_streams: torch.Tensor | None = None) -> torch.Tensor:
+        """positions: (3, num_tokens) M-RoPE; this family has no extra embedding streams."""
         return self.language_model(inputs_embeds, positions, backend, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -73,56 +75,27 @@ class Qwen2VLForConditionalGeneration(nn.Module):
                 return ours + hf_name[len(prefix):]
         return hf_name
 
+    def _rename(self, hf_name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        name = self.map_name(hf_name)
+        if name == "visual.patch_embed.proj.weight":  # Conv3d over one patch == a matmul
+            return "visual.patch_embed.weight", tensor.reshape(tensor.shape[0], -1)
+        if name.startswith("language_model.lm_head.") and self.config.text.tie_word_embeddings:
+            return None  # tied: the embedding matrix is the head
+        return name, tensor
+
+    def _shard_sizes(self, name: str, param: torch.Tensor) -> list[int]:
+        if ".qkv_proj." in name:
+            t = self.config.text
+            return [t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim,
+                    t.num_key_value_heads * t.head_dim]
+        return even_shards(name, param, 2)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[set[str], list[str]]:
         """Copy checkpoint tensors in. Returns (names of our parameters filled, unexpected hf names).
 
         Raises ValueError naming the tensor on a shape mismatch."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        for hf_name, tensor in weights:
-            name = self.map_name(hf_name)
-            if name == "visual.patch_embed.proj.weight":
-                name, tensor = "visual.patch_embed.weight", tensor.reshape(tensor.shape[0], -1)
-            if name.startswith("language_model.lm_head.") and self.config.text.tie_word_embeddings:
-                continue  # tied: the embedding matrix is the head
-            shard = None
-            for frag, stacked, idx in _STACKED:
-                if frag in name:
-                    name, shard = name.replace(frag, stacked), idx
-                    break
-            param = params.get(name)
-            if param is None:
-                unexpected.append(hf_name)
-                continue
-            target = param.data if shard is None else self._shard(name, param, shard)
-            if target.shape != tensor.shape:
-                raise ValueError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(target.shape)} for {name!r}")
-            with torch.no_grad():
-                target.copy_(tensor)
-            loaded.add(name if shard is None else f"{name}#{shard}")
-        return loaded, unexpected
-
-    def _shard(self, name: str, param: torch.Tensor, shard: int) -> torch.Tensor:
-        if ".qkv_proj." in name:
-            t = self.config.text
-            sizes = [t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim,
-                     t.num_key_value_heads * t.head_dim]
-        else:
-            half = param.shape[0] // 2
-            sizes = [half, half]
-        start = sum(sizes[:shard])
-        return param.data.narrow(0, start, sizes[shard])
+        return load_weights(self, weights, self._rename, _STACKED, self._shard_sizes)
 
     def expected_weight_names(self) -> set[str]:
         """What `load_weights` must have filled for the model to be complete."""
-        out = set()
-        for name, _ in self.named_parameters():
-            if ".qkv_proj." in name:
-                out.update(f"{name}#{i}" for i in range(3))
-            elif ".gate_up_proj." in name:
-                out.update(f"{name}#{i}" for i in range(2))
-            else:
-                out.add(name)
-        return out
+        return expected_weight_names(self, _STACKED)

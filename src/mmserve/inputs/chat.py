@@ -1,0 +1,61 @@
+"""OpenAI-format chat messages -> template messages plus the media they carry, in order.
+
+Role: check each message, turn every media content part into a bare `{"type": "image"}` or
+`{"type": "video"}` part for the chat template (the family's template writes its own
+placeholder there), and collect the media and any per-part `uuid` in placeholder order.
+What it does not know: templates, tokenizers, models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mmserve.errors import InvalidInputError
+from mmserve.inputs.items import IMAGE, VIDEO
+
+IMAGE_PART_TYPES = ("image_url", "image_pil", "image")
+VIDEO_PART_TYPES = ("video", "video_frames")
+
+
+@dataclass
+class ChatInput:
+    """A chat rendered to a prompt string, with its media in placeholder order."""
+
+    prompt: str
+    images: list[Any] = field(default_factory=list)
+    videos: list[Any] = field(default_factory=list)
+    uuids: dict[str, list[str | None]] = field(default_factory=lambda: {IMAGE: [], VIDEO: []})  # per-part "uuid"
+
+
+def normalize_messages(messages: list[dict[str, Any]], media: ChatInput) -> list[dict[str, Any]]:
+    """Template-ready messages; media parts are appended to `media` in order."""
+    return [_normalize_message(m, media) for m in messages]
+
+
+def _normalize_message(message: dict[str, Any], media: ChatInput) -> dict[str, Any]:
+    if not isinstance(message, dict) or "role" not in message:
+        raise InvalidInputError(f"a chat message must be a dict with a 'role', got {message!r:.80}")
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return {"role": message["role"], "content": content or ""}
+    if not isinstance(content, list):
+        raise InvalidInputError("message content must be a string or a list of content parts")
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            parts.append({"type": "text", "text": str(part.get("text", ""))})
+        elif kind in IMAGE_PART_TYPES:
+            value = part.get(kind)
+            media.images.append(value.get("url") if kind == "image_url" and isinstance(value, dict) else value)
+            media.uuids[IMAGE].append(part.get("uuid"))
+            parts.append({"type": "image"})
+        elif kind in VIDEO_PART_TYPES:
+            media.videos.append(part.get(kind))
+            media.uuids[VIDEO].append(part.get("uuid"))
+            parts.append({"type": "video"})
+        else:
+            raise InvalidInputError(f"unsupported content part type {kind!r}; supported: text, image_url, "
+                                    "image_pil, image, video")
+    return {"role": message["role"], "content": parts}

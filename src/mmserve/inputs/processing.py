@@ -1,0 +1,251 @@
+"""The shared half of every family's processor: prompt in, `ProcessedPrompt` out.
+
+Role: accept a text prompt (one placeholder per item, e.g. `<|image_pad|>`) or token ids (one
+placeholder id per item, or a run already expanded to the item's span), load the media under the
+limits, key every item by content, ask the family how each item expands, splice the spans in, and
+build the placeholder masks, the embed cumsum and the positions. Invariant 1 is checked here:
+each span holds exactly as many placeholder ids as the encoder will produce rows.
+
+A family subclasses `MultimodalProcessor` and supplies four hooks: `processing_key` (validates
+mm_processor_kwargs and says what shapes the pixels: part of the content key), `expand_image`,
+`expand_video` (an `ItemExpansion` each: the span's token ids, the rows, the encoder tokens, the
+payload its model reads) and, unless positions are token indices, `positions`.
+
+What it does not know: any family's resize rules, spans or positions; devices; the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from mmserve.errors import InvalidInputError
+from mmserve.inputs.chat import ChatInput, normalize_messages
+from mmserve.inputs.hashing import hash_item
+from mmserve.inputs.items import IMAGE, VIDEO, MMItem, ProcessedPrompt, PromptPositions
+from mmserve.inputs.media import MediaLimits, load_image, load_video
+from mmserve.inputs.placeholders import check_item_rows, embeds_in_range
+from mmserve.inputs.tokenizer import TextTokenizer
+
+DEFAULT_VIDEO_FPS = 2.0
+
+
+@dataclass(frozen=True)
+class ItemExpansion:
+    """What one item becomes in the prompt, and what its encoder needs."""
+
+    token_ids: list[int]  # the item's whole span; its placeholder ids are the encoder's rows
+    rows: int  # rows the encoder produces for the item (checked against the span's placeholder ids)
+    encoder_tokens: int  # pre-merge patches the encoder runs
+    payload: Any  # the family's encoder input
+    # tokens the span absorbs when the prompt has them right before / after the placeholder
+    # (a template's start/end markers that the family repeats inside the span, per frame say)
+    absorbs_before: tuple[int, ...] = ()
+    absorbs_after: tuple[int, ...] = ()
+
+
+class _Run(str):
+    """A run of one placeholder id in token-id input; behaves as its modality name."""
+
+    length: int
+
+    def __new__(cls, modality: str) -> _Run:
+        run = super().__new__(cls, modality)
+        run.length = 1
+        return run
+
+
+class MultimodalProcessor:
+    default_video_fps: float = DEFAULT_VIDEO_FPS
+
+    def __init__(self, model_dir: str | Path, placeholder_ids: Mapping[str, int], vocab_size: int,
+                 limits: MediaLimits | None = None) -> None:
+        root = Path(model_dir)
+        self.limits = limits or MediaLimits()
+        self.tokenizer = TextTokenizer(root)
+        self.vocab_size = vocab_size
+        self.pad_ids = dict(placeholder_ids)
+        self.pad_text = {m: self.tokenizer.id_to_token(i) or "" for m, i in self.pad_ids.items()}
+        self._pad_re = re.compile("(" + "|".join(re.escape(t) for t in self.pad_text.values() if t) + ")")
+        self._modality_of = {t: m for m, t in self.pad_text.items()}
+        pre = root / "preprocessor_config.json"
+        self.preprocessor_config: dict[str, Any] = json.loads(pre.read_text()) if pre.is_file() else {}
+        # the model's identity in every content key: its config and its preprocessing config
+        config = root / "config.json"
+        self.model_key = hash_item({"config": config.read_bytes() if config.is_file() else b"",
+                                    "preprocessor": self.preprocessor_config})
+
+    # ---- family hooks -------------------------------------------------------------------------
+    def processing_key(self, modality: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Validate mm_processor_kwargs (InvalidInputError on unknown keys or bad values) and return what,
+        besides the pixels, decides what the encoder sees for this modality."""
+        if kwargs:
+            raise InvalidInputError(f"unsupported mm_processor_kwargs {sorted(kwargs)}")
+        return {}
+
+    def expand_image(self, image: Image.Image, kwargs: dict[str, Any]) -> ItemExpansion:
+        raise InvalidInputError(f"{type(self).__name__} does not take images")
+
+    def expand_video(self, frames: list[Image.Image], fps: float, kwargs: dict[str, Any]) -> ItemExpansion:
+        raise InvalidInputError(f"{type(self).__name__} does not take videos")
+
+    def positions(self, token_ids: list[int], items: list[MMItem]) -> PromptPositions:
+        """Rotary positions of the prompt: by default a token's index (1-D RoPE)."""
+        return PromptPositions(1)
+
+    # ---- chat ---------------------------------------------------------------------------------
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **template_kwargs: Any) -> ChatInput:
+        """OpenAI-format messages -> prompt with one placeholder per item, media in order."""
+        out = ChatInput(prompt="")
+        normalized = normalize_messages(messages, out)
+        out.prompt = self.tokenizer.apply_chat_template(normalized, add_generation_prompt, **template_kwargs)
+        return out
+
+    # ---- prompts ------------------------------------------------------------------------------
+    def process(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
+                images: list[Any] | None = None, videos: list[Any] | None = None,
+                mm_processor_kwargs: dict[str, Any] | None = None,
+                uuids: dict[str, list[str | None]] | None = None) -> ProcessedPrompt:
+        """Process a prompt (text or token ids) with its media into a ProcessedPrompt.
+
+        `uuids` ({"image": [...], "video": [...]}, None entries allowed) replace content hashing for
+        those items; the key still covers the processor kwargs and the model."""
+        images, videos = list(images or []), list(videos or [])
+        kwargs = dict(mm_processor_kwargs or {})
+        fps = kwargs.pop("fps", self.default_video_fps)
+        if not isinstance(fps, (int, float)) or fps <= 0:
+            raise InvalidInputError(f"fps must be a positive number, got {fps!r}")
+        if prompt is None and prompt_token_ids is None:
+            raise InvalidInputError("need a prompt or prompt_token_ids")
+        pieces = self._split_prompt(prompt) if prompt is not None else self._split_ids(prompt_token_ids)
+        self._check_counts(pieces, len(images), len(videos))
+        ids = self._item_uuids(uuids, len(images), len(videos))
+        shaping = {IMAGE: self.processing_key(IMAGE, kwargs), VIDEO: {**self.processing_key(VIDEO, kwargs),
+                                                                       "fps": float(fps)}}
+        expanded: dict[str, list[tuple[ItemExpansion, str]]] = {IMAGE: [], VIDEO: []}
+        for i, source in enumerate(images):
+            img = load_image(source, self.limits, f"image {i}")
+            key = self._key(IMAGE, ids[IMAGE][i], img, shaping[IMAGE])
+            expanded[IMAGE].append((self.expand_image(img, kwargs), key))
+        for i, source in enumerate(videos):
+            frames = load_video(source, self.limits, f"video {i}")
+            key = self._key(VIDEO, ids[VIDEO][i], frames, shaping[VIDEO])
+            expanded[VIDEO].append((self.expand_video(frames, float(fps), kwargs), key))
+        token_ids, items = self._expand(pieces, expanded)
+        return self._finish(prompt, token_ids, items)
+
+    def _key(self, modality: str, uuid: str | None, content: Any, shaping: dict[str, Any]) -> str:
+        """Content key: what the model sees (pixels or the caller's uuid), how it is shaped, which model."""
+        what = {"uuid": uuid} if uuid is not None else content
+        return hash_item({"modality": modality, "content": what, "processing": shaping, "model": self.model_key})
+
+    @staticmethod
+    def _item_uuids(uuids: dict[str, list[str | None]] | None, num_images: int,
+                    num_videos: int) -> dict[str, list[str | None]]:
+        uuids = uuids or {}
+        unknown = sorted(set(uuids) - {IMAGE, VIDEO})
+        if unknown:
+            raise InvalidInputError(f"multi_modal_uuids has unknown modalities {unknown}")
+        out = {}
+        for modality, count in ((IMAGE, num_images), (VIDEO, num_videos)):
+            given = uuids.get(modality)
+            given = [given] if isinstance(given, str) else list(given or [None] * count)
+            if len(given) != count:
+                raise InvalidInputError(f"multi_modal_uuids['{modality}'] has {len(given)} entries for {count} "
+                                        f"{modality}(s)")
+            if any(u is not None and not isinstance(u, str) for u in given):
+                raise InvalidInputError("multi_modal_uuids entries must be strings or None")
+            out[modality] = given
+        return out
+
+    def _split_prompt(self, prompt: str) -> list[str | list[int]]:
+        """Text -> pieces: a placeholder's modality name or a list of token ids."""
+        out: list[str | list[int]] = []
+        for chunk in self._pad_re.split(prompt):
+            if chunk in self._modality_of:
+                out.append(self._modality_of[chunk])
+            elif chunk:
+                out.append(self.tokenizer.encode(chunk))
+        return out
+
+    def _split_ids(self, ids: list[int]) -> list[str | list[int]]:
+        """Token ids -> pieces. Each run of one placeholder id is one item: a single id to expand, or a
+        run already expanded to the item's span (checked in `_expand`)."""
+        out: list[str | list[int]] = []
+        by_id = {v: k for k, v in self.pad_ids.items()}
+        for tid in (int(t) for t in ids):
+            modality = by_id.get(tid)
+            if modality is None:
+                if not out or not isinstance(out[-1], list):
+                    out.append([])
+                out[-1].append(tid)
+            elif out and isinstance(out[-1], _Run) and out[-1] == modality:
+                out[-1].length += 1
+            else:
+                out.append(_Run(modality))
+        return out
+
+    def _check_counts(self, pieces: list[str | list[int]], num_images: int, num_videos: int) -> None:
+        for modality, given in ((IMAGE, num_images), (VIDEO, num_videos)):
+            found = sum(1 for p in pieces if p == modality)
+            if found != given:
+                what = repr(self.pad_text.get(modality, "")) if modality in self.pad_ids else "none: not supported"
+                raise InvalidInputError(
+                    f"the prompt has {found} {modality} placeholder(s) ({what}) but {given} "
+                    f"{modality}(s) were given; put one placeholder per {modality} in the prompt"
+                )
+
+    def _expand(self, pieces: list[str | list[int]],
+                expanded: dict[str, list[tuple[ItemExpansion, str]]]) -> tuple[list[int], list[MMItem]]:
+        ids: list[int] = []
+        items: list[MMItem] = []
+        seen = {IMAGE: 0, VIDEO: 0}
+        for n, piece in enumerate(pieces):
+            if isinstance(piece, list):
+                ids.extend(piece)
+                continue
+            index = seen[piece]
+            seen[piece] += 1  # a _Run compares and hashes as its modality
+            exp, key = expanded[piece][index]
+            span = exp.token_ids
+            if isinstance(piece, _Run) and piece.length != 1:  # input already expanded: keep it as given
+                if span != [self.pad_ids[piece]] * len(span):
+                    raise InvalidInputError(f"{piece} {index}: give one placeholder id per {piece}; this "
+                                            f"model's {piece} spans hold more than placeholder ids")
+                check_item_rows(f"{piece} {index}", piece.length, exp.rows)
+            before = exp.absorbs_before
+            if before and ids[len(ids) - len(before):] == list(before):
+                del ids[len(ids) - len(before):]
+            after = exp.absorbs_after
+            following = pieces[n + 1] if n + 1 < len(pieces) else None
+            if after and isinstance(following, list) and following[:len(after)] == list(after):
+                del following[:len(after)]
+            items.append(MMItem(str(piece), index, len(ids), len(span), exp.encoder_tokens, exp.rows, key,
+                                exp.payload))
+            ids.extend(span)
+        return ids, items
+
+    def _finish(self, prompt: str | None, token_ids: list[int], items: list[MMItem]) -> ProcessedPrompt:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidInputError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        ids = np.asarray(token_ids, dtype=np.int64)
+        embed_mask = np.isin(ids, np.asarray(list(self.pad_ids.values()), dtype=np.int64))
+        mm_mask = np.zeros(len(token_ids), dtype=bool)
+        embed_cumsum = np.cumsum(embed_mask, dtype=np.int64)
+        for item in items:  # invariant 1, checked where the prompt is built
+            mm_mask[item.offset:item.offset + item.length] = True
+            found = embeds_in_range(embed_cumsum, item.offset, item.offset + item.length)
+            check_item_rows(f"{item.modality} {item.index}", found, item.output_rows)
+        total = int(embed_cumsum[-1]) if token_ids else 0
+        check_item_rows("the prompt's items together", total, sum(i.output_rows for i in items))
+        return ProcessedPrompt(prompt, token_ids, items, mm_mask, embed_mask, embed_cumsum,
+                               self.positions(token_ids, items))

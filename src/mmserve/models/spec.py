@@ -1,0 +1,126 @@
+"""What the engine, the runner, the budgets and the server know of a model family — and nothing more.
+
+Role: a family (one folder under `models/`) plugs in through three things, all declared here:
+- `FamilySpec`, a frozen record of facts: the KV layout, the width of an encoder output row and how
+  many embedding streams an item has (1, or 1 + deepstack layers), the largest atomic item per
+  modality, eos ids, the position scheme, the default video sampling;
+- `FamilyModel`, the calls the runner makes on the model;
+- `FamilyProcessor`, the calls the engine makes on the processor.
+`ModelFamily` ties them to the architecture names in `registry.py`.
+
+Item payloads (`MMItem.payload`) are the family's own: only its processor makes them and only its
+model's `encode_items` reads them. Everything else passes them through unread.
+
+What it does not know: any particular family.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from mmserve.inputs.chat import ChatInput
+from mmserve.inputs.items import ProcessedPrompt
+from mmserve.inputs.media import MediaLimits
+from mmserve.inputs.tokenizer import TextTokenizer
+from mmserve.models.layers.attention import AttentionBackend, AttentionMetadata
+
+
+class PositionScheme(enum.Enum):
+    ROPE_1D = "rope_1d"  # one position row: the token index
+    MROPE = "mrope"  # three rows (t, h, w) inside media spans, text advances all three; decode adds a delta
+
+
+@dataclass(frozen=True)
+class ItemSize:
+    """The cost of one item: pre-merge patches the encoder runs, post-merge rows it outputs."""
+
+    encoder_tokens: int
+    rows: int
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    name: str
+    num_layers: int  # KV layout: one K and one V per layer ...
+    num_kv_heads: int
+    head_dim: int  # ... each (num_kv_heads, head_dim) per token
+    embed_dim: int  # width of one encoder output row (the language model's hidden size)
+    num_embedding_streams: int  # rows per position an item carries: 1 (main) + deepstack streams
+    largest_item: Mapping[str, ItemSize]  # modality -> the largest item the processor can make
+    eos_token_ids: tuple[int, ...]
+    position_scheme: PositionScheme
+    max_position_embeddings: int
+    vocab_size: int
+    default_video_fps: float
+
+    def __post_init__(self) -> None:
+        if self.num_embedding_streams < 1:
+            raise ValueError("a family has at least one embedding stream")
+        if not self.largest_item:
+            raise ValueError(f"{self.name}: no modality declares its largest item")
+
+    @property
+    def num_position_rows(self) -> int:
+        return 3 if self.position_scheme is PositionScheme.MROPE else 1
+
+    @property
+    def max_item_encoder_tokens(self) -> int:
+        return max(s.encoder_tokens for s in self.largest_item.values())
+
+    @property
+    def max_item_rows(self) -> int:
+        return max(s.rows for s in self.largest_item.values())
+
+    def bytes_per_row(self, dtype_bytes: int) -> int:
+        """Bytes one position of an item takes in the encoder cache: every stream counts."""
+        return self.embed_dim * self.num_embedding_streams * dtype_bytes
+
+
+class FamilyModel(Protocol):
+    """The calls the runner makes. Tensors are on the model's device; indices were built on the CPU."""
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(num_tokens,) -> (num_tokens, hidden) text embeddings (with any scaling the family applies)."""
+        ...
+
+    def encode_items(self, payloads: Sequence[Any]) -> list[torch.Tensor]:
+        """Encode items as one batch: one (num_embedding_streams, rows, embed_dim) tensor per payload."""
+        ...
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
+                meta: AttentionMetadata, extra_streams: torch.Tensor | None = None) -> torch.Tensor:
+        """inputs_embeds (num_tokens, hidden); positions (num_position_rows, num_tokens) int64;
+        extra_streams (num_embedding_streams - 1, num_tokens, hidden) or None (zero at text rows).
+        Returns the final hidden states (num_tokens, hidden)."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+class FamilyProcessor(Protocol):
+    """The calls the engine makes: chat rendering and prompt processing, all on the CPU."""
+
+    tokenizer: TextTokenizer
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **template_kwargs: Any) -> ChatInput: ...
+
+    def process(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
+                images: list[Any] | None = None, videos: list[Any] | None = None,
+                mm_processor_kwargs: dict[str, Any] | None = None,
+                uuids: dict[str, list[str | None]] | None = None) -> ProcessedPrompt: ...
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    parse_config: Callable[[dict], Any]  # raw config.json -> the family's typed config
+    model_class: Callable[[Any], torch.nn.Module]  # typed config -> FamilyModel
+    processor_class: Callable[[Path, Any, MediaLimits], FamilyProcessor]  # (model dir, config, limits)
+    build_spec: Callable[[Any, Any, MediaLimits], FamilySpec]  # (config, processor, limits)

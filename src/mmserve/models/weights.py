@@ -1,0 +1,84 @@
+"""Copy a checkpoint's tensors into a module: renaming, stacked projections, clear shape errors.
+
+Role: the part of `load_weights` every family shares. A family says how a Hugging Face name maps
+onto its module (`rename`, which may also reshape a tensor, or return None to skip it, e.g. a tied
+LM head) and which projections it stores stacked (q/k/v in one matrix, gate/up in one matrix):
+each `StackedParam` names the checkpoint fragment, the stacked fragment and the shard index; the
+shard sizes along dim 0 come from the family's `shard_sizes`.
+
+What it does not know: files (see loader.py), any family's names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# hf name, tensor -> (our name, tensor) or None to skip the tensor
+Rename = Callable[[str, torch.Tensor], tuple[str, torch.Tensor] | None]
+# stacked parameter name, parameter -> the sizes of its shards along dim 0
+ShardSizes = Callable[[str, torch.Tensor], Sequence[int]]
+
+
+@dataclass(frozen=True)
+class StackedParam:
+    hf_fragment: str  # e.g. ".q_proj."
+    fragment: str  # e.g. ".qkv_proj."
+    shard: int  # position of this projection in the stacked matrix
+
+
+def even_shards(name: str, param: torch.Tensor, count: int) -> list[int]:
+    """`count` equal shards (gate/up stacks)."""
+    return [param.shape[0] // count] * count
+
+
+def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], rename: Rename,
+                 stacked: Sequence[StackedParam], shard_sizes: ShardSizes) -> tuple[set[str], list[str]]:
+    """Copy tensors in. Returns (names of parameters filled, `name#shard` for stacked ones; unexpected hf
+    names). Raises ValueError naming the tensor on a shape mismatch."""
+    params = dict(module.named_parameters())
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for hf_name, tensor in weights:
+        renamed = rename(hf_name, tensor)
+        if renamed is None:
+            continue
+        name, tensor = renamed
+        shard = None
+        for s in stacked:
+            if s.hf_fragment in name:
+                name, shard = name.replace(s.hf_fragment, s.fragment), s.shard
+                break
+        param = params.get(name)
+        if param is None:
+            unexpected.append(hf_name)
+            continue
+        target = param.data
+        if shard is not None:
+            sizes = shard_sizes(name, param)
+            target = param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
+        if target.shape != tensor.shape:
+            raise ValueError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(target.shape)} for {name!r}")
+        with torch.no_grad():
+            target.copy_(tensor)
+        loaded.add(name if shard is None else f"{name}#{shard}")
+    return loaded, unexpected
+
+
+def expected_weight_names(module: nn.Module, stacked: Sequence[StackedParam]) -> set[str]:
+    """What `load_weights` must have filled for the module to be complete."""
+    shards: dict[str, int] = {}
+    for s in stacked:
+        shards[s.fragment] = max(shards.get(s.fragment, 0), s.shard + 1)
+    out = set()
+    for name, _ in module.named_parameters():
+        count = next((n for frag, n in shards.items() if frag in name), 0)
+        if count:
+            out.update(f"{name}#{i}" for i in range(count))
+        else:
+            out.add(name)
+    return out
