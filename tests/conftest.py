@@ -1,18 +1,39 @@
-"""Shared fixtures: tiny random checkpoints of both families, built once per test session."""
+"""Shared fixtures: tiny random checkpoints of every family, each built once per test session on
+first use. `family` / `model_dir` run a test over the Qwen2-VL families (whose prompts and
+references those tests spell out); `served_family` / `served_model_dir` run it over every family
+the engine serves."""
 
 from __future__ import annotations
 
 import pytest
 
+from tests.fixtures.families import FAMILIES as SERVED_FAMILIES
+
 FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 
 
-@pytest.fixture(scope="session")
-def checkpoint_dirs(tmp_path_factory):
-    from tests.fixtures.tiny_checkpoints import build_checkpoint
+class _Checkpoints:
+    """name -> checkpoint dir, built on first use."""
 
-    root = tmp_path_factory.mktemp("checkpoints")
-    return {family: build_checkpoint(root / family, family, seed=i) for i, family in enumerate(FAMILIES)}
+    def __init__(self, root) -> None:
+        self.root = root
+        self.dirs: dict = {}
+
+    def __getitem__(self, name: str):
+        if name not in self.dirs:
+            seed = list(SERVED_FAMILIES).index(name)
+            self.dirs[name] = SERVED_FAMILIES[name].build(self.root / name, seed)
+        return self.dirs[name]
+
+
+@pytest.fixture(scope="session")
+def all_checkpoints(tmp_path_factory):
+    return _Checkpoints(tmp_path_factory.mktemp("checkpoints"))
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dirs(all_checkpoints):
+    return {family: all_checkpoints[family] for family in FAMILIES}
 
 
 @pytest.fixture(params=FAMILIES)
@@ -23,3 +44,13 @@ def family(request):
 @pytest.fixture
 def model_dir(checkpoint_dirs, family):
     return checkpoint_dirs[family]
+
+
+@pytest.fixture(params=list(SERVED_FAMILIES))
+def served_family(request):
+    return request.param
+
+
+@pytest.fixture
+def served_model_dir(all_checkpoints, served_family):
+    return all_checkpoints[served_family]

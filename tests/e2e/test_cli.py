@@ -5,19 +5,26 @@ import sys
 
 from PIL import Image
 
+from mmserve import LLM, SamplingParams
+
 
 def _run(*args):
     return subprocess.run([sys.executable, "-m", "mmserve.entrypoints.cli", *args], capture_output=True,
                           text=True, timeout=300)
 
 
-def test_generate_prints_an_answer(checkpoint_dirs, tmp_path):
+def test_generate_prints_the_models_greedy_answer(checkpoint_dirs, tmp_path):
     image = tmp_path / "red.png"
     Image.new("RGB", (90, 60), (220, 20, 20)).save(image)
-    result = _run("generate", "--model", str(checkpoint_dirs["qwen2_vl"]), "--image", str(image),
+    model = str(checkpoint_dirs["qwen2_vl"])
+    result = _run("generate", "--model", model, "--image", str(image),
                   "--prompt", "What color is it?", "--max-tokens", "6", "--min-tokens", "6")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip()
+    offline = LLM(model).chat([{"role": "user", "content": [
+        {"type": "image_pil", "image_pil": Image.open(image)}, {"type": "text", "text": "What color is it?"}]}],
+        SamplingParams(temperature=0, max_tokens=6, min_tokens=6), use_tqdm=False)[0]
+    assert len(offline.outputs[0].token_ids) == 6
+    assert result.stdout == offline.outputs[0].text + "\n"
 
 
 def test_generate_reports_bad_image_cleanly(checkpoint_dirs, tmp_path):

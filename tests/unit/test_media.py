@@ -17,8 +17,10 @@ def _png_bytes(img: Image.Image) -> bytes:
     return buf.getvalue()
 
 
-def test_invalid_input_error_is_a_value_error():
-    assert issubclass(InvalidInputError, ValueError)
+def test_bad_image_is_an_invalid_input_error_callers_can_catch_as_value_error():
+    with pytest.raises(ValueError, match="could not be decoded") as caught:  # vLLM users catch ValueError
+        load_image(b"definitely not an image")
+    assert isinstance(caught.value, InvalidInputError)
 
 
 def test_good_sources_load():
