@@ -65,7 +65,7 @@ def expected_tokens(all_checkpoints):
             for ours in _workload():
                 chat = processor.render_chat(ours)
                 prompt = processor.process(chat.prompt, images=chat.images, videos=chat.videos)
-                inputs = fixture.reference_kwargs(model_dir, prompt)
+                inputs = fixture.reference_kwargs(model_dir, ours, prompt)
                 with torch.no_grad():
                     out = ref_model.generate(**inputs, max_new_tokens=NUM_TOKENS, min_new_tokens=NUM_TOKENS,
                                              do_sample=False)

@@ -25,7 +25,7 @@ def two_images():
 def _reference_tokens(model_dir, family, conv):
     processor = load_processor(model_dir)
     chat = processor.render_chat(conv)
-    inputs = FAMILIES[family].reference_kwargs(model_dir, processor.process(chat.prompt, images=chat.images))
+    inputs = FAMILIES[family].reference_kwargs(model_dir, conv, processor.process(chat.prompt, images=chat.images))
     model = FAMILIES[family].reference_class().from_pretrained(model_dir).eval()
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=N, min_new_tokens=N, do_sample=False)

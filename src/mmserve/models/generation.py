@@ -45,7 +45,7 @@ def prefill_inputs(model: FamilyModel, prompt: ProcessedPrompt,
 
 def prompt_positions(prompt: ProcessedPrompt, start: int, end: int, device: torch.device) -> torch.Tensor:
     cols = prompt.positions.columns(start, end, prompt.num_tokens)
-    return torch.from_numpy(np.ascontiguousarray(cols)).to(device)
+    return torch.from_numpy(np.array(cols, dtype=np.int64)).to(device)  # a copy: cols may be a read-only view
 
 
 @torch.inference_mode()

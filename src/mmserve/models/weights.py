@@ -30,6 +30,16 @@ class StackedParam:
     shard: int  # position of this projection in the stacked matrix
 
 
+# the usual stacking: q/k/v in one matrix, gate/up in one matrix
+QKV_GATE_UP = (
+    StackedParam(".q_proj.", ".qkv_proj.", 0),
+    StackedParam(".k_proj.", ".qkv_proj.", 1),
+    StackedParam(".v_proj.", ".qkv_proj.", 2),
+    StackedParam(".gate_proj.", ".gate_up_proj.", 0),
+    StackedParam(".up_proj.", ".gate_up_proj.", 1),
+)
+
+
 def even_shards(name: str, param: torch.Tensor, count: int) -> list[int]:
     """`count` equal shards (gate/up stacks)."""
     return [param.shape[0] // count] * count

@@ -60,15 +60,18 @@ class Qwen2DecoderLayer(nn.Module):
 
 
 class Qwen2LanguageModel(nn.Module):
-    """Embeddings, decoder layers, final norm and LM head (tied to the embeddings when configured)."""
+    """Embeddings, decoder layers, final norm and LM head (tied to the embeddings when configured).
 
-    def __init__(self, cfg: TextConfig) -> None:
+    The rotary table is M-RoPE unless another is given (a family with 1-D positions passes its own:
+    `rotary(positions, dtype) -> (cos, sin)` of shape (num_tokens, head_dim))."""
+
+    def __init__(self, cfg: TextConfig, rotary: nn.Module | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Qwen2DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
+        self.rotary = rotary or MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -81,7 +84,8 @@ class Qwen2LanguageModel(nn.Module):
         backend: AttentionBackend,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """inputs_embeds: (num_tokens, hidden); positions: (3, num_tokens). Returns final hidden states."""
+        """inputs_embeds: (num_tokens, hidden); positions: (3, num_tokens) for M-RoPE, (1, num_tokens) for a
+        1-D rotary. Returns final hidden states."""
         cos, sin = self.rotary(positions, inputs_embeds.dtype)
         x = inputs_embeds
         for layer in self.layers:

@@ -20,16 +20,7 @@ from mmserve.models.qwen2_vl.config import Qwen2VLConfig
 from mmserve.models.qwen2_vl.language import Qwen2LanguageModel
 from mmserve.models.qwen2_vl.processor import VisionInput
 from mmserve.models.qwen2_vl.vision import GridTHW, VisionTransformer
-from mmserve.models.weights import StackedParam, even_shards, expected_weight_names, load_weights
-
-# projections we store stacked: q/k/v in one matrix, gate/up in one matrix
-_STACKED = (
-    StackedParam(".q_proj.", ".qkv_proj.", 0),
-    StackedParam(".k_proj.", ".qkv_proj.", 1),
-    StackedParam(".v_proj.", ".qkv_proj.", 2),
-    StackedParam(".gate_proj.", ".gate_up_proj.", 0),
-    StackedParam(".up_proj.", ".gate_up_proj.", 1),
-)
+from mmserve.models.weights import QKV_GATE_UP, even_shards, expected_weight_names, load_weights
 
 
 class Qwen2VLForConditionalGeneration(nn.Module):
@@ -94,8 +85,8 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         """Copy checkpoint tensors in. Returns (names of our parameters filled, unexpected hf names).
 
         Raises ValueError naming the tensor on a shape mismatch."""
-        return load_weights(self, weights, self._rename, _STACKED, self._shard_sizes)
+        return load_weights(self, weights, self._rename, QKV_GATE_UP, self._shard_sizes)
 
     def expected_weight_names(self) -> set[str]:
         """What `load_weights` must have filled for the model to be complete."""
-        return expected_weight_names(self, _STACKED)
+        return expected_weight_names(self, QKV_GATE_UP)

@@ -1,0 +1,32 @@
+"""The LLaVA-OneVision entry of the registry, and the facts the engine reads of it.
+
+What it does not know: the engine; it only states the family's `FamilySpec`.
+"""
+
+from __future__ import annotations
+
+from mmserve.inputs.media import MediaLimits
+from mmserve.models.llava_onevision.config import LLAVA_ONEVISION, LlavaOnevisionConfig, parse_config
+from mmserve.models.llava_onevision.model import LlavaOnevisionForConditionalGeneration
+from mmserve.models.llava_onevision.processor import LlavaOnevisionProcessor
+from mmserve.models.spec import FamilySpec, ItemSize, ModelFamily, PositionScheme
+
+
+def build_spec(config: LlavaOnevisionConfig, processor: LlavaOnevisionProcessor, limits: MediaLimits) -> FamilySpec:
+    t = config.text
+    largest = processor.largest_items(limits.max_video_frames)
+    return FamilySpec(
+        name="llava_onevision",
+        num_layers=t.num_hidden_layers, num_kv_heads=t.num_key_value_heads, head_dim=t.head_dim,
+        embed_dim=t.hidden_size, num_embedding_streams=1,
+        largest_item={m: ItemSize(tokens, rows) for m, (tokens, rows) in largest.items()},
+        eos_token_ids=config.eos_token_ids, position_scheme=PositionScheme.ROPE_1D,
+        max_position_embeddings=t.max_position_embeddings, vocab_size=t.vocab_size,
+        default_video_fps=processor.default_video_fps,
+    )
+
+
+FAMILIES = {
+    LLAVA_ONEVISION: ModelFamily("llava_onevision", parse_config, LlavaOnevisionForConditionalGeneration,
+                                 LlavaOnevisionProcessor, build_spec),
+}

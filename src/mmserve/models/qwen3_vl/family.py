@@ -1,0 +1,32 @@
+"""The Qwen3-VL entry of the registry, and the facts the engine reads of it.
+
+What it does not know: the engine; it only states the family's `FamilySpec`.
+"""
+
+from __future__ import annotations
+
+from mmserve.inputs.items import IMAGE, VIDEO
+from mmserve.inputs.media import MediaLimits
+from mmserve.models.qwen3_vl.config import QWEN3_VL, Qwen3VLConfig, parse_config
+from mmserve.models.qwen3_vl.model import Qwen3VLForConditionalGeneration
+from mmserve.models.qwen3_vl.processor import Qwen3VLProcessor
+from mmserve.models.spec import FamilySpec, ItemSize, ModelFamily, PositionScheme
+
+
+def build_spec(config: Qwen3VLConfig, processor: Qwen3VLProcessor, limits: MediaLimits) -> FamilySpec:
+    unit = config.vision.spatial_merge_size ** 2
+    patches = processor.largest_item_patches(limits.max_video_frames)
+    t = config.text
+    return FamilySpec(
+        name="qwen3_vl",
+        num_layers=t.num_hidden_layers, num_kv_heads=t.num_key_value_heads, head_dim=t.head_dim,
+        embed_dim=t.hidden_size, num_embedding_streams=1 + config.num_deepstack,
+        largest_item={m: ItemSize(patches[m], patches[m] // unit) for m in (IMAGE, VIDEO)},
+        eos_token_ids=config.eos_token_ids, position_scheme=PositionScheme.MROPE,
+        max_position_embeddings=t.max_position_embeddings, vocab_size=t.vocab_size,
+        default_video_fps=processor.default_video_fps,
+    )
+
+
+FAMILIES = {QWEN3_VL: ModelFamily("qwen3_vl", parse_config, Qwen3VLForConditionalGeneration, Qwen3VLProcessor,
+                                  build_spec)}

@@ -1,0 +1,87 @@
+"""Qwen3-VL: vision tower (with deepstack) + Qwen3 language model, and the checkpoint name mapping.
+
+Role: encode items into (1 + num_deepstack) embedding streams of rows, run the decoder (which adds
+the deepstack streams after its first layers), compute logits; `load_weights` maps Hugging Face
+parameter names (`model.visual.*`, `model.language_model.*`, `lm_head.*`) onto this module,
+stacking q/k/v and gate/up projections and flattening the patch Conv3d into a matmul.
+What it does not know: files, tokenizers, scheduling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from mmserve.models.layers.attention import AttentionBackend, AttentionMetadata
+from mmserve.models.qwen3_vl.config import Qwen3VLConfig
+from mmserve.models.qwen3_vl.language import Qwen3LanguageModel
+from mmserve.models.qwen3_vl.processor import VisionInput
+from mmserve.models.qwen3_vl.vision import VisionTransformer
+from mmserve.models.weights import QKV_GATE_UP, even_shards, expected_weight_names, load_weights
+
+_PREFIXES = (("model.visual.", "visual."), ("model.language_model.", "language_model."),
+             ("lm_head.", "language_model.lm_head."))
+
+
+class Qwen3VLForConditionalGeneration(nn.Module):
+    def __init__(self, config: Qwen3VLConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.visual = VisionTransformer(config.vision)
+        self.language_model = Qwen3LanguageModel(config.text)
+
+    # ---- forward pieces -------------------------------------------------------------------
+    def encode_items(self, payloads: Sequence[VisionInput]) -> list[torch.Tensor]:
+        """One (1 + num_deepstack, rows, hidden) tensor per item: views into one batched output."""
+        device = self.language_model.embed_tokens.weight.device
+        pixels = torch.from_numpy(np.concatenate([p.pixel_values for p in payloads]))
+        grids = [p.grid_thw for p in payloads]
+        unit = self.config.vision.spatial_merge_size ** 2
+        streams = self.visual(pixels.to(device, non_blocking=True), grids)  # (streams, rows, hidden)
+        return list(streams.split([t * h * w // unit for t, h, w in grids], dim=1))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed(input_ids)
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
+                meta: AttentionMetadata, extra_streams: torch.Tensor | None = None) -> torch.Tensor:
+        """positions: (3, num_tokens) M-RoPE; extra_streams: (num_deepstack, num_tokens, hidden) or None."""
+        return self.language_model(inputs_embeds, positions, backend, meta, extra_streams)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)
+
+    # ---- weights --------------------------------------------------------------------------
+    def _rename(self, hf_name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        """Hugging Face parameter name -> this module's name (before stacking), or None to skip it."""
+        name = hf_name
+        for prefix, ours in _PREFIXES:
+            if hf_name.startswith(prefix):
+                name = ours + hf_name[len(prefix):]
+                break
+        name = name.replace("visual.patch_embed.proj.", "visual.patch_embed.")
+        if name == "language_model.lm_head.weight" and self.config.text.tie_word_embeddings:
+            return None  # tied: the embedding matrix is the head
+        if name == "visual.patch_embed.weight":
+            tensor = tensor.reshape(tensor.shape[0], -1)  # (out, C, T, P, P) -> (out, C*T*P*P)
+        return name, tensor
+
+    def _shard_sizes(self, name: str, param: torch.Tensor) -> list[int]:
+        if ".qkv_proj." in name:
+            t = self.config.text
+            return [t.num_attention_heads * t.head_dim] + [t.num_key_value_heads * t.head_dim] * 2
+        return even_shards(name, param, 2)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[set[str], list[str]]:
+        """Copy checkpoint tensors in. Returns (names of our parameters filled, unexpected hf names).
+
+        Raises ValueError naming the tensor on a shape mismatch. Only the language model stacks
+        projections (the vision tower's q/k/v are one tensor in the checkpoint already)."""
+        return load_weights(self, weights, self._rename, QKV_GATE_UP, self._shard_sizes)
+
+    def expected_weight_names(self) -> set[str]:
+        """What `load_weights` must have filled for the model to be complete."""
+        return expected_weight_names(self, QKV_GATE_UP)
