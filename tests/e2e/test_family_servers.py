@@ -1,0 +1,68 @@
+"""`mmserve serve <dir>` for the families beyond Qwen2-VL (whose server is tested in depth in
+test_server.py): a real server subprocess per family, the official `openai` client, an image and a
+video sent as data URIs. The served greedy answer and prompt size equal the offline `LLM`'s for the
+same pixels, so the server path (media decoding at the family's default fps, the family's
+processor, the engine) is the one parity-tested against transformers in tests/models/."""
+
+from __future__ import annotations
+
+import pytest
+from openai import OpenAI
+
+from mmserve import LLM, SamplingParams
+from mmserve.inputs.media import decode_image_bytes
+from mmserve.inputs.video import decode_video
+from tests.e2e.conftest import start_server, stop_server, wait_healthy
+from tests.e2e.test_server import data_uri, mp4_bytes, png_bytes
+
+MAX_FRAMES = 4
+NUM_TOKENS = 6
+
+
+@pytest.fixture(scope="module", params=["qwen3_vl", "llava_onevision"])
+def served(request, all_checkpoints, tmp_path_factory):
+    model = str(all_checkpoints[request.param])
+    server = start_server(model, tmp_path_factory.mktemp("logs") / f"{request.param}.log",
+                          "--max-video-frames", str(MAX_FRAMES), "--num-kv-blocks", "128")
+    try:
+        wait_healthy(server)
+        yield server, LLM(model, max_video_frames=MAX_FRAMES, num_kv_blocks=128)
+    finally:
+        stop_server(server)
+
+
+def _ask(server, content):
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return client.chat.completions.create(model=server.model, max_tokens=NUM_TOKENS, temperature=0,
+                                          messages=[{"role": "user", "content": content}])
+
+
+def _offline(llm, part):
+    out = llm.chat([{"role": "user", "content": [part, {"type": "text", "text": "Describe it."}]}],
+                   SamplingParams(temperature=0, max_tokens=NUM_TOKENS), use_tqdm=False)[0]
+    return out.outputs[0].text, len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+
+
+def test_image_answer_equals_offline(served):
+    server, llm = served
+    png = png_bytes((30, 140, 220), size=(150, 60))
+    reply = _ask(server, [{"type": "image_url", "image_url": {"url": data_uri(png)}},
+                          {"type": "text", "text": "Describe it."}])
+    image = decode_image_bytes(png, llm.engine.config.media)
+    text, prompt_tokens, completion_tokens = _offline(llm, {"type": "image_pil", "image_pil": image})
+    assert reply.choices[0].message.content == text
+    assert reply.usage.prompt_tokens == prompt_tokens and reply.usage.completion_tokens == completion_tokens
+
+
+def test_video_answer_equals_offline(served):
+    server, llm = served
+    clip = mp4_bytes()
+    reply = _ask(server, [{"type": "video_url", "video_url": {"url": data_uri(clip, "video/mp4")}},
+                          {"type": "text", "text": "Describe it."}])
+    limits = llm.engine.config.media
+    frames = decode_video(clip, llm.engine.spec.default_video_fps, limits.max_video_frames, limits.max_image_pixels)
+    assert 1 < len(frames) <= MAX_FRAMES
+    text, prompt_tokens, completion_tokens = _offline(llm, {"type": "video", "video": frames})
+    assert reply.choices[0].message.content == text
+    assert reply.usage.prompt_tokens == prompt_tokens > len(frames)
+    assert reply.usage.completion_tokens == completion_tokens
