@@ -17,7 +17,7 @@ from torch import nn
 
 from mmserve.models.layers.attention import AttentionBackend, AttentionMetadata
 from mmserve.models.qwen2_vl.config import Qwen2VLConfig
-from mmserve.models.qwen2_vl.language import Qwen2LanguageModel
+from mmserve.models.qwen2_vl.language import qwen2_language_model
 from mmserve.models.qwen2_vl.processor import VisionInput
 from mmserve.models.qwen2_vl.vision import GridTHW, VisionTransformer
 from mmserve.models.weights import QKV_GATE_UP, even_shards, expected_weight_names, load_weights
@@ -28,7 +28,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         super().__init__()
         self.config = config
         self.visual = VisionTransformer(config.vision)
-        self.language_model = Qwen2LanguageModel(config.text)
+        self.language_model = qwen2_language_model(config.text)
 
     # ---- forward pieces -------------------------------------------------------------------
     def encode(self, pixel_values: torch.Tensor, grids: Sequence[GridTHW]) -> torch.Tensor:

@@ -17,7 +17,7 @@ from torch import nn
 
 from mmserve.models.layers.attention import AttentionBackend, AttentionMetadata
 from mmserve.models.qwen3_vl.config import Qwen3VLConfig
-from mmserve.models.qwen3_vl.language import Qwen3LanguageModel
+from mmserve.models.qwen3_vl.language import qwen3_language_model
 from mmserve.models.qwen3_vl.processor import VisionInput
 from mmserve.models.qwen3_vl.vision import VisionTransformer
 from mmserve.models.weights import QKV_GATE_UP, even_shards, expected_weight_names, load_weights
@@ -31,7 +31,7 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         super().__init__()
         self.config = config
         self.visual = VisionTransformer(config.vision)
-        self.language_model = Qwen3LanguageModel(config.text)
+        self.language_model = qwen3_language_model(config.text)
 
     # ---- forward pieces -------------------------------------------------------------------
     def encode_items(self, payloads: Sequence[VisionInput]) -> list[torch.Tensor]:

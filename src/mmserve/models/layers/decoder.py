@@ -1,0 +1,121 @@
+"""The Qwen-style decoder shared by the families' language models, written for a serving engine.
+
+Role: embeddings, pre-norm decoder layers (fused q/k/v with grouped-query attention through an
+`AttentionBackend`, a gated MLP), the final norm and the LM head, over a flattened, unpadded batch.
+What differs between families is a choice, not a copy: q/k/v and output biases, per-head q/k
+RMSNorm (Qwen3), the rotary table (M-RoPE, interleaved M-RoPE, 1-D), and extra embedding streams
+added after the first layers (Qwen3-VL's deepstack). Parameter names follow Hugging Face's Qwen2/3
+layout, so the families' weight mapping stays a prefix rename.
+
+What it does not know: images, requests, scheduling, sampling, any family's config format (it
+reads the attributes of `DecoderConfig`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from mmserve.models.layers.attention import AttentionBackend, AttentionMetadata
+from mmserve.models.layers.mlp import GatedMLP
+from mmserve.models.layers.norms import RMSNorm
+from mmserve.models.layers.rotary import apply_rotary
+
+
+class DecoderConfig(Protocol):
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    hidden_act: str
+    tie_word_embeddings: bool
+
+
+@dataclass(frozen=True)
+class DecoderOptions:
+    qkv_bias: bool = True  # Qwen2: q/k/v carry a bias, the output projection none
+    o_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before the rotary
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer_idx: int, options: DecoderOptions) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # q, k, v in one matmul: rows [q | k | v]
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=options.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=options.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if options.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if options.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
+                meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.o_proj(backend.forward(self.layer_idx, q, k, v.view(n, self.num_kv_heads, self.head_dim), meta))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer_idx: int, options: DecoderOptions) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx, options)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=False)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderLM(nn.Module):
+    """Embeddings, decoder layers, final norm and LM head (tied to the embeddings when configured).
+
+    `rotary(positions, dtype) -> (cos, sin)`, each (num_tokens, head_dim), takes the positions the
+    family's scheme uses: (3, num_tokens) for M-RoPE, (1, num_tokens) for 1-D RoPE."""
+
+    def __init__(self, cfg: DecoderConfig, rotary: nn.Module, options: DecoderOptions = DecoderOptions()) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, options) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = rotary
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
+                meta: AttentionMetadata, extra_streams: torch.Tensor | None = None) -> torch.Tensor:
+        """inputs_embeds (num_tokens, hidden); extra_streams (num_extra, num_tokens, hidden), zero at text
+        rows, or None: stream i is added after layer i. Returns the final hidden states."""
+        cos, sin = self.rotary(positions, inputs_embeds.dtype)
+        x = inputs_embeds
+        num_extra = 0 if extra_streams is None else extra_streams.shape[0]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, backend, meta)
+            if i < num_extra:
+                x = x + extra_streams[i].to(x.dtype)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight)
