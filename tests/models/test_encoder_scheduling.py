@@ -1,7 +1,9 @@
 """The second scheduling surface through the real engine: sharing, budgets, eviction, chunking
 through cached and uncached images, faults, rejection, lifecycle — outputs equal transformers'."""
 
+import gc
 import logging
+import weakref
 
 import numpy as np
 import pytest
@@ -151,7 +153,9 @@ def test_wrong_rows_for_one_key_fail_exactly_its_users(model_dir, images, refere
     assert [o.outputs[0].finish_reason for o in outs[:2]] == ["error", "error"]
     assert all("expected (1, 64, 64) (streams, rows, width)" in o.error for o in outs[:2])
     assert outs[2].outputs[0].token_ids == reference["b"]
-    assert len(llm.engine.runner.encoder.store) == 1  # nothing half-written stays
+    # nothing half-written stays; the good outputs of the failed producer are kept for reuse
+    store = llm.engine.runner.encoder.store
+    assert len(store) == 3 and all(t.shape[1] != bad_rows - 1 for t in store.values())
     llm.check_integrity()
 
 
@@ -205,3 +209,21 @@ def test_chat_part_uuid_replaces_content_hash(model_dir, images):
              for img in images[:2]]
     llm.chat(convs, GREEDY, use_tqdm=False)
     assert llm.get_stats()["encoder_items_encoded"] == 1  # the caller said they are the same item
+
+
+def test_pixels_are_freed_once_encoded_when_the_caller_lets_go(model_dir, images):
+    """The engine keeps an item's payload only until it is encoded and held: a caller that drops its
+    prompt after submitting (as LLM and the server do) frees the pixels before the request ends."""
+    engine = LLM(model_dir).engine
+    prompt = engine.process_chat(_conv(images[0]))
+    payload = weakref.ref(prompt.items[0].payload)
+    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=20, min_tokens=20))
+    del prompt
+    gc.collect()
+    assert payload() is not None  # not encoded yet: the engine still needs it
+    engine.step()  # encodes and prefills
+    gc.collect()
+    assert payload() is None and engine.has_unfinished_requests()
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()

@@ -84,7 +84,9 @@ def _both_inputs(processor, ref_proc, case):
     prompt = ref_proc.apply_chat_template(_reference_messages(messages), add_generation_prompt=True, tokenize=False)
     assert chat.prompt == prompt
     if frames is None:
-        ref = dict(ref_proc(text=prompt, images=images or None, return_tensors="pt"))
+        # one list of images per prompt, as transformers' chat path passes them: a prompt with several
+        # images takes its multi-image mode (no tiling)
+        ref = dict(ref_proc(text=prompt, images=[images] if images else None, return_tensors="pt"))
     else:  # transformers' video processor needs torchvision: expand <video> as its processor would
         videos = _reference_frames(ref_proc, frames)
         span = ref_proc.replace_video_token({"pixel_values_videos": videos}, 0)
@@ -147,19 +149,33 @@ def test_span_lengths_equal_encoder_rows(ours, ref_processor):
     model, processor, spec = ours
     rng = np.random.default_rng(5)
     images = [random_image(rng, w, h) for w, h in SIZES]
-    expansions = [processor.expand_image(img, {}) for img in images]
+    # each size alone in its prompt (tiled), and as one of two images (untiled)
+    expansions = [processor.expand_image(img, {}, n) for n in (1, 2) for img in images]
     frames = [random_image(rng, 70, 40) for _ in range(3)]
     expansions.append(processor.expand_video(frames, 2.0, {}))
+    cases = [(n, w, h) for n in (1, 2) for w, h in SIZES] + [(0, "video", 3)]
     with torch.no_grad():
         rows = model.encode_items([e.payload for e in expansions])  # one batched call
-    for (w, h), exp, out in zip(SIZES + [("video", 3)], expansions, rows):
-        assert out.shape == (1, exp.rows, spec.embed_dim), (w, h)
+    for (n, w, h), exp, out in zip(cases, expansions, rows):
+        assert out.shape == (1, exp.rows, spec.embed_dim), (n, w, h)
         assert len(exp.token_ids) == exp.rows
         assert exp.rows <= spec.largest_item["video" if w == "video" else "image"].rows
         if w != "video":  # transformers' processor counts the same span from the sizes
             assert exp.rows == len(ref_processor.replace_image_token(
-                {"batch_num_images": [1], "image_sizes": [(h, w)],
-                 "pixel_values": [[np.zeros((3, 56, 56))]]}, 0)) // len("<image>")
+                {"batch_num_images": [n], "image_sizes": [(h, w)] * n,
+                 "pixel_values": [[np.zeros((3, 56, 56))]] * n}, 0)) // len("<image>")
     batched = torch.cat([r[0] for r in rows])
     single = torch.cat([model.encode_items([e.payload])[0][0] for e in expansions])
     assert (batched - single).abs().max().item() <= 1e-5
+
+
+def test_an_image_alone_and_among_several_are_different_items(ours):
+    """Tiled (alone) and untiled (one of several) encoder inputs differ, so their content keys must."""
+    _, processor, _ = ours
+    rng = np.random.default_rng(9)
+    img, other = random_image(rng, 120, 70), random_image(rng, 50, 90)
+    alone = processor.process(processor.render_chat(user(image_part(img), text_part("Hi"))).prompt, images=[img])
+    pair = processor.process(processor.render_chat(user(image_part(img), image_part(other), text_part("Hi"))).prompt,
+                             images=[img, other])
+    assert alone.items[0].content_hash != pair.items[0].content_hash
+    assert pair.items[0].payload.layout is None and alone.items[0].payload.layout is not None

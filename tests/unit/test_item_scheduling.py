@@ -3,6 +3,7 @@
 import pytest
 
 from mmserve.core.budget import EncoderBudget, bytes_per_embedding_row
+from mmserve.core.encoder_cache import EntryState
 from mmserve.core.request import RequestStatus
 from tests.unit.core_factories import (
     BYTES_PER_ROW,
@@ -114,6 +115,23 @@ def test_batch_failure_fails_producers_consumer_gets_a_new_producer():
     assert producer.status == RequestStatus.FINISHED_ERROR and "injected" in producer.error
     assert consumer.status == RequestStatus.FINISHED_LENGTH and len(consumer.output_token_ids) == 2
     assert runner.encoded == [(consumer.request_id, 0)]  # re-produced by the consumer
+
+
+def test_a_good_output_committed_beside_a_bad_one_is_kept_for_reuse():
+    sched, runner = make_scheduler(prefix_caching=False), FakeRunner(bad_keys={"bad"})
+    producer = _img_request("good", "bad")  # one request produces both keys in one step
+    sched.add_request(producer)
+    out = sched.schedule()
+    assert out.encoder_items == {producer.request_id: (0, 1)}
+    sched.update(out, runner.execute(out))
+    assert producer.status == RequestStatus.FINISHED_ERROR
+    assert sched.encoder_cache.state("good") == EntryState.READY and "good" in sched.encoder_cache.reusable
+    assert "good" not in sched.encoder_cache.pending_freed_keys  # the runner keeps its tensor: accounted for
+    later = _img_request("good")
+    sched.add_request(later)
+    run_to_completion(sched, runner)
+    assert later.status == RequestStatus.FINISHED_LENGTH
+    assert runner.encoded == [(producer.request_id, 0)]  # never encoded again
 
 
 def test_bad_output_for_one_key_fails_exactly_its_users():

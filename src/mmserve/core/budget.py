@@ -44,19 +44,25 @@ class EncoderBudget:
             raise ValueError("encoder budgets and sizes must be positive")
         warnings = []
         configured_tokens = max_encoder_tokens_per_step
-        tokens = configured_tokens or max(DEFAULT_ENCODER_TOKENS_PER_STEP, model_atomic_max_tokens)
+        for name, value in (("max_encoder_tokens_per_step", configured_tokens),
+                            ("encoder_output_budget_bytes", output_budget_bytes), ("encoder_cache_bytes", cache_bytes)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 (or unset for the default), got {value}")
+        tokens = configured_tokens if configured_tokens is not None else max(DEFAULT_ENCODER_TOKENS_PER_STEP,
+                                                                              model_atomic_max_tokens)
         if tokens < model_atomic_max_tokens:
             tokens = model_atomic_max_tokens
             warnings.append(f"encoder token budget lifted: configured={configured_tokens} "
                             f"effective={tokens} model_atomic_max={model_atomic_max_tokens}")
         # the smallest step that must always be possible: the largest atomic item, alone
         one_step_bytes = model_atomic_max_rows * bytes_per_row
-        output = output_budget_bytes or max(one_step_bytes, DEFAULT_ENCODER_OUTPUT_BYTES)
+        output = output_budget_bytes if output_budget_bytes is not None else max(one_step_bytes,
+                                                                                  DEFAULT_ENCODER_OUTPUT_BYTES)
         if output < one_step_bytes:
             warnings.append(f"encoder output budget lifted: configured={output} effective={one_step_bytes} "
                             f"one_encoder_step={one_step_bytes}")
             output = one_step_bytes
-        cache = cache_bytes or DEFAULT_CACHE_TO_OUTPUT_RATIO * output
+        cache = cache_bytes if cache_bytes is not None else DEFAULT_CACHE_TO_OUTPUT_RATIO * output
         if cache < output:
             warnings.append(f"encoder cache lifted: configured={cache} effective={output} "
                             f"output_budget={output} (the cache is the pool the outputs live in)")

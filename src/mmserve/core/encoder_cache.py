@@ -131,6 +131,11 @@ class EncoderCacheManager:
                 self.used_bytes -= entry.num_bytes
                 self._freed.append(key)
 
+    @property
+    def pending_freed_keys(self) -> tuple[str, ...]:
+        """Keys freed since the last step, not yet handed to the runner."""
+        return tuple(self._freed)
+
     def take_freed_keys(self) -> list[str]:
         freed, self._freed = self._freed, []
         return freed

@@ -258,15 +258,16 @@ class Scheduler:
             for i in indices:
                 if request is not None:
                     produced[request.items[i].content_hash] = rid
-        for key, reason in result.encoder_failed_keys.items():  # pinned to one key: all its users fail
-            for rid in sorted(self.encoder_cache.users(key)):
-                outputs.append(self._fail(self.requests[rid], reason))
+        # commits first: a producer failed below for another key must not take a committed output with it
         committed = set(result.encoder_committed_keys)
         for key in produced:
             if key in committed:
                 self.encoder_cache.commit(key)
             elif key not in result.encoder_failed_keys:
                 self.encoder_cache.fail(key)
+        for key, reason in result.encoder_failed_keys.items():  # pinned to one key: all its users fail
+            for rid in sorted(self.encoder_cache.users(key)):
+                outputs.append(self._fail(self.requests[rid], reason))
         if result.encoder_batch_error is not None:  # only the producers fail; consumers keep waiting
             for rid in sorted(set(produced.values())):
                 if rid in self.requests:

@@ -120,6 +120,7 @@ class AsyncEngine:
                 raise InvalidInputError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
         self._commands.put(_Add(request_id, prompt, params, arrival_time or time.time()))
+        del prompt  # the engine owns it now: this generator must not keep the pixels alive to the end
         finished = False
         try:
             while not finished:

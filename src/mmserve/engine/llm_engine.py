@@ -155,8 +155,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         pending, self._pending_outputs = self._pending_outputs, []
         sched = self.scheduler.schedule()
-        if sched.is_empty and not sched.encoder_items:
-            return pending
+        if sched.is_empty and not (sched.encoder_items or sched.free_encoder_keys or sched.finished_request_ids):
+            return pending  # nothing to run, and nothing the runner must drop
         now = time.time()
         for new in sched.new_requests:
             tracked = self.tracked[new.request_id]
@@ -268,4 +268,7 @@ class Engine:
         assert set(self.runner.requests) <= live, "runner holds state of finished requests"
         cache = self.scheduler.encoder_cache
         ready = {k for k, e in cache.entries.items() if e.state == EntryState.READY}
-        assert ready <= set(self.runner.encoder.store), "a ready encoder entry has no tensor in the runner"
+        stored = set(self.runner.encoder.store)
+        assert ready <= stored, "a ready encoder entry has no tensor in the runner"
+        # the runner holds only tensors the cache accounts for (or has freed and will hand over next step)
+        assert stored <= ready | set(cache.pending_freed_keys), "the runner holds an encoder output the cache lost"

@@ -113,7 +113,7 @@ def _add_serve_parser(sub: Any) -> None:
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mmserve",
-        description="mmserve: serve vision-language models (Qwen2-VL, Qwen2.5-VL) on PyTorch.",
+        description="mmserve: serve vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision) on PyTorch.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

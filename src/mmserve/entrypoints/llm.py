@@ -85,8 +85,11 @@ class LLM:
     def _run(self, processed: list[ProcessedPrompt], params: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
         ids = [f"offline-{next(self._ids)}" for _ in processed]
-        for rid, prompt, p in zip(ids, processed, params):
-            self.engine.add_request(rid, prompt, p)
+        for i, (rid, p) in enumerate(zip(ids, params)):
+            self.engine.add_request(rid, processed[i], p)
+        # the engine owns the prompts now and releases each item's pixels once it is encoded; a list
+        # kept here would hold every request's pixels until the whole batch ends
+        processed.clear()
         results: dict[str, RequestOutput] = {}
         progress = _Progress(len(ids), use_tqdm)
         try:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,8 @@ class ItemExpansion:
     # (a template's start/end markers that the family repeats inside the span, per frame say)
     absorbs_before: tuple[int, ...] = ()
     absorbs_after: tuple[int, ...] = ()
+    # what else decided this item's encoder input (a mode the family picked): part of the content key
+    key_extra: dict[str, Any] = field(default_factory=dict)
 
 
 class _Run(str):
@@ -90,7 +92,9 @@ class MultimodalProcessor:
             raise InvalidInputError(f"unsupported mm_processor_kwargs {sorted(kwargs)}")
         return {}
 
-    def expand_image(self, image: Image.Image, kwargs: dict[str, Any]) -> ItemExpansion:
+    def expand_image(self, image: Image.Image, kwargs: dict[str, Any], num_images: int) -> ItemExpansion:
+        """`num_images`: how many images the prompt holds (some families process one image alone
+        differently from one of several)."""
         raise InvalidInputError(f"{type(self).__name__} does not take images")
 
     def expand_video(self, frames: list[Image.Image], fps: float, kwargs: dict[str, Any]) -> ItemExpansion:
@@ -133,12 +137,12 @@ class MultimodalProcessor:
         expanded: dict[str, list[tuple[ItemExpansion, str]]] = {IMAGE: [], VIDEO: []}
         for i, source in enumerate(images):
             img = load_image(source, self.limits, f"image {i}")
-            key = self._key(IMAGE, ids[IMAGE][i], img, shaping[IMAGE])
-            expanded[IMAGE].append((self.expand_image(img, kwargs), key))
+            exp = self.expand_image(img, kwargs, len(images))
+            expanded[IMAGE].append((exp, self._key(IMAGE, ids[IMAGE][i], img, {**shaping[IMAGE], **exp.key_extra})))
         for i, source in enumerate(videos):
             frames = load_video(source, self.limits, f"video {i}")
-            key = self._key(VIDEO, ids[VIDEO][i], frames, shaping[VIDEO])
-            expanded[VIDEO].append((self.expand_video(frames, float(fps), kwargs), key))
+            exp = self.expand_video(frames, float(fps), kwargs)
+            expanded[VIDEO].append((exp, self._key(VIDEO, ids[VIDEO][i], frames, {**shaping[VIDEO], **exp.key_extra})))
         token_ids, items = self._expand(pieces, expanded)
         return self._finish(prompt, token_ids, items)
 

@@ -6,17 +6,20 @@ its `FAMILIES` (architecture -> `ModelFamily`), and adding a family adds one lin
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 from mmserve.errors import ModelLoadError
 from mmserve.models.llava_onevision import family as llava_onevision
 from mmserve.models.qwen2_vl import family as qwen2_vl
 from mmserve.models.qwen3_vl import family as qwen3_vl
 from mmserve.models.spec import ModelFamily
 
-_FAMILIES: dict[str, ModelFamily] = {
+_FAMILIES: Mapping[str, ModelFamily] = MappingProxyType({
     **qwen2_vl.FAMILIES,
     **llava_onevision.FAMILIES,
     **qwen3_vl.FAMILIES,
-}
+})
 
 
 def supported_architectures() -> list[str]:

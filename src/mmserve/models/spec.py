@@ -56,7 +56,6 @@ class FamilySpec:
     eos_token_ids: tuple[int, ...]
     position_scheme: PositionScheme
     max_position_embeddings: int
-    vocab_size: int
     default_video_fps: float
 
     def __post_init__(self) -> None:
@@ -76,10 +75,6 @@ class FamilySpec:
     @property
     def max_item_rows(self) -> int:
         return max(s.rows for s in self.largest_item.values())
-
-    def bytes_per_row(self, dtype_bytes: int) -> int:
-        """Bytes one position of an item takes in the encoder cache: every stream counts."""
-        return self.embed_dim * self.num_embedding_streams * dtype_bytes
 
 
 class FamilyModel(Protocol):

@@ -80,6 +80,8 @@ class EncoderRunner:
             else:
                 result.failed_keys[job.key] = problem
         for job, out in valid:
+            if out.untyped_storage().nbytes() != out.numel() * out.element_size():
+                out = out.clone()  # a view of the batch's output would pin the whole batch while cached
             self.store[job.key] = out
             result.committed.append(job.key)
             result.num_tokens += job.encoder_tokens

@@ -156,26 +156,31 @@ class OpenAIServing:
         return first, outputs
 
     # ---- chat -------------------------------------------------------------------------------------
+    async def _chat_prompt(self, body: ChatCompletionRequest) -> ProcessedPrompt:
+        messages = await self._in_worker(resolve_messages, body.messages, self.config.media,
+                                         body.mm_processor_kwargs)
+        return await self.engine.process_chat(messages, body.mm_processor_kwargs)
+
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Any:
         arrival_time = time.time()
         model = self._check_model(body.model)
-        messages = await self._in_worker(resolve_messages, body.messages, self.config.media,
-                                         body.mm_processor_kwargs)
-        prompt = await self.engine.process_chat(messages, body.mm_processor_kwargs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        # the media and the processed prompt live in no frame of this request past submission: once
+        # encoded, the engine releases the pixels and nothing else holds them
+        first, outputs = await self._start(request_id, await self._chat_prompt(body), body, raw, arrival_time)
 
         def whole(final: RequestOutput) -> BaseModel:
             completion = final.outputs[0]
             choice = ChatChoice(message=ChatMessage(content=completion.text), finish_reason=completion.finish_reason)
             return ChatCompletionResponse(id=request_id, model=model, choices=[choice], usage=_usage(final))
 
-        return await self._respond(request_id, model, prompt, body, raw, arrival_time, self._chat_chunks, whole)
+        return await self._respond(request_id, model, body, raw, first, outputs, self._chat_chunks, whole)
 
-    async def _respond(self, request_id: str, model: str, prompt: ProcessedPrompt, body: Any, raw: Request,
-                       arrival_time: float, chunks: Callable[..., list[BaseModel]],
+    async def _respond(self, request_id: str, model: str, body: Any, raw: Request, first: RequestOutput,
+                       outputs: AsyncIterator[RequestOutput], chunks: Callable[..., list[BaseModel]],
                        whole: Callable[[RequestOutput], BaseModel]) -> Any:
-        """Run one request: server-sent events rendered by `chunks`, or the answer built by `whole`."""
-        first, outputs = await self._start(request_id, prompt, body, raw, arrival_time)
+        """Finish one submitted request: server-sent events rendered by `chunks`, or the answer built by
+        `whole`."""
         if body.stream:
             render = partial(chunks, request_id, model, body.include_usage)
             return StreamingResponse(_stream_events(first, outputs, render), media_type="text/event-stream")
@@ -212,24 +217,26 @@ class OpenAIServing:
             return {"prompt": prompt}
         return {"prompt_token_ids": list(prompt)}
 
-    async def completions(self, body: CompletionRequest, raw: Request) -> Any:
-        arrival_time = time.time()
-        model = self._check_model(body.model)
+    async def _completion_prompt(self, body: CompletionRequest) -> ProcessedPrompt:
         raw_prompt = self._raw_prompt(body)
         if body.media:
             media = await self._in_worker(resolve_media, body.media, self.config.media, body.mm_processor_kwargs)
             raw_prompt["multi_modal_data"] = {"image": media.images, "video": media.videos}
             raw_prompt["multi_modal_uuids"] = media.uuids
-        prompt = await self.engine.process(raw_prompt, body.mm_processor_kwargs)
+        return await self.engine.process(raw_prompt, body.mm_processor_kwargs)
+
+    async def completions(self, body: CompletionRequest, raw: Request) -> Any:
+        arrival_time = time.time()
+        model = self._check_model(body.model)
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        first, outputs = await self._start(request_id, await self._completion_prompt(body), body, raw, arrival_time)
 
         def whole(final: RequestOutput) -> BaseModel:
             completion = final.outputs[0]
             choice = CompletionChoice(text=completion.text, finish_reason=completion.finish_reason)
             return CompletionResponse(id=request_id, model=model, choices=[choice], usage=_usage(final))
 
-        return await self._respond(request_id, model, prompt, body, raw, arrival_time, self._completion_chunks,
-                                   whole)
+        return await self._respond(request_id, model, body, raw, first, outputs, self._completion_chunks, whole)
 
     @staticmethod
     def _completion_chunks(request_id: str, model: str, include_usage: bool, output: RequestOutput,

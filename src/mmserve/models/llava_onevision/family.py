@@ -5,6 +5,8 @@ What it does not know: the engine; it only states the family's `FamilySpec`.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from mmserve.inputs.media import MediaLimits
 from mmserve.models.llava_onevision.config import LLAVA_ONEVISION, LlavaOnevisionConfig, parse_config
 from mmserve.models.llava_onevision.model import LlavaOnevisionForConditionalGeneration
@@ -21,12 +23,12 @@ def build_spec(config: LlavaOnevisionConfig, processor: LlavaOnevisionProcessor,
         embed_dim=t.hidden_size, num_embedding_streams=1,
         largest_item={m: ItemSize(tokens, rows) for m, (tokens, rows) in largest.items()},
         eos_token_ids=config.eos_token_ids, position_scheme=PositionScheme.ROPE_1D,
-        max_position_embeddings=t.max_position_embeddings, vocab_size=t.vocab_size,
+        max_position_embeddings=t.max_position_embeddings,
         default_video_fps=processor.default_video_fps,
     )
 
 
-FAMILIES = {
+FAMILIES = MappingProxyType({
     LLAVA_ONEVISION: ModelFamily("llava_onevision", parse_config, LlavaOnevisionForConditionalGeneration,
                                  LlavaOnevisionProcessor, build_spec),
-}
+})

@@ -80,7 +80,10 @@ class LlavaOnevisionForConditionalGeneration(nn.Module):
         return out
 
     def _image_rows(self, payload: ImageInput, feats: torch.Tensor) -> torch.Tensor:
-        """feats (1 + tiles, side^2, hidden) -> (rows, hidden): base tile, then the unpadded map by rows."""
+        """feats (1 + tiles, side^2, hidden) -> (rows, hidden): base tile, then the unpadded map by rows;
+        an untiled image (one of several): its tile's rows, then one newline row."""
+        if payload.layout is None:
+            return torch.cat((feats[0], self.image_newline[None].to(feats.dtype)), dim=0)
         layout, s = payload.layout, self.side
         (grid_h, grid_w), (top, bottom, left, right) = layout.tile_grid, layout.crop
         # tiles row by row -> one (hidden, grid_h * s, grid_w * s) map

@@ -6,8 +6,10 @@ it (bicubic resizes with Pillow, zero padding centred on the canvas, rescale, no
 one `<image>` id per embedding row, counted from sizes alone (`anyres.py`). A video's frames are each
 resized to one tile and normalized (the documented steps of transformers' video processor, done
 with Pillow as the image processor does them); its span is one `<video>` id per pooled row plus the
-trailing newline row. Every image is tiled on its own, as transformers' processor does for a flat
-list of images. Positions are token indices (1-D RoPE), the base class's default.
+trailing newline row. An image alone in its prompt is tiled (anyres); each image of a prompt with
+several is padded to a square with the mean colour and resized to one tile, its span the tile's rows
+plus one newline row (as transformers does for a conversation's images since it stopped tiling
+multi-image prompts). Positions are token indices (1-D RoPE), the base class's default.
 What it does not know: devices, KV caches, scheduling, the model's weights.
 """
 
@@ -38,7 +40,7 @@ class ImageInput:
     """One image's encoder input."""
 
     pixel_values: np.ndarray  # (1 + tiles, C, S, S) float32: the base image, then the tiles row by row
-    layout: AnyresLayout
+    layout: AnyresLayout | None  # None: one of several images, the padded square as one tile
 
 
 @dataclass(frozen=True)
@@ -105,8 +107,22 @@ class LlavaOnevisionProcessor(MultimodalProcessor):
         base = resize_exact(rgb, tile, tile, self.prep.resample)
         return np.concatenate([base[None], tiles])
 
-    def expand_image(self, image: Image.Image, kwargs: dict[str, Any]) -> ItemExpansion:
+    def square_tile(self, rgb: Image.Image) -> np.ndarray:
+        """(1, S, S, 3) uint8: the image centred on a square of the mean colour, resized to one tile."""
+        side = max(rgb.width, rgb.height)
+        square = np.empty((side, side, 3), dtype=np.uint8)
+        square[:] = [int(m * 255) for m in self.prep.mean]
+        top, left = (side - rgb.height) // 2, (side - rgb.width) // 2
+        square[top:top + rgb.height, left:left + rgb.width] = np.asarray(rgb)
+        tile = self.prep.tile
+        return resize_exact(Image.fromarray(square), tile, tile, self.prep.resample)[None]
+
+    def expand_image(self, image: Image.Image, kwargs: dict[str, Any], num_images: int) -> ItemExpansion:
         rgb = to_rgb(image)
+        if num_images > 1:  # one of several: no tiling, one newline row after the tile's rows
+            rows = self.side ** 2 + 1
+            return ItemExpansion([self.pad_ids[IMAGE]] * rows, rows, self.side ** 2,
+                                 ImageInput(self.prep.normalize(self.square_tile(rgb)), None), key_extra={"tiled": False})
         layout = self.layout(*rgb.size)
         pixels = self.prep.normalize(self.image_tiles(rgb, layout))
         return ItemExpansion([self.pad_ids[IMAGE]] * layout.rows, layout.rows, layout.num_tiles * self.side ** 2,

@@ -5,6 +5,8 @@ What it does not know: the engine; it only states the family's `FamilySpec`.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from mmserve.inputs.items import IMAGE, VIDEO
 from mmserve.inputs.media import MediaLimits
 from mmserve.models.qwen2_vl.config import QWEN2_5_VL, QWEN2_VL, Qwen2VLConfig, parse_config
@@ -23,7 +25,7 @@ def build_spec(config: Qwen2VLConfig, processor: Qwen2VLProcessor, limits: Media
         embed_dim=config.vision.out_hidden_size, num_embedding_streams=1,
         largest_item={m: ItemSize(patches[m], patches[m] // unit) for m in (IMAGE, VIDEO)},
         eos_token_ids=config.eos_token_ids, position_scheme=PositionScheme.MROPE,
-        max_position_embeddings=t.max_position_embeddings, vocab_size=t.vocab_size,
+        max_position_embeddings=t.max_position_embeddings,
         default_video_fps=processor.default_video_fps,
     )
 
@@ -32,4 +34,4 @@ def _family(name: str) -> ModelFamily:
     return ModelFamily(name, parse_config, Qwen2VLForConditionalGeneration, Qwen2VLProcessor, build_spec)
 
 
-FAMILIES = {QWEN2_VL: _family("qwen2_vl"), QWEN2_5_VL: _family("qwen2_5_vl")}
+FAMILIES = MappingProxyType({QWEN2_VL: _family("qwen2_vl"), QWEN2_5_VL: _family("qwen2_5_vl")})

@@ -54,7 +54,7 @@ class Qwen2VLProcessor(MultimodalProcessor):
         return ItemExpansion([self.pad_ids[modality]] * rows, rows, pixel_values.shape[0],
                              VisionInput(pixel_values, grid, interval))
 
-    def expand_image(self, image: Image.Image, kwargs: dict[str, Any]) -> ItemExpansion:
+    def expand_image(self, image: Image.Image, kwargs: dict[str, Any], num_images: int) -> ItemExpansion:
         p = self.image_processor.preprocess_image(image, kwargs)
         return self._expansion(IMAGE, p.pixel_values, p.grid_thw)
 

@@ -5,6 +5,8 @@ What it does not know: the engine; it only states the family's `FamilySpec`.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from mmserve.inputs.items import IMAGE, VIDEO
 from mmserve.inputs.media import MediaLimits
 from mmserve.models.qwen3_vl.config import QWEN3_VL, Qwen3VLConfig, parse_config
@@ -23,10 +25,11 @@ def build_spec(config: Qwen3VLConfig, processor: Qwen3VLProcessor, limits: Media
         embed_dim=t.hidden_size, num_embedding_streams=1 + config.num_deepstack,
         largest_item={m: ItemSize(patches[m], patches[m] // unit) for m in (IMAGE, VIDEO)},
         eos_token_ids=config.eos_token_ids, position_scheme=PositionScheme.MROPE,
-        max_position_embeddings=t.max_position_embeddings, vocab_size=t.vocab_size,
+        max_position_embeddings=t.max_position_embeddings,
         default_video_fps=processor.default_video_fps,
     )
 
 
-FAMILIES = {QWEN3_VL: ModelFamily("qwen3_vl", parse_config, Qwen3VLForConditionalGeneration, Qwen3VLProcessor,
-                                  build_spec)}
+FAMILIES = MappingProxyType({
+    QWEN3_VL: ModelFamily("qwen3_vl", parse_config, Qwen3VLForConditionalGeneration, Qwen3VLProcessor, build_spec),
+})

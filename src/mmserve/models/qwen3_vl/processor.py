@@ -125,7 +125,7 @@ class Qwen3VLProcessor(MultimodalProcessor):
         cfg = proc.cfg.with_overrides(kwargs)  # validates kwargs
         return {"min_pixels": cfg.min_pixels, "max_pixels": cfg.max_pixels}
 
-    def expand_image(self, image: Image.Image, kwargs: dict[str, Any]) -> ItemExpansion:
+    def expand_image(self, image: Image.Image, kwargs: dict[str, Any], num_images: int) -> ItemExpansion:
         p = self.image_processor.preprocess_image(image, kwargs)
         rows = p.num_patches // (self.merge * self.merge)
         return ItemExpansion([self.pad_ids[IMAGE]] * rows, rows, p.num_patches, VisionInput(p.pixel_values,
