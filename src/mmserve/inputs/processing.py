@@ -45,10 +45,6 @@ class ItemExpansion:
     rows: int  # rows the encoder produces for the item (checked against the span's placeholder ids)
     encoder_tokens: int  # pre-merge patches the encoder runs
     payload: Any  # the family's encoder input
-    # tokens the span absorbs when the prompt has them right before / after the placeholder
-    # (a template's start/end markers that the family repeats inside the span, per frame say)
-    absorbs_before: tuple[int, ...] = ()
-    absorbs_after: tuple[int, ...] = ()
     # what else decided this item's encoder input (a mode the family picked): part of the content key
     key_extra: dict[str, Any] = field(default_factory=dict)
 
@@ -212,7 +208,7 @@ class MultimodalProcessor:
         ids: list[int] = []
         items: list[MMItem] = []
         seen = {IMAGE: 0, VIDEO: 0}
-        for n, piece in enumerate(pieces):
+        for piece in pieces:
             if isinstance(piece, list):
                 ids.extend(piece)
                 continue
@@ -225,13 +221,6 @@ class MultimodalProcessor:
                     raise InvalidInputError(f"{piece} {index}: give one placeholder id per {piece}; this "
                                             f"model's {piece} spans hold more than placeholder ids")
                 check_item_rows(f"{piece} {index}", piece.length, exp.rows)
-            before = exp.absorbs_before
-            if before and ids[len(ids) - len(before):] == list(before):
-                del ids[len(ids) - len(before):]
-            after = exp.absorbs_after
-            following = pieces[n + 1] if n + 1 < len(pieces) else None
-            if after and isinstance(following, list) and following[:len(after)] == list(after):
-                del following[:len(after)]
             items.append(MMItem(str(piece), index, len(ids), len(span), exp.encoder_tokens, exp.rows, key,
                                 exp.payload))
             ids.extend(span)
