@@ -31,10 +31,8 @@ import hashlib
 import json
 import math
 import os
-import platform
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +50,22 @@ from tests.fixtures.tiny_checkpoints import (  # noqa: E402
     reference_inputs,
 )
 
+from benchmarks.floor import compute_floor, matmul_peak_gflops  # noqa: E402
+from benchmarks.hf_systems import (  # noqa: E402
+    SystemResult,
+    count_identical,
+    divergence_margin,
+    run_hf_batched,
+    run_hf_single,
+)
+from benchmarks.offline_report import (  # noqa: E402
+    DTYPE,
+    json_line,
+    machine_info,
+    print_card,
+    print_overhead,
+    print_table,
+)
 from benchmarks.workload import LONG_SYSTEM_PROMPT, Workload, build_workload  # noqa: E402
 
 BENCH_DIR = ROOT / ".bench"
@@ -61,11 +75,9 @@ MODEL_DIRS = {"tiny": BENCH_DIR / "tiny-qwen2-vl",
               "100m": BENCH_DIR / f"bench-100m-qwen2-vl-{hashlib.sha256(CONFIG_100M.read_bytes()).hexdigest()[:8]}",
               **{name: BENCH_DIR / f"tiny-{name.replace('_', '-')}" for name in FAMILIES if name != "qwen2_vl"}}
 QWEN2_VL_MODELS = ("tiny", "100m")  # transformers' own Qwen2-VL processor makes their reference inputs
-HF_BATCH_SIZE = 8
 QUICK_SUBSET = 16
 OVERHEAD_BATCH = 32
 OVERHEAD_STEPS = 10
-DTYPE = "float32"
 DEFAULT_REPEATS = {"100m": 1}  # the 100m round takes ~5 minutes; tiny models: 3
 
 
@@ -134,94 +146,6 @@ def parameter_count(model_dir: Path) -> int:
         with safe_open(str(file), framework="pt") as f:
             total += sum(math.prod(f.get_slice(key).get_shape()) for key in f.keys())
     return total
-
-
-def matmul_param_counts(model_dir: Path) -> dict[str, int]:
-    """Weight-matrix parameters (ndim >= 2, so no norms or biases) by where they run: per vision patch
-    (blocks + patch embedding), per merged vision row (merger), per language-model token (decoder
-    layers), per sampled token (lm_head). Embedding tables do no matmul work."""
-    from safetensors import safe_open
-
-    counts = {"vision_per_patch": 0, "vision_per_row": 0, "lm_per_token": 0, "lm_head": 0}
-    # (only Qwen2-VL's layout is counted: the floor is printed for the Qwen2-VL models)
-    for file in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                shape = f.get_slice(key).get_shape()
-                if len(shape) < 2 or "embed_tokens" in key:
-                    continue
-                n = math.prod(shape)
-                if "visual.merger" in key:
-                    counts["vision_per_row"] += n
-                elif "visual." in key:
-                    counts["vision_per_patch"] += n
-                elif "lm_head" in key:
-                    counts["lm_head"] += n
-                elif ".layers." in key:
-                    counts["lm_per_token"] += n
-    return counts
-
-
-def matmul_peak_gflops(size: int = 1536, reps: int = 7) -> float:
-    """The machine's best fp32 matmul rate at the current torch threads (a large square product)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    torch.mm(a, b)
-    best = math.inf
-    for _ in range(reps):
-        started = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - started)
-    return 2 * size**3 / best / 1e9
-
-
-def compute_floor(model_dir: Path, stats: dict[str, int], attention_work: dict[str, Any],
-                  peak_gflops: float) -> dict[str, Any]:
-    """A lower bound on the wall of the work mmserve did, at the machine's peak matmul rate: weight-
-    matrix FLOPs (encoder patches it encoded, prompt tokens it computed, decode tokens, lm_head per
-    sampled token) plus attention score/value FLOPs (full vision attention within each encoded item,
-    the smallest items counted when fewer were encoded than are distinct; causal attention of every
-    computed query over its context). Norms, activations, rotary and everything else are ignored.
-    No engine that does the same work can be faster; with reuse and prefix caching counted in, it
-    bounds any speedup from above."""
-    counts = matmul_param_counts(model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    vision, text = config["vision_config"], config.get("text_config", config)
-    merge = vision.get("spatial_merge_size", 2)
-    patches = stats["encoder_tokens_encoded"]
-    requests = attention_work["requests"]
-    lm_tokens = stats["prompt_tokens_computed"] + stats["generation_tokens"] - len(requests)
-    flops = {"encoder": 2 * (patches * counts["vision_per_patch"] + patches // merge**2 * counts["vision_per_row"]),
-             "lm": 2 * lm_tokens * counts["lm_per_token"],
-             "lm_head": 2 * stats["generation_tokens"] * counts["lm_head"]}
-    if config.get("model_type") == "qwen2_vl":  # every vision block attends over the whole item
-        encoded = attention_work["item_patches"][:stats["encoder_items_encoded"]]
-        flops["encoder_attention"] = 4 * vision["depth"] * vision["embed_dim"] * sum(s * s for s in encoded)
-    pairs = 0  # (query, key) pairs over computed queries: prompt after its cached prefix, then decodes
-    for prompt, cached, outputs in requests:
-        pairs += (prompt * (prompt + 1) - cached * (cached + 1)) // 2
-        pairs += sum(prompt + j + 1 for j in range(outputs - 1))
-    flops["lm_attention"] = 4 * text["num_hidden_layers"] * text["hidden_size"] * pairs
-    total = sum(flops.values())
-    return {"peak_matmul_gflops": round(peak_gflops, 1), "gflop": {k: round(v / 1e9, 1) for k, v in flops.items()},
-            "floor_s": round(total / (peak_gflops * 1e9), 3)}
-
-
-# ---- results -------------------------------------------------------------------------------------
-@dataclass
-class SystemResult:
-    name: str
-    wall_s: float
-    output_tokens: int
-    tokens: list[list[int]]  # greedy output ids per request (of the requests that ran)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-    def as_json(self) -> dict[str, Any]:
-        return {"wall_s": round(self.wall_s, 3), "output_tokens": self.output_tokens,
-                "tokens_per_s": round(self.tokens_per_s, 2), **self.extra}
 
 
 def _greedy(output_tokens: int):
@@ -296,105 +220,6 @@ def reference_inputs_of(name: str, model_dir: Path, workload: Workload) -> list[
         prompt = processor.process(chat.prompt, images=chat.images, videos=chat.videos)
         out.append(FAMILIES[name].reference_kwargs(model_dir, conv.messages, prompt))
     return out
-
-
-def _generate(model: torch.nn.Module, inputs: dict[str, torch.Tensor], num_tokens: int,
-              pad_id: int) -> list[list[int]]:
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False,
-                             pad_token_id=pad_id)
-    return out[:, inputs["input_ids"].shape[1]:].tolist()
-
-
-def run_hf_single(model: torch.nn.Module, inputs: list[dict[str, torch.Tensor]], output_tokens: int,
-                  pad_id: int, subset: int | None) -> SystemResult:
-    """`generate` per conversation; with `subset`, only the first `subset` and tokens/s extrapolated."""
-    chosen = inputs[:subset] if subset else inputs
-    _generate(model, inputs[0], 2, pad_id)  # warm-up
-    tokens = []
-    started = time.perf_counter()
-    for one in chosen:
-        tokens.extend(_generate(model, one, output_tokens, pad_id))
-    wall_s = time.perf_counter() - started
-    extra: dict[str, Any] = {"subset": len(chosen) if len(chosen) < len(inputs) else None}
-    if extra["subset"]:
-        extra["extrapolated_full_wall_s"] = round(wall_s * len(inputs) / len(chosen), 3)
-    return SystemResult("hf_single", wall_s, sum(len(t) for t in tokens), tokens, extra)
-
-
-def _stack_padded(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Concatenate along dim 0, zero-padding the other dims to the largest (as processors pad tiles)."""
-    shape = [max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim())]
-    padded = []
-    for t in tensors:
-        pad = [x for d in reversed(range(1, t.dim())) for x in (0, shape[d - 1] - t.shape[d])]
-        padded.append(torch.nn.functional.pad(t, pad) if any(pad) else t)
-    return torch.cat(padded)
-
-
-def left_pad(batch: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
-    """One left-padded batch from per-request inputs; every media tensor (pixels, grids, sizes)
-    concatenated in request order."""
-    width = max(one["input_ids"].shape[1] for one in batch)
-    out = {"input_ids": torch.full((len(batch), width), pad_id, dtype=torch.long),
-           "attention_mask": torch.zeros((len(batch), width), dtype=torch.long)}
-    if "mm_token_type_ids" in batch[0]:
-        out["mm_token_type_ids"] = torch.zeros((len(batch), width), dtype=batch[0]["mm_token_type_ids"].dtype)
-    for row, one in enumerate(batch):
-        n = one["input_ids"].shape[1]
-        out["input_ids"][row, width - n:] = one["input_ids"][0]
-        out["attention_mask"][row, width - n:] = 1
-        if "mm_token_type_ids" in out:
-            out["mm_token_type_ids"][row, width - n:] = one["mm_token_type_ids"][0]
-    media = sorted({k for one in batch for k in one} - set(out))
-    for key in media:
-        present = [one[key] for one in batch if key in one]
-        out[key] = _stack_padded(present)
-    return out
-
-
-def run_hf_batched(model: torch.nn.Module, inputs: list[dict[str, torch.Tensor]], output_tokens: int,
-                   pad_id: int, batch_size: int = HF_BATCH_SIZE) -> SystemResult:
-    batches = [left_pad(inputs[i:i + batch_size], pad_id) for i in range(0, len(inputs), batch_size)]
-    _generate(model, batches[0], 2, pad_id)  # warm-up
-    tokens = []
-    started = time.perf_counter()
-    for batch in batches:
-        tokens.extend(_generate(model, batch, output_tokens, pad_id))
-    wall_s = time.perf_counter() - started
-    return SystemResult("hf_batched", wall_s, sum(len(t) for t in tokens), tokens, {"batch_size": batch_size})
-
-
-# ---- greedy checks -------------------------------------------------------------------------------
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def divergence_margin(model: torch.nn.Module, inputs: dict[str, torch.Tensor], reference: list[int],
-                      got: list[int]) -> dict[str, Any]:
-    """At the first differing output token: transformers' top-1 minus top-2 logit and the logit gap
-    between its token and mmserve's. A gap near float32 noise (< ~1e-3) is a near-tie, not a bug."""
-    index = first_divergence(reference, got)
-    if index is None or index >= min(len(reference), len(got)):
-        return {"first_diff": index}
-    extra = torch.tensor([reference[:index]], dtype=torch.long)
-    ids = torch.cat([inputs["input_ids"], extra], dim=1)
-    feed = dict(inputs, input_ids=ids, attention_mask=torch.ones_like(ids))
-    if "mm_token_type_ids" in inputs:
-        feed["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(extra).int()], dim=1)
-    with torch.no_grad():
-        logits = model(**feed).logits[0, -1].double()
-    top = logits.topk(2).values
-    return {"first_diff": index, "top2_margin": float(top[0] - top[1]),
-            "reference_minus_mmserve_logit": float(logits[reference[index]] - logits[got[index]])}
-
-
-def count_identical(a: list[list[int]], b: list[list[int]]) -> tuple[int, list[int]]:
-    mismatched = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
-    return min(len(a), len(b)) - len(mismatched), mismatched
 
 
 # ---- one model -----------------------------------------------------------------------------------
@@ -531,100 +356,6 @@ def measure_overhead(model_dir: Path, batch: int = OVERHEAD_BATCH, steps: int = 
         "engine_outside_runner_ms_median": round(median([w - t for w, t in zip(walls, runner_totals)]), 2),
         "outside_forward_share": round(outside, 4), "target_share": 0.15, "meets_target": outside <= 0.15,
     }
-
-
-# ---- report --------------------------------------------------------------------------------------
-SYSTEM_LABELS = {"mmserve": "mmserve (all at once)", "hf_single": "transformers 1 at a time",
-                 "hf_batched": f"transformers batch {HF_BATCH_SIZE}"}
-
-
-def machine_info(threads: int) -> dict[str, Any]:
-    import transformers
-
-    return {"cpu_count": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
-            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "torch_threads": threads}
-
-
-def print_card(machine: dict[str, Any], workload: dict[str, Any], models: dict[str, dict[str, Any]],
-               output_tokens: int, subset: int | None) -> None:
-    print("== mmserve offline benchmark ==")
-    print(f"machine   : {machine['usable_cpus']} usable CPUs ({machine['cpu_count']} total), {machine['platform']}, "
-          f"python {machine['python']}")
-    print(f"software  : torch {machine['torch']}, transformers {machine['transformers']}, "
-          f"torch threads {machine['torch_threads']}")
-    print(f"dtype     : {DTYPE} (all systems, same checkpoint per model)")
-    for name, res in models.items():
-        prompt = res["systems"]["mmserve"].extra["prompt_tokens"]
-        print(f"model     : {name}: {res['model_dir']}, {res['params'] / 1e6:.2f}M params, prompt tokens "
-              f"{prompt['min']}-{prompt['max']} (mean {prompt['mean']}); each system best of {res['repeats']} "
-              "interleaved round(s)")
-    ipr = workload["images_per_request"]
-    print(f"workload  : N={workload['num_requests']} conversations (seed {workload['seed']}), "
-          f"{ipr['min']}-{ipr['max']} images each (mean {ipr['mean']}), {workload['num_images']} images of "
-          f"{workload['image_side_px']['min']}-{workload['image_side_px']['max']} px/side, "
-          f"{workload['repeated_image_fraction']:.0%} repeats of earlier images")
-    print(f"            {workload['shared_prefix_fraction']:.0%} share one {workload['shared_system_prompt_tokens']}"
-          f"-token system prompt; output {output_tokens} greedy tokens each (min_tokens = max_tokens)")
-    print("notes     : transformers inputs are preprocessed before its clock starts; mmserve's wall includes "
-          "its input processing (preprocess_s in the JSON). mmserve warm-up ran on a throwaway LLM.")
-    if subset:
-        print(f"            transformers one-at-a-time ran on the first {subset} requests only; its tokens/s is "
-              "extrapolated to all of them (\"subset\" in the JSON)")
-
-
-def print_table(models: dict[str, dict[str, Any]]) -> None:
-    print(f"\n{'model':<15} {'system':<26} {'wall s':>9} {'out tok':>8} {'tok/s':>9} {'mmserve x':>10}  note")
-    for name, res in models.items():
-        mm = res["systems"]["mmserve"]
-        for key, r in res["systems"].items():
-            ratio = "" if key == "mmserve" else f"{mm.tokens_per_s / r.tokens_per_s:.2f}x"
-            note = f"load {r.extra['load_s']:.2f}s, prep {r.extra['preprocess_s']:.2f}s" if key == "mmserve" else ""
-            if len(r.extra["rounds_wall_s"]) > 1:
-                note += ("; " if note else "") + "rounds " + "/".join(f"{w:.1f}" for w in r.extra["rounds_wall_s"])
-            if r.extra.get("subset"):
-                note = f"first {r.extra['subset']} requests; full est. {r.extra['extrapolated_full_wall_s']:.1f}s"
-            print(f"{name:<15} {SYSTEM_LABELS[key]:<26} {r.wall_s:>9.2f} {r.output_tokens:>8} "
-                  f"{r.tokens_per_s:>9.1f} {ratio:>10}  {note}")
-        g = res["greedy"]
-        single, batched = g["mmserve_vs_hf_single"], g["hf_batched_vs_hf_single"]
-        flag = "" if single["identical"] == single["compared"] else "   <-- MISMATCH (bug)"
-        e2e = res["speedup_end_to_end"]
-        if e2e is not None:
-            print(f"{'':<15} with transformers' image preprocessing ({res['hf_preprocess_s']:.2f}s) in its walls: "
-                  f"mmserve x {e2e.get('vs_hf_single', 0):.2f} vs 1-at-a-time, x {e2e.get('vs_hf_batched', 0):.2f} "
-                  f"vs batch {HF_BATCH_SIZE}")
-        fl = res["floor"]
-        if fl is not None:
-            print(f"{'':<15} floor: {sum(fl['gflop'].values()):.0f} GFLOP of matmuls and attention ({fl['gflop']}) at "
-                  f"the machine's {fl['peak_matmul_gflops']:.0f} GFLOP/s peak = {fl['floor_s']:.2f}s; mmserve's wall "
-                  f"is {fl['mmserve_wall_over_floor']:.2f}x that; no engine doing this work beats the best "
-                  f"transformers mode by more than {fl['max_possible_speedup_vs_best_hf']:.2f}x here")
-        print(f"{'':<15} greedy: mmserve == transformers 1-at-a-time on {single['identical']}/{single['compared']}"
-              f"{flag}; batch-{HF_BATCH_SIZE} padded == 1-at-a-time on {batched['identical']}/{batched['compared']}; "
-              f"stats {res['systems']['mmserve'].extra['stats']}")
-
-
-def print_overhead(overhead: dict[str, Any]) -> None:
-    verdict = "meets" if overhead["meets_target"] else "MISSES"
-    print(f"\nengine overhead ({overhead['model']}, batch-{overhead['batch']} decode, {overhead['steps']} steps): "
-          f"step {overhead['step_ms_median']:.1f} ms, forward {overhead['forward_ms_median']:.1f} ms, "
-          f"runner outside forward {overhead['runner_outside_forward_ms_median']:.1f} ms, engine outside runner "
-          f"{overhead['engine_outside_runner_ms_median']:.1f} ms -> {overhead['outside_forward_share']:.1%} outside "
-          f"the forward ({verdict} the {overhead['target_share']:.0%} target)")
-
-
-def json_line(machine: dict[str, Any], workload: dict[str, Any], models: dict[str, dict[str, Any]],
-              overhead: dict[str, Any] | None, output_tokens: int, subset: int | None, run_s: float) -> str:
-    out_models = {}
-    for name, res in models.items():
-        entry = {k: v for k, v in res.items() if k != "systems"}
-        entry.update({key: r.as_json() for key, r in res["systems"].items()})
-        out_models[name] = entry
-    return json.dumps({"bench": "offline", "dtype": DTYPE, "machine": machine,
-                       "workload": dict(workload, output_tokens=output_tokens), "hf_single_subset": subset,
-                       "models": out_models,
-                       "overhead": overhead, "run_s": round(run_s, 1)}, separators=(",", ":"))
 
 
 # ---- main ----------------------------------------------------------------------------------------
