@@ -60,7 +60,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class EncoderConfig:
-    """The encoder budgets of DESIGN.md §4; None means 'derive from the model' (see core/budget.py)."""
+    """The encoder budgets of docs/architecture.md §5; None means 'derive from the model' (see core/budget.py)."""
 
     max_encoder_items_per_step: int = 16
     max_encoder_tokens_per_step: int | None = None  # pre-merge patches; lifted to the largest item

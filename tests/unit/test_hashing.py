@@ -1,4 +1,4 @@
-"""Properties of the canonical item hash (DESIGN.md §3.3)."""
+"""Properties of the canonical item hash (docs/architecture.md §4, invariant 3)."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""DESIGN.md §1-§2: core/ is pure Python (no torch, no runner/engine/models), so it is tested with fake
+"""docs/architecture.md §1-§3: core/ is pure Python (no torch, no runner/engine/models), so it is tested with fake
 runner outputs; inputs/ holds no engine state."""
 
 import ast

@@ -1,4 +1,4 @@
-"""Encoder budgets, resolved once at start (DESIGN.md §4).
+"""Encoder budgets, resolved once at start (docs/architecture.md §5).
 
 Role: turn the configured encoder budgets and the model's facts into the four effective
 resources — items per step, encoder tokens per step, resident output bytes, reuse-cache bytes —

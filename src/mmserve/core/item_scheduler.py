@@ -1,4 +1,4 @@
-"""Per-item encoder scheduling: the policy object beside the scheduler (DESIGN.md §4).
+"""Per-item encoder scheduling: the policy object beside the scheduler (docs/architecture.md §5).
 
 Role: at admission, reserve the bytes of every item of a request (referencing cached or shared
 entries, reserving new ones as MISSING) so an admitted request can always progress, also after

@@ -8,7 +8,7 @@ content, and evict cached blocks LRU only when free blocks run out.
 - A full block's hash chains its parent block's hash, its token ids and its extra keys: for every
   media item overlapping the block, the item's content hash and the block's start relative to the
   item's first token. Two prompts with the same placeholder ids but different images therefore
-  never share KV (DESIGN.md §3.7).
+  never share KV (docs/architecture.md §4, invariant 7).
 
 What it does not know: tensors, devices, scheduling policy.
 """

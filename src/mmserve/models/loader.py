@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from mmserve.errors import ModelLoadError
+from mmserve.models.config_fields import token_ids
 from mmserve.models.registry import resolve
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -45,10 +46,7 @@ def generation_eos_ids(model_dir: str | Path) -> tuple[int, ...]:
     path = Path(model_dir) / "generation_config.json"
     if not path.is_file():
         return ()
-    eos = json.loads(path.read_text()).get("eos_token_id")
-    if eos is None:
-        return ()
-    return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
+    return token_ids(json.loads(path.read_text()).get("eos_token_id"))
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:

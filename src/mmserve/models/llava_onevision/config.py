@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmserve.errors import ModelLoadError
+from mmserve.models.config_fields import token_ids
 
 LLAVA_ONEVISION = "LlavaOnevisionForConditionalGeneration"
 
@@ -91,11 +92,6 @@ class LlavaOnevisionConfig:
         return tuple(i % n for i in self.vision_feature_layers)
 
 
-def _eos_ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
-
 
 def _parse_text(raw: dict[str, Any], top: dict[str, Any]) -> TextConfig:
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
@@ -166,7 +162,7 @@ def parse_config(raw: dict[str, Any]) -> LlavaOnevisionConfig:
             vision_aspect_ratio=str(raw.get("vision_aspect_ratio", "anyres_max_9")),
             projector_hidden_act=str(raw.get("projector_hidden_act", "gelu")),
             multimodal_projector_bias=bool(raw.get("multimodal_projector_bias", True)),
-            eos_token_ids=_eos_ids(raw["text_config"].get("eos_token_id", raw.get("eos_token_id"))),
+            eos_token_ids=token_ids(raw["text_config"].get("eos_token_id", raw.get("eos_token_id"))),
         )
         if config.max_num_tiles < 1:  # int() raises ValueError on a string that is not anyres_max_N
             raise ModelLoadError(f"unsupported vision_aspect_ratio {config.vision_aspect_ratio!r}")

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmserve.errors import ModelLoadError
+from mmserve.models.config_fields import token_ids
 
 QWEN2_VL = "Qwen2VLForConditionalGeneration"
 QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
@@ -102,11 +103,6 @@ def _rope_params(section: dict[str, Any]) -> tuple[float, tuple[int, ...] | None
     return float(theta), (tuple(int(x) for x in mrope) if mrope else None)
 
 
-def _eos_ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
-
 
 def parse_config(raw: dict[str, Any]) -> Qwen2VLConfig:
     """Build a Qwen2VLConfig from a config.json dict (flat hub layout or nested text_config)."""
@@ -142,7 +138,7 @@ def parse_config(raw: dict[str, Any]) -> Qwen2VLConfig:
             video_token_id=int(raw.get("video_token_id", text_raw.get("video_token_id", 151656))),
             vision_start_token_id=int(raw.get("vision_start_token_id", 151652)),
             vision_end_token_id=int(raw.get("vision_end_token_id", 151653)),
-            eos_token_ids=_eos_ids(text_raw.get("eos_token_id")),
+            eos_token_ids=token_ids(text_raw.get("eos_token_id")),
         )
     except KeyError as exc:
         raise ModelLoadError(f"config.json lacks required field {exc.args[0]!r}") from exc

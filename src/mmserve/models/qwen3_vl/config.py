@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmserve.errors import ModelLoadError
+from mmserve.models.config_fields import token_ids
 
 QWEN3_VL = "Qwen3VLForConditionalGeneration"
 
@@ -117,11 +118,6 @@ def _rope(section: dict[str, Any], default_theta: float) -> dict[str, Any]:
     return params
 
 
-def _eos_ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
-
 
 def _parse_text(raw: dict[str, Any], t: dict[str, Any]) -> TextConfig:
     rope = _rope(t, 5_000_000.0)
@@ -179,7 +175,7 @@ def parse_config(raw: dict[str, Any]) -> Qwen3VLConfig:
             video_token_id=int(raw.get("video_token_id", 151656)),
             vision_start_token_id=int(raw.get("vision_start_token_id", 151652)),
             vision_end_token_id=int(raw.get("vision_end_token_id", 151653)),
-            eos_token_ids=_eos_ids(t.get("eos_token_id", raw.get("eos_token_id"))),
+            eos_token_ids=token_ids(t.get("eos_token_id", raw.get("eos_token_id"))),
         )
     except KeyError as exc:
         raise ModelLoadError(f"config.json lacks required field {exc.args[0]!r}") from exc
