@@ -8,8 +8,8 @@ from PIL import Image
 
 from mmserve.inputs.items import ProcessedPrompt
 from mmserve.inputs.media import MediaLimits
-from mmserve.models.generation import prefill_inputs, prompt_positions
-from mmserve.models.layers.attention import AttentionMetadata, ContiguousKVCache
+from mmserve.models.generation import prefill_inputs, prefill_metadata, prompt_positions
+from mmserve.models.layers.attention import ContiguousKVCache
 from mmserve.models.loader import load_model, read_config
 from mmserve.models.registry import resolve
 from mmserve.models.spec import FamilySpec
@@ -43,7 +43,7 @@ def full_logits(model, prompt: ProcessedPrompt, spec: FamilySpec) -> torch.Tenso
     cpu = torch.device("cpu")
     cache = ContiguousKVCache(layout[0], 1, n, layout[1], layout[2], dtype)
     embeds, extra = prefill_inputs(model, prompt, cpu)
-    hidden = model(embeds, prompt_positions(prompt, 0, n, cpu), cache, AttentionMetadata([n], [0]), extra)
+    hidden = model(embeds, prompt_positions(prompt, 0, n, cpu), cache, prefill_metadata(prompt, spec), extra)
     return model.compute_logits(hidden)
 
 

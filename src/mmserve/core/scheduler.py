@@ -5,7 +5,8 @@ Role: each step, move every running request's `num_computed_tokens` toward its p
 length under `max_num_batched_tokens` and `max_num_seqs`, then admit waiting requests (with their
 prefix-cache hits) while budget and KV blocks last. When KV blocks run out, the newest running
 request goes back to waiting and will recompute. A chunk boundary may fall anywhere, also inside
-an image's placeholder span.
+an image's placeholder span, unless the family's `ChunkBoundaryPolicy` makes item spans
+indivisible.
 
 Encoder work is the second surface: at admission a request's items are reserved in the encoder
 cache (`ItemScheduler`), and each prefill chunk runs only up to the first placeholder row whose
@@ -20,6 +21,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from mmserve.core.chunk_policy import ChunkBoundaryPolicy
 from mmserve.core.item_scheduler import EncoderStep, ItemScheduler
 from mmserve.core.kv_cache import KVBlock, KVCacheManager
 from mmserve.core.request import Request, RequestStatus
@@ -60,10 +62,12 @@ class _StepPlan:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, kv: KVCacheManager, items: ItemScheduler) -> None:
+    def __init__(self, limits: SchedulerLimits, kv: KVCacheManager, items: ItemScheduler,
+                 chunking: ChunkBoundaryPolicy | None = None) -> None:
         self.limits = limits
         self.kv = kv
         self.items = items
+        self.chunking = chunking or ChunkBoundaryPolicy()
         self.encoder_cache = items.cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -128,7 +132,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            start = request.num_computed_tokens
+            num_new = self.chunking.cut(request, start, start + min(request.num_tokens - start, budget)) - start
+            if num_new == 0:  # its next span does not fit what is left of the budget: next step
+                i += 1
+                continue
             new_ids = self.kv.allocate_slots(request, num_new)
             while new_ids is None:
                 victim = self.running.pop()
@@ -138,7 +146,6 @@ class Scheduler:
                 new_ids = self.kv.allocate_slots(request, num_new)
             if new_ids is None:
                 break
-            start = request.num_computed_tokens
             num_new = self.items.plan_chunk(request, start, start + num_new, plan.encoder) - start
             # blocks allocated for a cut chunk are used by later chunks; the runner learns of them now
             plan.out.cached_requests.append(
@@ -165,7 +172,10 @@ class Scheduler:
             num_new = request.num_tokens - num_hit
             if not self.limits.enable_chunked_prefill and num_new > budget:
                 break
-            num_new = self._admit(request, hits, num_hit, min(num_new, budget), plan)
+            num_new = self.chunking.cut(request, num_hit, num_hit + min(num_new, budget)) - num_hit
+            if num_new == 0:
+                break
+            num_new = self._admit(request, hits, num_hit, num_new, plan)
             if num_new == 0:
                 break
             self.waiting.popleft()

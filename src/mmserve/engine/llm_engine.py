@@ -21,6 +21,7 @@ import torch
 
 from mmserve.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
 from mmserve.core.budget import EncoderBudget, bytes_per_embedding_row
+from mmserve.core.chunk_policy import ChunkBoundaryPolicy, resolve_token_budget
 from mmserve.core.encoder_cache import EncoderCacheManager, EntryState
 from mmserve.core.item_scheduler import ItemScheduler
 from mmserve.core.kv_cache import KVCacheManager
@@ -31,11 +32,13 @@ from mmserve.engine.detokenizer import IncrementalDetokenizer
 from mmserve.engine.prompts import parse_prompt
 from mmserve.errors import InvalidInputError
 from mmserve.inputs.items import ProcessedPrompt
+from mmserve.inputs.placeholders import embed_runs
 from mmserve.models.loader import generation_eos_ids, load_model, parse_dtype, read_config
 from mmserve.models.registry import resolve
 from mmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from mmserve.runner.attention import PagedKVCache
+from mmserve.runner.attention import PagedAttentionBackend
 from mmserve.runner.encoder_runner import EncodeJob
+from mmserve.runner.kv_storage import PagedKVStorage
 from mmserve.runner.model_runner import ModelRunner, RunnerPrompt, StepInputs
 from mmserve.sampling_params import SamplingParams
 
@@ -68,16 +71,19 @@ class Engine:
         self.max_model_len = config.scheduler.max_model_len or self.spec.max_position_embeddings
         num_blocks = self._num_kv_blocks()
         spec = self.spec
-        self.kv_cache = PagedKVCache(spec.num_layers, num_blocks, config.cache.block_size, spec.num_kv_heads,
-                                     spec.head_dim, self.dtype, self.device)
+        self.kv_storage = PagedKVStorage(spec.num_layers, num_blocks, config.cache.block_size, spec.num_kv_heads,
+                                         spec.head_dim, self.dtype, self.device)
         kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.budget = self._resolve_budget()
         items = ItemScheduler(EncoderCacheManager(self.budget.cache_bytes, self.budget.output_budget_bytes),
                               self.budget)
         sched = config.scheduler
-        self.scheduler = Scheduler(SchedulerLimits(sched.max_num_seqs, sched.max_num_batched_tokens,
-                                                   sched.enable_chunked_prefill, self.max_model_len), kv, items)
-        self.runner = ModelRunner(self.model, spec, self.kv_cache, self.device)
+        chunking = ChunkBoundaryPolicy(indivisible_items=spec.bidirectional_media)
+        max_batched, _ = resolve_token_budget(sched.max_num_batched_tokens, spec.max_item_span,
+                                              chunking.indivisible_items)
+        self.scheduler = Scheduler(SchedulerLimits(sched.max_num_seqs, max_batched, sched.enable_chunked_prefill,
+                                                   self.max_model_len), kv, items, chunking)
+        self.runner = ModelRunner(self.model, spec, PagedAttentionBackend(self.kv_storage), self.device)
         eos = set(spec.eos_token_ids) | set(generation_eos_ids(config.model))
         if self.processor.tokenizer.eos_token_id is not None:
             eos.add(self.processor.tokenizer.eos_token_id)
@@ -104,7 +110,7 @@ class Engine:
         cache, spec = self.config.cache, self.spec
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
-        per_block = PagedKVCache.bytes_per_block(spec.num_layers, cache.block_size, spec.num_kv_heads,
+        per_block = PagedKVStorage.bytes_per_block(spec.num_layers, cache.block_size, spec.num_kv_heads,
                                                  spec.head_dim, self.dtype)
         num = (cache.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // per_block
         if num < 1:
@@ -137,9 +143,11 @@ class Engine:
                           arrival_time or time.time())
         detok = IncrementalDetokenizer(self.processor.tokenizer, request.prompt_token_ids,
                                        params.skip_special_tokens, params.stop, params.include_stop_str_in_output)
+        spans = embed_runs(prompt.embed_mask) if self.spec.bidirectional_media and prompt.items else ()
         runner_prompt = RunnerPrompt(prompt.positions, prompt.embed_mask, prompt.embed_cumsum,
                                      tuple(i.content_hash for i in prompt.items),
-                                     tuple(i.output_rows for i in prompt.items), tuple(sorted(request.stop_token_ids)))
+                                     tuple(i.output_rows for i in prompt.items), tuple(sorted(request.stop_token_ids)),
+                                     spans)
         tracked = _Tracked(request, prompt.prompt, detok, RequestMetrics(request.arrival_time), runner_prompt,
                            {i: it.payload for i, it in enumerate(prompt.items)})
         rejection = self.scheduler.add_request(request)

@@ -66,6 +66,12 @@ def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(edges[0::2].tolist(), edges[1::2].tolist()))
 
 
+def embed_runs(embed_mask: np.ndarray | None) -> tuple[tuple[int, int], ...]:
+    """[start, end) of every maximal run of encoder rows: the spans a bidirectional family's image
+    tokens attend within (transformers groups image tokens by contiguity the same way)."""
+    return () if embed_mask is None else tuple(_runs(embed_mask))
+
+
 def find_spans(masks: PlaceholderMasks) -> list[Span]:
     """Every multimodal span, in prompt order, with its embedding-row count."""
     out = []

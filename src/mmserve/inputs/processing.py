@@ -9,7 +9,14 @@ each span holds exactly as many placeholder ids as the encoder will produce rows
 A family subclasses `MultimodalProcessor` and supplies four hooks: `processing_key` (validates
 mm_processor_kwargs and says what shapes the pixels: part of the content key), `expand_image`,
 `expand_video` (an `ItemExpansion` each: the span's token ids, the rows, the encoder tokens, the
-payload its model reads) and, unless positions are token indices, `positions`.
+payload its model reads, and any text the placeholder becomes around the span) and, unless
+positions are token indices, `positions`.
+
+The placeholder a prompt holds per item (`placeholder_ids`) and the token that marks an encoder
+row in the expanded prompt (`embed_ids`) are the same token in most families, not in all (Gemma 3:
+`<start_of_image>` in the prompt, `<image_soft_token>` rows). Text around a span is tokenized
+together with the prompt's neighbouring text, as the family's own processor does when it
+rewrites the prompt string (a newline run there may merge with the text before it).
 
 What it does not know: any family's resize rules, spans or positions; devices; the engine.
 """
@@ -47,29 +54,40 @@ class ItemExpansion:
     payload: Any  # the family's encoder input
     # what else decided this item's encoder input (a mode the family picked): part of the content key
     key_extra: dict[str, Any] = field(default_factory=dict)
+    # text the placeholder becomes before and after the span, merged into the neighbouring prompt text
+    # (token-id prompts: tokenized alone)
+    text_before: str = ""
+    text_after: str = ""
 
 
 class _Run(str):
-    """A run of one placeholder id in token-id input; behaves as its modality name."""
+    """A run of one placeholder (or embed) id in token-id input; behaves as its modality name."""
 
     length: int
+    expanded: bool  # a run of embed ids that differ from the placeholder: the span as given
 
-    def __new__(cls, modality: str) -> _Run:
+    def __new__(cls, modality: str, expanded: bool = False) -> _Run:
         run = super().__new__(cls, modality)
         run.length = 1
+        run.expanded = expanded
         return run
+
+
+class _Text(str):
+    """A piece of prompt text, tokenized once its items' surrounding text is merged in."""
 
 
 class MultimodalProcessor:
     default_video_fps: float = DEFAULT_VIDEO_FPS
 
     def __init__(self, model_dir: str | Path, placeholder_ids: Mapping[str, int], vocab_size: int,
-                 limits: MediaLimits | None = None) -> None:
+                 limits: MediaLimits | None = None, embed_ids: Mapping[str, int] | None = None) -> None:
         root = Path(model_dir)
         self.limits = limits or MediaLimits()
         self.tokenizer = TextTokenizer(root)
         self.vocab_size = vocab_size
         self.pad_ids = dict(placeholder_ids)
+        self.embed_ids = dict(embed_ids or placeholder_ids)
         self.pad_text = {m: self.tokenizer.id_to_token(i) or "" for m, i in self.pad_ids.items()}
         self._pad_re = re.compile("(" + "|".join(re.escape(t) for t in self.pad_text.values() if t) + ")")
         self._modality_of = {t: m for m, t in self.pad_text.items()}
@@ -167,35 +185,37 @@ class MultimodalProcessor:
         return out
 
     def _split_prompt(self, prompt: str) -> list[str | list[int]]:
-        """Text -> pieces: a placeholder's modality name or a list of token ids."""
+        """Text -> pieces: a placeholder's modality name or a `_Text` chunk."""
         out: list[str | list[int]] = []
         for chunk in self._pad_re.split(prompt):
             if chunk in self._modality_of:
                 out.append(self._modality_of[chunk])
             elif chunk:
-                out.append(self.tokenizer.encode(chunk))
+                out.append(_Text(chunk))
         return out
 
     def _split_ids(self, ids: list[int]) -> list[str | list[int]]:
         """Token ids -> pieces. Each run of one placeholder id is one item: a single id to expand, or a
-        run already expanded to the item's span (checked in `_expand`)."""
+        run already expanded to the item's span (checked in `_expand`); so is a run of an embed id that
+        differs from the placeholder (the item's span as given)."""
         out: list[str | list[int]] = []
-        by_id = {v: k for k, v in self.pad_ids.items()}
+        by_id = {v: (k, False) for k, v in self.pad_ids.items()}
+        by_id.update({v: (k, True) for k, v in self.embed_ids.items() if v != self.pad_ids.get(k)})
         for tid in (int(t) for t in ids):
-            modality = by_id.get(tid)
-            if modality is None:
+            found = by_id.get(tid)
+            if found is None:
                 if not out or not isinstance(out[-1], list):
                     out.append([])
                 out[-1].append(tid)
-            elif out and isinstance(out[-1], _Run) and out[-1] == modality:
+            elif out and isinstance(out[-1], _Run) and (out[-1], out[-1].expanded) == found:
                 out[-1].length += 1
             else:
-                out.append(_Run(modality))
+                out.append(_Run(*found))
         return out
 
     def _check_counts(self, pieces: list[str | list[int]], num_images: int, num_videos: int) -> None:
         for modality, given in ((IMAGE, num_images), (VIDEO, num_videos)):
-            found = sum(1 for p in pieces if p == modality)
+            found = sum(1 for p in pieces if not isinstance(p, (_Text, list)) and p == modality)
             if found != given:
                 what = repr(self.pad_text.get(modality, "")) if modality in self.pad_ids else "none: not supported"
                 raise InvalidInputError(
@@ -208,22 +228,40 @@ class MultimodalProcessor:
         ids: list[int] = []
         items: list[MMItem] = []
         seen = {IMAGE: 0, VIDEO: 0}
+        text = ""  # prompt text not yet tokenized: it may still gain an item's text_before
+
+        def flush() -> None:
+            nonlocal text
+            if text:
+                ids.extend(self.tokenizer.encode(text))
+            text = ""
+
         for piece in pieces:
+            if isinstance(piece, _Text):
+                text += piece
+                continue
             if isinstance(piece, list):
+                flush()
                 ids.extend(piece)
                 continue
             index = seen[piece]
             seen[piece] += 1  # a _Run compares and hashes as its modality
             exp, key = expanded[piece][index]
             span = exp.token_ids
-            if isinstance(piece, _Run) and piece.length != 1:  # input already expanded: keep it as given
-                if span != [self.pad_ids[piece]] * len(span):
+            given = isinstance(piece, _Run) and (piece.length != 1 or piece.expanded)
+            if given:  # input already expanded: keep it as given, surrounding text included
+                if span != [self.embed_ids[piece]] * len(span):
                     raise InvalidInputError(f"{piece} {index}: give one placeholder id per {piece}; this "
                                             f"model's {piece} spans hold more than placeholder ids")
                 check_item_rows(f"{piece} {index}", piece.length, exp.rows)
+            else:
+                text += exp.text_before
+            flush()
             items.append(MMItem(str(piece), index, len(ids), len(span), exp.encoder_tokens, exp.rows, key,
                                 exp.payload))
             ids.extend(span)
+            text = "" if given else exp.text_after
+        flush()
         return ids, items
 
     def _finish(self, prompt: str | None, token_ids: list[int], items: list[MMItem]) -> ProcessedPrompt:
@@ -231,7 +269,7 @@ class MultimodalProcessor:
         if bad:
             raise InvalidInputError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         ids = np.asarray(token_ids, dtype=np.int64)
-        embed_mask = np.isin(ids, np.asarray(list(self.pad_ids.values()), dtype=np.int64))
+        embed_mask = np.isin(ids, np.asarray(list(self.embed_ids.values()), dtype=np.int64))
         mm_mask = np.zeros(len(token_ids), dtype=bool)
         embed_cumsum = np.cumsum(embed_mask, dtype=np.int64)
         for item in items:  # invariant 1, checked where the prompt is built

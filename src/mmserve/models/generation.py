@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from mmserve.inputs.items import ProcessedPrompt
+from mmserve.inputs.placeholders import embed_runs
 from mmserve.models.layers.attention import AttentionMetadata, ContiguousKVCache
 from mmserve.models.spec import FamilyModel, FamilySpec
 
@@ -43,6 +44,12 @@ def prefill_inputs(model: FamilyModel, prompt: ProcessedPrompt,
     return embeds, extra.index_copy_(1, positions, rows[1:].to(embeds.dtype))
 
 
+def prefill_metadata(prompt: ProcessedPrompt, spec: FamilySpec) -> AttentionMetadata:
+    """Attention metadata of a whole prompt prefilled at once: its bidirectional spans, if the family has any."""
+    spans = embed_runs(prompt.embed_mask) if spec.bidirectional_media and prompt.items else ()
+    return AttentionMetadata([prompt.num_tokens], [0], [spans])
+
+
 def prompt_positions(prompt: ProcessedPrompt, start: int, end: int, device: torch.device) -> torch.Tensor:
     cols = prompt.positions.columns(start, end, prompt.num_tokens)
     return torch.from_numpy(np.array(cols, dtype=np.int64)).to(device)  # a copy: cols may be a read-only view
@@ -58,7 +65,7 @@ def generate(model: FamilyModel, spec: FamilySpec, prompt: ProcessedPrompt, max_
     cache = ContiguousKVCache(spec.num_layers, 1, n + max_new_tokens, spec.num_kv_heads, spec.head_dim,
                               next(model.parameters()).dtype, device)
     embeds, extra = prefill_inputs(model, prompt, device)
-    hidden = model(embeds, prompt_positions(prompt, 0, n, device), cache, AttentionMetadata([n], [0]), extra)
+    hidden = model(embeds, prompt_positions(prompt, 0, n, device), cache, prefill_metadata(prompt, spec), extra)
     logits = model.compute_logits(hidden[-1:])[0]
     generated: list[int] = []
     for step in range(max_new_tokens):

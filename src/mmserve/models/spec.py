@@ -42,6 +42,11 @@ class ItemSize:
 
     encoder_tokens: int
     rows: int
+    span_tokens: int | None = None  # prompt tokens of its span, when specials inside make it longer than rows
+
+    @property
+    def span(self) -> int:
+        return self.rows if self.span_tokens is None else self.span_tokens
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,9 @@ class FamilySpec:
     position_scheme: PositionScheme
     max_position_embeddings: int
     default_video_fps: float
+    # each run of an item's encoder rows attends to itself in both directions (Gemma 3): the language
+    # model must see an item's span in one prefill chunk
+    bidirectional_media: bool = False
 
     def __post_init__(self) -> None:
         if self.num_embedding_streams < 1:
@@ -75,6 +83,10 @@ class FamilySpec:
     @property
     def max_item_rows(self) -> int:
         return max(s.rows for s in self.largest_item.values())
+
+    @property
+    def max_item_span(self) -> int:
+        return max(s.span for s in self.largest_item.values())
 
 
 class FamilyModel(Protocol):

@@ -47,6 +47,7 @@ class BatchBuilder:
         self.slots: list[np.ndarray] = []
         self.query_lens: list[int] = []
         self.context_lens: list[int] = []
+        self.spans: list[tuple[tuple[int, int], ...]] = []
         self.prefill_tables: list[list[int] | None] = []
         self.decode_rows: list[int] = []
         self.decode_tables: list[list[int]] = []
@@ -69,6 +70,8 @@ class BatchBuilder:
         row = len(self.query_lens)
         self.query_lens.append(num)
         self.context_lens.append(start)
+        # the bidirectional spans this chunk's queries lie in (the chunk policy keeps each one whole)
+        self.spans.append(tuple(s for s in state.prompt.attention_spans if s[0] < end and s[1] > start))
         num_blocks = -(-end // self.block_size)
         if num == 1 and start > 0:
             self.decode_rows.append(row)
@@ -104,20 +107,21 @@ class BatchBuilder:
         for members in groups:
             width = len(self.decode_tables[members[0]])
             table = np.zeros((len(members), width), dtype=np.int64)
-            lengths = np.empty(len(members), dtype=np.int64)
+            query_positions = np.empty((len(members), 1), dtype=np.int64)
             for j, i in enumerate(members):
                 table[j, :len(self.decode_tables[i])] = self.decode_tables[i]
-                lengths[j] = self.context_lens[self.decode_rows[i]] + 1
-            mask = np.arange(width * self.block_size)[None, :] < lengths[:, None]
+                query_positions[j] = self.context_lens[self.decode_rows[i]]
             index = starts[[self.decode_rows[i] for i in members]].astype(np.int64)
-            out.append(DecodeGroup(self._to_device(table), self._to_device(mask[:, None, None, :]),
-                                   self._to_device(index)))
+            key_positions = np.arange(width * self.block_size, dtype=np.int64)[None, :]
+            out.append(DecodeGroup(self._to_device(table), self._to_device(key_positions),
+                                   self._to_device(query_positions), self._to_device(index)))
         return out
 
     def build(self) -> Batch:
         dev = self._to_device
         attn = PagedAttentionMetadata(
             query_lens=self.query_lens, context_lens=self.context_lens,
+            spans=self.spans if any(self.spans) else [],
             slot_mapping=dev(np.concatenate(self.slots)),
             prefill_block_tables=[None if t is None else dev(np.asarray(t, dtype=np.int64))
                                   for t in self.prefill_tables],

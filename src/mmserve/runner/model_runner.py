@@ -21,7 +21,7 @@ import torch
 from mmserve.core.step import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from mmserve.inputs.items import PromptPositions
 from mmserve.models.spec import FamilyModel, FamilySpec
-from mmserve.runner.attention import PagedAttentionMetadata, PagedKVCache
+from mmserve.runner.attention import PagedAttentionBackend, PagedAttentionMetadata
 from mmserve.runner.batch import BatchBuilder
 from mmserve.runner.encoder_runner import EncodeJob, EncoderRunner, OutputShape
 from mmserve.runner.fusion import ChunkPiece, MultimodalRuntimeData
@@ -48,6 +48,7 @@ class RunnerPrompt:
     item_keys: tuple[str, ...]  # content key of each item, in item order
     item_rows: tuple[int, ...]
     stop_token_ids: tuple[int, ...]
+    attention_spans: tuple[tuple[int, int], ...] = ()  # [start, end) runs of tokens attending bidirectionally
 
 
 @dataclass
@@ -84,12 +85,13 @@ class RunnerRequest:
 
 
 class ModelRunner:
-    def __init__(self, model: FamilyModel, spec: FamilySpec, kv: PagedKVCache, device: torch.device) -> None:
+    def __init__(self, model: FamilyModel, spec: FamilySpec, attention: PagedAttentionBackend,
+                 device: torch.device) -> None:
         self.model = model
         self.spec = spec
-        self.kv = kv
+        self.attention = attention
         self.device = device
-        self.block_size = kv.block_size
+        self.block_size = attention.block_size
         self.sampler = Sampler()
         self.requests: dict[str, RunnerRequest] = {}
         dtype = next(model.parameters()).dtype
@@ -164,7 +166,7 @@ class ModelRunner:
             if extra is not None:
                 extra.index_copy_(1, positions, rows[1:].to(embeds.dtype))
         forward_started = time.perf_counter()
-        hidden = self.model(embeds, batch.positions, self.kv, batch.attn, extra)
+        hidden = self.model(embeds, batch.positions, self.attention, batch.attn, extra)
         if batch.sample_rows:
             logits = self.model.compute_logits(hidden[batch.sample_index])
             tokens = self.sampler(logits, self._sampling_metadata(batch.sample_rows)).tolist()  # the one sync

@@ -1,40 +1,68 @@
-"""Attention for the language model over a flattened, unpadded batch.
+"""The one protocol between the language model's attention layers and an attention backend.
 
-Role: the model's attention layers hand (q, k, v) for every new token of every sequence in the
-step to an `AttentionBackend`, which stores k/v in its KV cache and attends each sequence's
-queries over that sequence's whole context. The batch layout is described by
-`AttentionMetadata`, built on the CPU by whoever drives the model.
+Role: each attention layer hands (q, k, v) for every new token of every sequence in the step,
+plus its own `LayerAttention` options (sliding window, softmax scale), to an `AttentionBackend`,
+which stores k/v in its KV cache and attends each sequence's queries over that sequence's
+context. The step's layout is described by `AttentionMetadata` (built on the CPU by whoever
+drives the model): new tokens and cached tokens per sequence, and per sequence the spans of
+tokens that attend to each other in both directions (Gemma 3's image tokens).
 
-What it does not know: scheduling, blocks or requests. `ContiguousKVCache` is the simple
-one-buffer-per-sequence backend; the engine brings a paged one.
+The mask semantics, shared by every backend and by transformers: a query at position p sees
+key position j when j <= p, or when p and j lie in the same bidirectional span; a sliding-window
+layer then keeps only keys with j > p - sliding_window.
+
+`dense_attention` is that rule over dense tensors (the reference the paged backend is tested
+against, and its prefill path); `ContiguousKVCache` is the simple one-buffer-per-sequence
+backend for single-request generation. The engine's paged backend lives in `runner/`.
+
+What it does not know: scheduling, blocks, requests, models.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+Span = tuple[int, int]  # [start, end) absolute token positions of one sequence
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one attention layer asks of the backend besides q/k/v."""
+
+    sliding_window: int | None = None  # a query at p sees only keys at positions > p - sliding_window
+    scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+
+
+FULL = LayerAttention()
+
 
 @dataclass
 class AttentionMetadata:
-    """One step's ragged batch: sequence i owns tokens [query_start[i], query_start[i+1])."""
+    """One step's ragged batch: sequence i owns the next `query_lens[i]` tokens of the flattened batch,
+    which sit at positions [context_lens[i], context_lens[i] + query_lens[i]) of that sequence."""
 
     query_lens: list[int]  # new tokens of each sequence in this step
     context_lens: list[int]  # tokens of each sequence already in the KV cache before this step
-    slots: list[int] = field(default_factory=list)  # which cache slot each sequence uses
+    # per sequence, its bidirectional spans (sorted, disjoint); empty: plain causal. A span a query
+    # lies in must be wholly within the sequence's keys this step (the chunk policy guarantees it).
+    spans: list[tuple[Span, ...]] = field(default_factory=list)
 
     @property
     def num_sequences(self) -> int:
         return len(self.query_lens)
 
+    def spans_of(self, i: int) -> tuple[Span, ...]:
+        return self.spans[i] if self.spans else ()
+
 
 class AttentionBackend(Protocol):
-    def forward(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                layer: LayerAttention = FULL) -> torch.Tensor:
         """q: (num_tokens, num_heads, head_dim); k, v: (num_tokens, num_kv_heads, head_dim).
         Returns (num_tokens, num_heads * head_dim)."""
         ...
@@ -56,59 +84,72 @@ def unfold_gqa(out: torch.Tensor, q_len: int) -> torch.Tensor:
     return out.view(kv_heads, rows // q_len, q_len, d).permute(2, 0, 1, 3).reshape(q_len, -1)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int) -> torch.Tensor:
-    """Attend q (q_len, H, D) over k/v (context_len + q_len, KVH, D); query i sees keys <= context_len + i."""
+def attention_mask(context_len: int, q_len: int, spans: Sequence[Span], sliding_window: int | None,
+                   device: torch.device) -> torch.Tensor | None:
+    """(q_len, context_len + q_len) bool mask of the rule above for queries at positions
+    [context_len, context_len + q_len), or None when it is plain causal for a fresh prefill."""
+    plain = not spans and (sliding_window is None or sliding_window >= context_len + q_len)
+    if plain and (context_len == 0 or q_len == 1):  # causal from scratch, or a query that sees every key
+        return None
+    q_pos = torch.arange(context_len, context_len + q_len, device=device)[:, None]
+    k_pos = torch.arange(context_len + q_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    for start, end in spans:
+        if end <= context_len or start >= context_len + q_len:
+            continue  # no query inside: causal already covers what a later query sees of it
+        if end > context_len + q_len:
+            raise ValueError(f"bidirectional span [{start}, {end}) runs past this step's "
+                             f"{context_len + q_len} keys: a chunk ended inside it")
+        mask |= (q_pos >= start) & (q_pos < end) & (k_pos >= start) & (k_pos < end)
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int,
+                    spans: Sequence[Span] = (), layer: LayerAttention = FULL) -> torch.Tensor:
+    """Attend q (q_len, H, D) at positions [context_len, context_len + q_len) over k/v
+    (context_len + q_len, KVH, D) of one sequence. Returns (q_len, H * D)."""
     q_len = q.shape[0]
     # SDPA gets 4-D (batch, heads, len, dim) inputs: on the CPU 3-D inputs miss the fast kernel (2-5x slower)
     kh, vh = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    if context_len == 0 and q_len > 1:  # a fresh prefill: SDPA's own causal mask is aligned right
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kh, vh, is_causal=True,
+    mask = attention_mask(context_len, q_len, spans, layer.sliding_window, q.device)
+    if mask is None and q_len > 1:  # a fresh causal prefill: SDPA's own causal mask (aligned top-left)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kh, vh, is_causal=True, scale=layer.scale,
                                              enable_gqa=q.shape[1] != kh.shape[1])
         return out[0].transpose(0, 1).reshape(q_len, -1)
-    group = q.shape[1] // kh.shape[1]
-    mask = None
-    if q_len > 1:  # bottom-right aligned causal mask (SDPA's is_causal aligns top-left), per folded row
-        mask = torch.ones(q_len, context_len + q_len, dtype=torch.bool, device=q.device).tril(context_len)
-        mask = mask.repeat(group, 1)
-    out = F.scaled_dot_product_attention(fold_gqa(q, kh.shape[1])[None], kh, vh, attn_mask=mask)
+    if mask is not None:
+        mask = mask.repeat(q.shape[1] // kh.shape[1], 1)  # one mask row per folded query row
+    out = F.scaled_dot_product_attention(fold_gqa(q, kh.shape[1])[None], kh, vh, attn_mask=mask, scale=layer.scale)
     return unfold_gqa(out[0], q_len)
 
 
 class ContiguousKVCache:
-    """One preallocated (max_len, kv_heads, head_dim) buffer per slot and layer.
+    """One preallocated (max_len, kv_heads, head_dim) buffer per sequence and layer; sequence i of the
+    metadata uses buffer i.
 
-    Enough for single-request generation and tests; the paged cache replaces it for serving.
+    Enough for single-request generation and tests; the paged backend replaces it for serving.
     """
 
-    def __init__(
-        self,
-        num_layers: int,
-        num_slots: int,
-        max_len: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-    ) -> None:
+    def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         shape = (num_layers, num_slots, max_len, num_kv_heads, head_dim)
         self.key = torch.zeros(shape, dtype=dtype, device=device)
         self.value = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
 
-    def forward(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                layer: LayerAttention = FULL) -> torch.Tensor:
         outputs = []
         start = 0
-        slots = meta.slots or list(range(meta.num_sequences))
-        for q_len, ctx, slot in zip(meta.query_lens, meta.context_lens, slots):
+        for slot, (q_len, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
             end = start + q_len
             if ctx + q_len > self.max_len:
                 raise ValueError(f"sequence of {ctx + q_len} tokens exceeds the cache length {self.max_len}")
-            self.key[layer_idx, slot, ctx : ctx + q_len] = k[start:end]
-            self.value[layer_idx, slot, ctx : ctx + q_len] = v[start:end]
-            keys = self.key[layer_idx, slot, : ctx + q_len]
-            values = self.value[layer_idx, slot, : ctx + q_len]
-            outputs.append(causal_attention(q[start:end], keys, values, ctx))
+            self.key[layer_idx, slot, ctx:ctx + q_len] = k[start:end]
+            self.value[layer_idx, slot, ctx:ctx + q_len] = v[start:end]
+            keys = self.key[layer_idx, slot, :ctx + q_len]
+            values = self.value[layer_idx, slot, :ctx + q_len]
+            outputs.append(dense_attention(q[start:end], keys, values, ctx, meta.spans_of(slot), layer))
             start = end
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)

@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from mmserve.models.layers.attention import AttentionBackend, AttentionMetadata
+from mmserve.models.layers.attention import AttentionBackend, AttentionMetadata, LayerAttention
 from mmserve.models.layers.mlp import GatedMLP
 from mmserve.models.layers.norms import RMSNorm
 from mmserve.models.layers.rotary import apply_rotary
@@ -43,6 +43,7 @@ class DecoderOptions:
     qkv_bias: bool = True  # Qwen2: q/k/v carry a bias, the output projection none
     o_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before the rotary
+    sliding_window: int | None = None  # Mistral: every layer attends over the last this-many positions
 
 
 class Attention(nn.Module):
@@ -59,6 +60,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=options.o_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if options.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if options.qk_norm else None
+        self.options = LayerAttention(sliding_window=options.sliding_window)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -68,7 +70,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.o_proj(backend.forward(self.layer_idx, q, k, v.view(n, self.num_kv_heads, self.head_dim), meta))
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        return self.o_proj(backend.forward(self.layer_idx, q, k, v, meta, self.options))
 
 
 class DecoderLayer(nn.Module):
