@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 from mmserve.core.budget import EncoderBudget
+from mmserve.core.chunk_policy import ChunkBoundaryPolicy
 from mmserve.core.encoder_cache import EncoderCacheManager
 from mmserve.core.item_scheduler import ItemScheduler
 from mmserve.core.kv_cache import KVCacheManager
@@ -47,10 +48,11 @@ def make_items(max_items: int = 8, max_tokens: int = 1024, output_bytes: int | N
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int = 64,
                    max_num_seqs: int = 8, prefix_caching: bool = True, chunked: bool = True,
-                   items: ItemScheduler | None = None) -> Scheduler:
+                   items: ItemScheduler | None = None, indivisible_items: bool = False) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, prefix_caching)
     return Scheduler(SchedulerLimits(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                     enable_chunked_prefill=chunked), kv, items or make_items())
+                                     enable_chunked_prefill=chunked), kv, items or make_items(),
+                     ChunkBoundaryPolicy(indivisible_items))
 
 
 class FakeRunner:
