@@ -15,9 +15,11 @@ LONG_SYSTEM = ("You are a careful assistant that looks at pictures and answers q
                "Describe colours, shapes and counts exactly, and say when you are not sure. ") * 2
 
 
-def _workload():
+def _workload(family=None):
     """16 mixed conversations: text only, one and two images of different sizes and aspect ratios (one
-    very wide), a shared image, a video, multi-turn."""
+    very wide), a shared image, a video (an image-only family gets a third image question instead),
+    multi-turn."""
+    videos = family is None or SERVED_FAMILIES[family].takes_video
     rng = np.random.default_rng(2024)
     shared = random_image(rng, 150, 120)
     frames = [random_image(rng, 112, 84) for _ in range(4)]
@@ -41,7 +43,10 @@ def _workload():
     add([image_part(shared), text_part("What is in this picture?")])
     add([image_part(shared), text_part("What colour dominates?")])
     add([image_part(shared), text_part("What is in this picture?")], system=LONG_SYSTEM)
-    add([{"type": "video", "video": frames}, text_part("What happens in the video?")])
+    if videos:
+        add([{"type": "video", "video": frames}, text_part("What happens in the video?")])
+    else:
+        add([image_part(frames[0]), text_part("What happens in the picture?")])
     turn = [{"role": "user", "content": [image_part(random_image(rng, 180, 90)), text_part("Describe.")]},
             {"role": "assistant", "content": "A picture with two shapes."}]
     add([image_part(random_image(rng, 100, 150)), text_part("And this one?")], history=turn)
@@ -62,7 +67,7 @@ def expected_tokens(all_checkpoints):
             processor = load_processor(model_dir)
             ref_model = fixture.reference_class().from_pretrained(model_dir).eval()
             tokens = []
-            for ours in _workload():
+            for ours in _workload(family):
                 chat = processor.render_chat(ours)
                 prompt = processor.process(chat.prompt, images=chat.images, videos=chat.videos)
                 inputs = fixture.reference_kwargs(model_dir, ours, prompt)
@@ -83,39 +88,39 @@ def expected(expected_tokens, served_family):
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS)
 
 
-def _run(llm):
-    outputs = llm.chat(_workload(), GREEDY, use_tqdm=False)
+def _run(llm, family):
+    outputs = llm.chat(_workload(family), GREEDY, use_tqdm=False)
     llm.check_integrity()
     return [o.outputs[0].token_ids for o in outputs], outputs
 
 
-def test_defaults(served_model_dir, expected):
+def test_defaults(served_family, served_model_dir, expected):
     llm = LLM(str(served_model_dir))
-    got, outputs = _run(llm)
+    got, outputs = _run(llm, served_family)
     assert got == expected
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
     stats = llm.get_stats()
     assert stats["requests_finished"] == 16 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
-def test_chunked_prefill_through_images(served_model_dir, expected):
+def test_chunked_prefill_through_images(served_family, served_model_dir, expected):
     llm = LLM(str(served_model_dir), max_num_batched_tokens=32)
-    got, _ = _run(llm)
+    got, _ = _run(llm, served_family)
     assert got == expected
 
 
-def test_preemption(served_model_dir, expected):
+def test_preemption(served_family, served_model_dir, expected):
     llm = LLM(str(served_model_dir), num_kv_blocks=24, max_num_batched_tokens=256)
-    got, _ = _run(llm)
+    got, _ = _run(llm, served_family)
     assert llm.get_stats()["num_preemptions"] > 0
     assert got == expected
 
 
-def test_prefix_caching_second_run(served_model_dir, expected):
+def test_prefix_caching_second_run(served_family, served_model_dir, expected):
     llm = LLM(str(served_model_dir))
-    first, _ = _run(llm)
+    first, _ = _run(llm, served_family)
     before = llm.get_stats()
-    second, outputs = _run(llm)
+    second, outputs = _run(llm, served_family)
     after = llm.get_stats()
     assert first == second == expected
     prompt_tokens = after["prompt_tokens"] - before["prompt_tokens"]

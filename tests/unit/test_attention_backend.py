@@ -106,3 +106,25 @@ def test_a_chunk_ending_inside_a_span_is_refused():
     cache = ContiguousKVCache(1, 1, 16, 2, HEAD_DIM, torch.float32)
     with pytest.raises(ValueError, match="chunk ended inside"):
         cache.forward(0, q, k, v, AttentionMetadata([5], [0], [((3, 8),)]))
+
+
+def test_chunk_starting_inside_a_span_over_shared_prefix_blocks():
+    """A prefix-cache hit may end inside a span (the blocks were computed by a chunk that held the
+    whole span): the rest of the span attends to the cached part of it and the cached part's keys."""
+    torch.manual_seed(2)
+    length, spans = 16, ((3, 10),)
+    q, k, v = torch.randn(length, 4, HEAD_DIM), torch.randn(length, 2, HEAD_DIM), torch.randn(length, 2, HEAD_DIM)
+    storage = PagedKVStorage(1, 16, BLOCK, 2, HEAD_DIM, torch.float32)
+    backend = PagedAttentionBackend(storage)
+    prompt = RunnerPrompt(PromptPositions(1), None, None, (), (), (), spans)
+    first = RunnerRequest("a", list(range(length)), length, prompt, SamplingParams(), [5, 2, 9, 11], 0)
+    builder = BatchBuilder(BLOCK, torch.device("cpu"))
+    builder.add(first, length, [], {})
+    backend.forward(0, q, k, v, builder.build().attn)
+    # the second sequence shares blocks 5 and 2 (tokens [0, 8)) and computes [8, 16) itself
+    second = RunnerRequest("b", list(range(length)), length, prompt, SamplingParams(), [5, 2, 7, 3], 8)
+    builder = BatchBuilder(BLOCK, torch.device("cpu"))
+    builder.add(second, 8, [], {})
+    out = backend.forward(0, q[8:], k[8:], v[8:], builder.build().attn)
+    torch.testing.assert_close(out, reference(q, k, v, spans, None, HEAD_DIM ** -0.5)[8:].float(),
+                               atol=1e-5, rtol=1e-5)
