@@ -2,10 +2,12 @@
 test_server.py): a real server subprocess per family, the official `openai` client, an image and a
 video sent as data URIs. The served greedy answer and prompt size equal the offline `LLM`'s for the
 same pixels, so the server path (media decoding at the family's default fps, the family's
-processor, the engine) is the one parity-tested against transformers in tests/models/."""
+processor, the engine) is the one parity-tested against transformers in tests/models/. An
+image-only family answers a video with a 400 in OpenAI's error format and keeps serving."""
 
 from __future__ import annotations
 
+import openai
 import pytest
 from openai import OpenAI
 
@@ -14,19 +16,20 @@ from mmserve.inputs.media import decode_image_bytes
 from mmserve.inputs.video import decode_video
 from tests.e2e.conftest import start_server, stop_server, wait_healthy
 from tests.e2e.test_server import data_uri, mp4_bytes, png_bytes
+from tests.fixtures.families import FAMILIES
 
 MAX_FRAMES = 4
 NUM_TOKENS = 6
 
 
-@pytest.fixture(scope="module", params=["qwen3_vl", "llava_onevision"])
+@pytest.fixture(scope="module", params=["qwen3_vl", "llava_onevision", "gemma3", "mistral3"])
 def served(request, all_checkpoints, tmp_path_factory):
     model = str(all_checkpoints[request.param])
     server = start_server(model, tmp_path_factory.mktemp("logs") / f"{request.param}.log",
                           "--max-video-frames", str(MAX_FRAMES), "--num-kv-blocks", "128")
     try:
         wait_healthy(server)
-        yield server, LLM(model, max_video_frames=MAX_FRAMES, num_kv_blocks=128)
+        yield server, LLM(model, max_video_frames=MAX_FRAMES, num_kv_blocks=128), request.param
     finally:
         stop_server(server)
 
@@ -44,7 +47,7 @@ def _offline(llm, part):
 
 
 def test_image_answer_equals_offline(served):
-    server, llm = served
+    server, llm, family = served
     png = png_bytes((30, 140, 220), size=(150, 60))
     reply = _ask(server, [{"type": "image_url", "image_url": {"url": data_uri(png)}},
                           {"type": "text", "text": "Describe it."}])
@@ -55,10 +58,17 @@ def test_image_answer_equals_offline(served):
 
 
 def test_video_answer_equals_offline(served):
-    server, llm = served
+    server, llm, family = served
     clip = mp4_bytes()
-    reply = _ask(server, [{"type": "video_url", "video_url": {"url": data_uri(clip, "video/mp4")}},
-                          {"type": "text", "text": "Describe it."}])
+    content = [{"type": "video_url", "video_url": {"url": data_uri(clip, "video/mp4")}},
+               {"type": "text", "text": "Describe it."}]
+    if not FAMILIES[family].takes_video:
+        with pytest.raises(openai.BadRequestError) as refused:
+            _ask(server, content)
+        assert refused.value.status_code == 400 and "video" in refused.value.message
+        test_image_answer_equals_offline(served)  # and it keeps serving
+        return
+    reply = _ask(server, content)
     limits = llm.engine.config.media
     frames = decode_video(clip, llm.engine.spec.default_video_fps, limits.max_video_frames, limits.max_image_pixels)
     assert 1 < len(frames) <= MAX_FRAMES

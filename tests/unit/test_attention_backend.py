@@ -65,7 +65,7 @@ def test_paged_backend_equals_dense_reference(heads, kv_heads, window, with_span
     for step in range(len(SEQUENCES[0][2])):
         builder = BatchBuilder(BLOCK, torch.device("cpu"))
         rows = []
-        for state, (q, k, v), (_, _, schedule) in zip(states, tensors, SEQUENCES):
+        for state, (_, _, schedule) in zip(states, SEQUENCES):
             num = schedule[step]
             start = state.num_computed_tokens
             if num == 0 or start >= len(state.token_ids):

@@ -89,7 +89,7 @@ def test_budget_lifted_to_the_longest_span_with_one_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="mmserve.budget"):
         effective, lines = resolve_token_budget(32, 270, indivisible_items=True)
     assert effective == 270
-    assert lines == [l.getMessage() for l in caplog.records]
+    assert lines == [record.getMessage() for record in caplog.records]
     assert "configured=32 effective=270 largest_span=270" in lines[0]
     assert resolve_token_budget(32, 270, indivisible_items=False) == (32, [])
     assert resolve_token_budget(512, 270, indivisible_items=True) == (512, [])

@@ -79,6 +79,7 @@ class _Text(str):
 
 class MultimodalProcessor:
     default_video_fps: float = DEFAULT_VIDEO_FPS
+    modalities: tuple[str, ...] = (IMAGE, VIDEO)  # what the family takes; others are refused up front
 
     def __init__(self, model_dir: str | Path, placeholder_ids: Mapping[str, int], vocab_size: int,
                  limits: MediaLimits | None = None, embed_ids: Mapping[str, int] | None = None) -> None:
@@ -124,6 +125,7 @@ class MultimodalProcessor:
         """OpenAI-format messages -> prompt with one placeholder per item, media in order."""
         out = ChatInput(prompt="")
         normalized = normalize_messages(messages, out)
+        self._check_modalities(len(out.images), len(out.videos))
         out.prompt = self.tokenizer.apply_chat_template(normalized, add_generation_prompt, **template_kwargs)
         return out
 
@@ -137,6 +139,7 @@ class MultimodalProcessor:
         `uuids` ({"image": [...], "video": [...]}, None entries allowed) replace content hashing for
         those items; the key still covers the processor kwargs and the model."""
         images, videos = list(images or []), list(videos or [])
+        self._check_modalities(len(images), len(videos))
         kwargs = dict(mm_processor_kwargs or {})
         fps = kwargs.pop("fps", self.default_video_fps)
         if not isinstance(fps, (int, float)) or fps <= 0:
@@ -159,6 +162,12 @@ class MultimodalProcessor:
             expanded[VIDEO].append((exp, self._key(VIDEO, ids[VIDEO][i], frames, {**shaping[VIDEO], **exp.key_extra})))
         token_ids, items = self._expand(pieces, expanded)
         return self._finish(prompt, token_ids, items)
+
+    def _check_modalities(self, num_images: int, num_videos: int) -> None:
+        for modality, count in ((IMAGE, num_images), (VIDEO, num_videos)):
+            if count and modality not in self.modalities:
+                raise InvalidInputError(f"this model does not take {modality}s ({count} given); it takes: "
+                                        f"{', '.join(self.modalities)}")
 
     def _key(self, modality: str, uuid: str | None, content: Any, shaping: dict[str, Any]) -> str:
         """Content key: what the model sees (pixels or the caller's uuid), how it is shaped, which model."""
@@ -209,6 +218,15 @@ class MultimodalProcessor:
                 out[-1].append(tid)
             elif out and isinstance(out[-1], _Run) and (out[-1], out[-1].expanded) == found:
                 out[-1].length += 1
+            elif found[1] and out and isinstance(out[-1], _Run) and not out[-1].expanded \
+                    and out[-1].length == 1 and out[-1] == found[0]:
+                # the placeholder right before its span given expanded (Gemma 3's <start_of_image>) is text
+                out.pop()
+                if out and isinstance(out[-1], list):
+                    out[-1].append(self.pad_ids[found[0]])
+                else:
+                    out.append([self.pad_ids[found[0]]])
+                out.append(_Run(*found))
             else:
                 out.append(_Run(*found))
         return out

@@ -61,6 +61,7 @@ class TextTokenizer:
         self._tok = Tokenizer.from_file(str(path))
         config = _read_json(root / "tokenizer_config.json")
         self.eos_token: str | None = _token_content(config.get("eos_token"))
+        self.bos_token: str | None = _token_content(config.get("bos_token"))
         self.eos_token_id: int | None = self.token_to_id(self.eos_token) if self.eos_token else None
         self.special_token_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
         self.chat_template = load_chat_template(root)
@@ -92,7 +93,8 @@ class TextTokenizer:
         if self._compiled is None:
             raise InvalidInputError("this model has no chat template; pass a plain prompt instead")
         try:
+            # the special tokens transformers hands every template (Mistral's and Gemma's open with bos_token)
             return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         eos_token=self.eos_token, **kwargs)
+                                         **{"bos_token": self.bos_token, "eos_token": self.eos_token, **kwargs})
         except jinja2.exceptions.TemplateError as exc:
             raise InvalidInputError(f"chat template rejected the messages: {exc}") from exc

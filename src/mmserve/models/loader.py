@@ -80,12 +80,11 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32",
     family = resolve(raw)
     config = family.parse_config(raw)
     torch_dtype = parse_dtype(dtype)
-    model = family.model_class(config).to(dtype=torch_dtype)
-    # Rotary tables stay float32: the reference computes angles in float32.
-    for module in model.modules():
-        for name, buf in module.named_buffers(recurse=False):
-            if buf.is_floating_point():
-                setattr(module, name, buf.float())
+    model = family.model_class(config)
+    # only parameters take the dtype: buffers (rotary tables) stay as built in float32, as the reference
+    # computes its angles; a round trip through bfloat16 would change them
+    for param in model.parameters():
+        param.data = param.data.to(torch_dtype)
     try:
         loaded, unexpected = model.load_weights(iter_tensors(safetensors_files(model_dir), torch_dtype))
     except ValueError as exc:

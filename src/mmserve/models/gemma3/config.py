@@ -1,0 +1,208 @@
+"""Typed view of a Gemma 3 `config.json` (`Gemma3Config`: a `gemma3_text` decoder and a SigLIP tower).
+
+Role: turn the checkpoint's JSON into frozen dataclasses the model and the processor read, with
+transformers' defaults for absent fields. Both rope layouts are read: transformers 5's
+`rope_parameters` per layer type ({"sliding_attention": ..., "full_attention": ...}) and the hub's
+older `rope_theta` / `rope_local_base_freq` / `rope_scaling` (the scaling applies to the global
+layers only). Layer types come from `layer_types`, or from `sliding_window_pattern` (every n-th
+layer global) when absent. What mmserve does not implement fails here with a `ModelLoadError`:
+attention-logit softcapping, bidirectional text attention, rope types other than default and linear.
+
+What it does not know: weights, tokenizers, pixels, devices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mmserve.errors import ModelLoadError
+from mmserve.models.config_fields import token_ids
+from mmserve.models.llava_onevision.config import VisionConfig
+
+GEMMA3 = "Gemma3ForConditionalGeneration"
+SLIDING, FULL = "sliding_attention", "full_attention"
+ROPE_TYPES = ("default", "linear")
+# transformers' Gemma3TextConfig.default_theta
+DEFAULT_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    rope_type: str  # "default" or "linear" (positions divided by `factor`)
+    theta: float
+    factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    hidden_activation: str
+    query_pre_attn_scalar: float  # softmax scale = query_pre_attn_scalar ** -0.5 (not head_dim's)
+    sliding_window: int | None  # tokens a sliding layer's query sees, itself included
+    layer_types: tuple[str, ...]  # per layer: "sliding_attention" or "full_attention"
+    local_rope: RopeConfig  # sliding layers
+    global_rope: RopeConfig  # full-attention layers
+    tie_word_embeddings: bool
+    final_logit_softcapping: float | None = None
+    attention_bias: bool = False
+    max_position_embeddings: int = 131_072
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelLoadError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                                 f"num_key_value_heads {self.num_key_value_heads}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ModelLoadError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        bad = sorted({t for t in self.layer_types if t not in (SLIDING, FULL)})
+        if bad:
+            raise ModelLoadError(f"unsupported layer_types {bad}; supported: {SLIDING}, {FULL}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ModelLoadError(f"sliding_window must be positive, got {self.sliding_window}")
+
+    def window(self, layer_idx: int) -> int | None:
+        """The layer's sliding window, or None for a full-attention layer."""
+        return self.sliding_window if self.layer_types[layer_idx] == SLIDING else None
+
+
+@dataclass(frozen=True)
+class Gemma3Config:
+    text: TextConfig
+    vision: VisionConfig  # SigLIP: the same fields as LLaVA-OneVision's tower
+    mm_tokens_per_image: int  # soft tokens (rows) per image or crop, after pooling
+    boi_token_id: int  # <start_of_image>: the placeholder a prompt holds per image
+    eoi_token_id: int  # <end_of_image>
+    image_token_id: int  # <image_soft_token>: one per encoder row
+    eos_token_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        side = round(self.mm_tokens_per_image ** 0.5)
+        if side * side != self.mm_tokens_per_image:
+            raise ModelLoadError(f"mm_tokens_per_image {self.mm_tokens_per_image} is not a square")
+        if self.vision.patches_per_side % side:
+            raise ModelLoadError(f"{self.vision.patches_per_side} patches a side do not pool evenly to {side} tokens")
+
+    @property
+    def tokens_per_side(self) -> int:
+        return round(self.mm_tokens_per_image ** 0.5)
+
+
+def _rope(params: dict[str, Any] | None, default_theta: float, layer_type: str) -> RopeConfig:
+    params = dict(params or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ModelLoadError(f"unsupported rope_type {rope_type!r} for {layer_type} layers; supported: {ROPE_TYPES}")
+    factor = float(params.get("factor", 1.0)) if rope_type == "linear" else 1.0
+    return RopeConfig(rope_type, float(params.get("rope_theta", default_theta)), factor)
+
+
+def _ropes(t: dict[str, Any]) -> tuple[RopeConfig, RopeConfig]:
+    """(local, global) rope of the text config, in either layout (see the module docstring)."""
+    params = t.get("rope_parameters")
+    if params is not None and not (set(params) <= {SLIDING, FULL}):
+        raise ModelLoadError(f"rope_parameters must be given per layer type ({SLIDING}, {FULL}), got {sorted(params)}")
+    params = dict(params or {})
+    full = dict(params.get(FULL) or {})
+    if t.get("rope_scaling"):
+        full.update(t["rope_scaling"])
+    full.setdefault("rope_theta", t.get("rope_theta", DEFAULT_THETA[FULL]))
+    local = dict(params.get(SLIDING) or {})
+    local.setdefault("rope_theta", t.get("rope_local_base_freq", DEFAULT_THETA[SLIDING]))
+    return _rope(local, DEFAULT_THETA[SLIDING], SLIDING), _rope(full, DEFAULT_THETA[FULL], FULL)
+
+
+def _layer_types(t: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    if t.get("layer_types"):
+        return tuple(str(x) for x in t["layer_types"])
+    pattern = int(t.get("sliding_window_pattern", t.get("_sliding_window_pattern", 6)))
+    return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(num_layers))
+
+
+def _parse_text(t: dict[str, Any], top: dict[str, Any]) -> TextConfig:
+    if t.get("attn_logit_softcapping") is not None:
+        raise ModelLoadError("attn_logit_softcapping is not supported (Gemma 3 checkpoints leave it null)")
+    if t.get("use_bidirectional_attention"):
+        raise ModelLoadError("use_bidirectional_attention (bidirectional text attention) is not supported")
+    heads = int(t.get("num_attention_heads", 8))
+    layers = int(t.get("num_hidden_layers", 26))
+    local, full = _ropes(t)
+    window = t.get("sliding_window", 4096)
+    softcap = t.get("final_logit_softcapping")
+    return TextConfig(
+        vocab_size=int(t.get("vocab_size", 262_208)),
+        hidden_size=int(t.get("hidden_size", 2304)),
+        intermediate_size=int(t.get("intermediate_size", 9216)),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(t.get("num_key_value_heads") or 4),
+        head_dim=int(t.get("head_dim") or 256),
+        rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
+        hidden_activation=str(t.get("hidden_activation") or t.get("hidden_act") or "gelu_pytorch_tanh"),
+        query_pre_attn_scalar=float(t.get("query_pre_attn_scalar", 256)),
+        sliding_window=None if window is None else int(window),
+        layer_types=_layer_types(t, layers),
+        local_rope=local,
+        global_rope=full,
+        tie_word_embeddings=bool(top.get("tie_word_embeddings", t.get("tie_word_embeddings", True))),
+        final_logit_softcapping=None if softcap is None else float(softcap),
+        attention_bias=bool(t.get("attention_bias", False)),
+        max_position_embeddings=int(t.get("max_position_embeddings", 131_072)),
+    )
+
+
+def _square(value: Any, name: str) -> int:
+    if isinstance(value, (list, tuple)):
+        if len(value) != 2 or value[0] != value[1]:
+            raise ModelLoadError(f"vision {name} {value!r} is not square")
+        value = value[0]
+    return int(value)
+
+
+def _parse_vision(v: dict[str, Any]) -> VisionConfig:
+    """SigLIP's fields with transformers' SiglipVisionConfig defaults."""
+    vision = VisionConfig(
+        hidden_size=int(v.get("hidden_size", 768)),
+        intermediate_size=int(v.get("intermediate_size", 3072)),
+        num_hidden_layers=int(v.get("num_hidden_layers", 12)),
+        num_attention_heads=int(v.get("num_attention_heads", 12)),
+        image_size=_square(v.get("image_size", 224), "image_size"),
+        patch_size=_square(v.get("patch_size", 16), "patch_size"),
+        num_channels=int(v.get("num_channels", 3)),
+        layer_norm_eps=float(v.get("layer_norm_eps", 1e-6)),
+        hidden_act=str(v.get("hidden_act", "gelu_pytorch_tanh")),
+    )
+    if vision.hidden_size % vision.num_attention_heads:
+        raise ModelLoadError("vision hidden_size is not divisible by num_attention_heads")
+    if vision.image_size % vision.patch_size:
+        raise ModelLoadError(f"vision image_size {vision.image_size} is not a multiple of patch_size {vision.patch_size}")
+    return vision
+
+
+def _index(raw: dict[str, Any], name: str, default: int) -> int:
+    """A token index, under its `*_token_index` or `*_token_id` name."""
+    value = raw.get(f"{name}_token_index", raw.get(f"{name}_token_id"))
+    return default if value is None else int(value)
+
+
+def parse_config(raw: dict[str, Any]) -> Gemma3Config:
+    """Build a Gemma3Config from a config.json dict."""
+    t = dict(raw.get("text_config") or {})
+    try:
+        return Gemma3Config(
+            text=_parse_text(t, raw),
+            vision=_parse_vision(dict(raw.get("vision_config") or {})),
+            mm_tokens_per_image=int(raw.get("mm_tokens_per_image") or 256),
+            boi_token_id=_index(raw, "boi", 255_999),
+            eoi_token_id=_index(raw, "eoi", 256_000),
+            image_token_id=_index(raw, "image", 262_144),
+            eos_token_ids=token_ids(t.get("eos_token_id", raw.get("eos_token_id", 1))),
+        )
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"bad Gemma 3 config: {exc}") from exc

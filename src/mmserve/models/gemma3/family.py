@@ -1,0 +1,39 @@
+"""The Gemma 3 entry of the registry, and the facts the engine reads of it.
+
+Gemma 3's image tokens attend to each other in both directions (`bidirectional_media`), so the
+engine keeps an item's span in one prefill chunk; the largest item is an image with the most
+pan-and-scan crops a request may ask for, its span including the text between the crops.
+
+What it does not know: the engine; it only states the family's `FamilySpec`.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+from mmserve.inputs.items import IMAGE
+from mmserve.inputs.media import MediaLimits
+from mmserve.models.gemma3.config import GEMMA3, Gemma3Config, parse_config
+from mmserve.models.gemma3.model import Gemma3ForConditionalGeneration
+from mmserve.models.gemma3.processor import Gemma3Processor
+from mmserve.models.spec import FamilySpec, ItemSize, ModelFamily, PositionScheme
+
+
+def build_spec(config: Gemma3Config, processor: Gemma3Processor, limits: MediaLimits) -> FamilySpec:
+    t = config.text
+    encoder_tokens, rows, span = processor.largest_image()
+    return FamilySpec(
+        name="gemma3",
+        num_layers=t.num_hidden_layers, num_kv_heads=t.num_key_value_heads, head_dim=t.head_dim,
+        embed_dim=t.hidden_size, num_embedding_streams=1,
+        largest_item={IMAGE: ItemSize(encoder_tokens, rows, span)},
+        eos_token_ids=config.eos_token_ids, position_scheme=PositionScheme.ROPE_1D,
+        max_position_embeddings=t.max_position_embeddings,
+        default_video_fps=processor.default_video_fps,
+        bidirectional_media=True,
+    )
+
+
+FAMILIES = MappingProxyType({
+    GEMMA3: ModelFamily("gemma3", parse_config, Gemma3ForConditionalGeneration, Gemma3Processor, build_spec),
+})

@@ -1,0 +1,134 @@
+"""Mistral 3: Pixtral encoder + Mistral 3 projector + Mistral decoder, and the checkpoint name mapping.
+
+Role: encode a batch of images into one embedding stream of rows per image (all images' patches in
+one encoder call, attention blocked per image), run the decoder, compute logits. `load_weights` maps
+Hugging Face names — the hub layout (`language_model.model.*`, `language_model.lm_head.*`,
+`vision_tower.*`, `multi_modal_projector.*`, which transformers 5 still writes) and transformers 5's
+module layout (`model.language_model.*`, `model.vision_tower.*`, `lm_head.*`) — onto this module,
+stacking q/k/v and gate/up projections, flattening the patch conv into a matmul and skipping
+encoder blocks past the feature layer.
+
+Tied embeddings follow transformers 5: `tie_word_embeddings` (Mistral3Config's, default True) ties
+the LM head to the embeddings unless the checkpoint carries a head of its own — as Mistral Small
+3.1 on the hub does, whose config.json leaves the field out — and then that head is used.
+
+What it does not know: files, tokenizers, `[IMG_BREAK]` rows (the runner fuses rows at the embed
+mask), scheduling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from mmserve.models.layers.attention import AttentionBackend, AttentionMetadata
+from mmserve.models.mistral3.config import Mistral3Config
+from mmserve.models.mistral3.language import mistral_language_model
+from mmserve.models.mistral3.processor import ImageInput
+from mmserve.models.mistral3.vision import Mistral3Projector, PixtralVisionEncoder
+from mmserve.models.weights import QKV_GATE_UP, even_shards, expected_weight_names, load_weights
+
+# hf prefix -> ours, first match wins
+_PREFIXES = (
+    ("model.vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("model.language_model.", "language_model."),
+    ("language_model.model.", "language_model."),
+    ("language_model.lm_head.", "language_model.lm_head."),
+    ("lm_head.", "language_model.lm_head."),
+)
+LM_HEAD = "language_model.lm_head.weight"
+
+
+class Mistral3ForConditionalGeneration(nn.Module):
+    def __init__(self, config: Mistral3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.vision_tower = PixtralVisionEncoder(config.vision, config.vision_feature_layer)
+        self.multi_modal_projector = Mistral3Projector(config)
+        self.language_model = mistral_language_model(config.text)
+
+    # ---- encoder --------------------------------------------------------------------------
+    def encode_items(self, payloads: Sequence[ImageInput]) -> list[torch.Tensor]:
+        """One (1, rows, hidden) tensor per image: views into one batched output."""
+        device = self.language_model.embed_tokens.weight.device
+        patches = torch.from_numpy(np.concatenate([p.patches for p in payloads]))
+        grids = [p.grid_hw for p in payloads]
+        features = self.vision_tower(patches.to(device, non_blocking=True), grids)
+        rows = self.multi_modal_projector(features, grids)
+        unit = self.config.spatial_merge_size ** 2
+        return [r[None] for r in rows.split([h * w // unit for h, w in grids])]
+
+    # ---- decoder --------------------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed(input_ids)
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
+                meta: AttentionMetadata, extra_streams: torch.Tensor | None = None) -> torch.Tensor:
+        """positions: (1, num_tokens) token indices; this family has no extra embedding streams."""
+        return self.language_model(inputs_embeds, positions, backend, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)
+
+    # ---- weights --------------------------------------------------------------------------
+    @staticmethod
+    def map_name(hf_name: str) -> str:
+        for prefix, ours in _PREFIXES:
+            if hf_name.startswith(prefix):
+                return ours + hf_name[len(prefix):]
+        return hf_name  # vision_tower.* and multi_modal_projector.* already match
+
+    def _rename(self, hf_name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        name = self.map_name(hf_name)
+        if name == "vision_tower.patch_conv.weight":  # conv kernel (hidden, C, P, P) -> matmul
+            tensor = tensor.reshape(tensor.shape[0], -1)
+        parts = name.split(".")
+        if parts[:3] == ["vision_tower", "transformer", "layers"] and \
+                int(parts[3]) >= len(self.vision_tower.transformer.layers):
+            return None  # past the feature layer: never run
+        return name, tensor
+
+    def _shard_sizes(self, name: str, param: torch.Tensor) -> list[int]:
+        if name.startswith("language_model.") and ".qkv_proj." in name:
+            t = self.config.text
+            return [t.num_attention_heads * t.head_dim] + [t.num_key_value_heads * t.head_dim] * 2
+        # vision q/k/v are equal thirds, gate/up equal halves
+        return even_shards(name, param, 3 if ".qkv_proj." in name else 2)
+
+    def _untie(self, head: torch.Tensor) -> None:
+        """Give the decoder its own LM head, filled from the checkpoint's."""
+        embeddings = self.language_model.embed_tokens.weight
+        if head.shape != embeddings.shape:
+            raise ValueError(f"tensor {LM_HEAD!r} has shape {tuple(head.shape)}, expected {tuple(embeddings.shape)}")
+        linear = nn.Linear(embeddings.shape[1], embeddings.shape[0], bias=False, device=embeddings.device,
+                           dtype=embeddings.dtype)
+        with torch.no_grad():
+            linear.weight.copy_(head)
+        self.language_model.lm_head = linear
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[set[str], list[str]]:
+        """Copy checkpoint tensors in. Returns (names of our parameters filled, unexpected hf names).
+
+        Raises ValueError naming the tensor on a shape mismatch."""
+        heads: list[torch.Tensor] = []
+
+        def set_heads_aside(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+            for hf_name, tensor in items:
+                if self.language_model.lm_head is None and self.map_name(hf_name) == LM_HEAD:
+                    heads.append(tensor)  # tied in the config, yet the checkpoint has a head: it wins
+                    continue
+                yield hf_name, tensor
+
+        loaded, unexpected = load_weights(self, set_heads_aside(weights), self._rename, QKV_GATE_UP, self._shard_sizes)
+        if heads:
+            self._untie(heads[-1])
+            loaded.add(LM_HEAD)
+        return loaded, unexpected
+
+    def expected_weight_names(self) -> set[str]:
+        """What `load_weights` must have filled for the model to be complete."""
+        return expected_weight_names(self, QKV_GATE_UP)
