@@ -6,6 +6,9 @@ LM head) and which projections it stores stacked (q/k/v in one matrix, gate/up i
 each `StackedParam` names the checkpoint fragment, the stacked fragment and the shard index; the
 shard sizes along dim 0 come from the family's `shard_sizes`.
 
+`CheckpointWeights` is the whole of it for a family model whose language model sits under
+`language_model.` with the usual stacking: the model supplies `_rename` and `config.text`.
+
 What it does not know: files (see loader.py), any family's names.
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,6 +47,14 @@ QKV_GATE_UP = (
 def even_shards(name: str, param: torch.Tensor, count: int) -> list[int]:
     """`count` equal shards (gate/up stacks)."""
     return [param.shape[0] // count] * count
+
+
+def decoder_shard_sizes(name: str, param: torch.Tensor, text: Any) -> list[int]:
+    """Shards of a stacked parameter: the language model's q/k/v by its heads (q may be wider than k and
+    v), any other stacked q/k/v (a vision tower's) in equal thirds, gate/up in equal halves."""
+    if name.startswith("language_model.") and ".qkv_proj." in name:
+        return [text.num_attention_heads * text.head_dim] + [text.num_key_value_heads * text.head_dim] * 2
+    return even_shards(name, param, 3 if ".qkv_proj." in name else 2)
 
 
 def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], rename: Rename,
@@ -92,3 +104,26 @@ def expected_weight_names(module: nn.Module, stacked: Sequence[StackedParam]) ->
         else:
             out.add(name)
     return out
+
+
+class CheckpointWeights:
+    """`load_weights` / `expected_weight_names` for a family model (mix in before nn.Module): it supplies
+    `_rename(hf_name, tensor)` and a `config.text` with the language model's head layout."""
+
+    config: Any
+
+    def _rename(self, hf_name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        raise NotImplementedError
+
+    def _shard_sizes(self, name: str, param: torch.Tensor) -> list[int]:
+        return decoder_shard_sizes(name, param, self.config.text)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[set[str], list[str]]:
+        """Copy checkpoint tensors in. Returns (names of our parameters filled, unexpected hf names).
+
+        Raises ValueError naming the tensor on a shape mismatch."""
+        return load_weights(self, weights, self._rename, QKV_GATE_UP, self._shard_sizes)
+
+    def expected_weight_names(self) -> set[str]:
+        """What `load_weights` must have filled for the model to be complete."""
+        return expected_weight_names(self, QKV_GATE_UP)

@@ -13,7 +13,7 @@ What it does not know: files, tokenizers, pixels' origin, scheduling.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -24,7 +24,7 @@ from mmserve.models.gemma3.language import Gemma3TextModel
 from mmserve.models.gemma3.processor import ImageInput
 from mmserve.models.gemma3.vision import Gemma3VisionEncoder
 from mmserve.models.layers.attention import AttentionBackend, AttentionMetadata
-from mmserve.models.weights import QKV_GATE_UP, even_shards, expected_weight_names, load_weights
+from mmserve.models.weights import CheckpointWeights
 
 # hf prefix (after an optional leading "model.") -> ours; first match wins; None: not used by this model
 _PREFIXES: tuple[tuple[str, str | None], ...] = (
@@ -44,7 +44,7 @@ _PREFIXES: tuple[tuple[str, str | None], ...] = (
 )
 
 
-class Gemma3ForConditionalGeneration(nn.Module):
+class Gemma3ForConditionalGeneration(CheckpointWeights, nn.Module):
     def __init__(self, config: Gemma3Config) -> None:
         super().__init__()
         self.config = config
@@ -90,20 +90,3 @@ class Gemma3ForConditionalGeneration(nn.Module):
         if name == "vision.tower.patch_embedding.weight":  # conv kernel (hidden, C, P, P) -> matmul
             tensor = tensor.reshape(tensor.shape[0], -1)
         return name, tensor
-
-    def _shard_sizes(self, name: str, param: torch.Tensor) -> list[int]:
-        if name.startswith("language_model.") and ".qkv_proj." in name:
-            t = self.config.text
-            return [t.num_attention_heads * t.head_dim] + [t.num_key_value_heads * t.head_dim] * 2
-        # vision q/k/v are equal thirds, gate/up equal halves
-        return even_shards(name, param, 3 if ".qkv_proj." in name else 2)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[set[str], list[str]]:
-        """Copy checkpoint tensors in. Returns (names of our parameters filled, unexpected hf names).
-
-        Raises ValueError naming the tensor on a shape mismatch."""
-        return load_weights(self, weights, self._rename, QKV_GATE_UP, self._shard_sizes)
-
-    def expected_weight_names(self) -> set[str]:
-        """What `load_weights` must have filled for the model to be complete."""
-        return expected_weight_names(self, QKV_GATE_UP)

@@ -14,7 +14,7 @@ What it does not know: files, tokenizers, pixels' origin, scheduling.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -27,7 +27,7 @@ from mmserve.models.llava_onevision.config import LlavaOnevisionConfig
 from mmserve.models.llava_onevision.language import qwen2_language_model
 from mmserve.models.llava_onevision.processor import ImageInput, VideoInput
 from mmserve.models.llava_onevision.vision import SiglipVisionTower
-from mmserve.models.weights import QKV_GATE_UP, even_shards, expected_weight_names, load_weights
+from mmserve.models.weights import CheckpointWeights
 
 # hf prefix -> ours, first match wins (after an optional leading "model.")
 _PREFIXES = (
@@ -57,7 +57,7 @@ class Projector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaOnevisionForConditionalGeneration(nn.Module):
+class LlavaOnevisionForConditionalGeneration(CheckpointWeights, nn.Module):
     def __init__(self, config: LlavaOnevisionConfig) -> None:
         super().__init__()
         self.config = config
@@ -139,20 +139,3 @@ class LlavaOnevisionForConditionalGeneration(nn.Module):
         if name == "language_model.lm_head.weight" and self.config.text.tie_word_embeddings:
             return None  # tied: the embedding matrix is the head
         return name, tensor
-
-    def _shard_sizes(self, name: str, param: torch.Tensor) -> list[int]:
-        if name.startswith("language_model.") and ".qkv_proj." in name:
-            t = self.config.text
-            return [t.num_attention_heads * t.head_dim] + [t.num_key_value_heads * t.head_dim] * 2
-        # vision q/k/v are equal thirds, gate/up equal halves
-        return even_shards(name, param, 3 if ".qkv_proj." in name else 2)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[set[str], list[str]]:
-        """Copy checkpoint tensors in. Returns (names of our parameters filled, unexpected hf names).
-
-        Raises ValueError naming the tensor on a shape mismatch."""
-        return load_weights(self, weights, self._rename, QKV_GATE_UP, self._shard_sizes)
-
-    def expected_weight_names(self) -> set[str]:
-        """What `load_weights` must have filled for the model to be complete."""
-        return expected_weight_names(self, QKV_GATE_UP)

@@ -29,7 +29,7 @@ from mmserve.models.mistral3.config import Mistral3Config
 from mmserve.models.mistral3.language import mistral_language_model
 from mmserve.models.mistral3.processor import ImageInput
 from mmserve.models.mistral3.vision import Mistral3Projector, PixtralVisionEncoder
-from mmserve.models.weights import QKV_GATE_UP, even_shards, expected_weight_names, load_weights
+from mmserve.models.weights import CheckpointWeights
 
 # hf prefix -> ours, first match wins
 _PREFIXES = (
@@ -43,7 +43,7 @@ _PREFIXES = (
 LM_HEAD = "language_model.lm_head.weight"
 
 
-class Mistral3ForConditionalGeneration(nn.Module):
+class Mistral3ForConditionalGeneration(CheckpointWeights, nn.Module):
     def __init__(self, config: Mistral3Config) -> None:
         super().__init__()
         self.config = config
@@ -92,13 +92,6 @@ class Mistral3ForConditionalGeneration(nn.Module):
             return None  # past the feature layer: never run
         return name, tensor
 
-    def _shard_sizes(self, name: str, param: torch.Tensor) -> list[int]:
-        if name.startswith("language_model.") and ".qkv_proj." in name:
-            t = self.config.text
-            return [t.num_attention_heads * t.head_dim] + [t.num_key_value_heads * t.head_dim] * 2
-        # vision q/k/v are equal thirds, gate/up equal halves
-        return even_shards(name, param, 3 if ".qkv_proj." in name else 2)
-
     def _untie(self, head: torch.Tensor) -> None:
         """Give the decoder its own LM head, filled from the checkpoint's."""
         embeddings = self.language_model.embed_tokens.weight
@@ -123,12 +116,8 @@ class Mistral3ForConditionalGeneration(nn.Module):
                     continue
                 yield hf_name, tensor
 
-        loaded, unexpected = load_weights(self, set_heads_aside(weights), self._rename, QKV_GATE_UP, self._shard_sizes)
+        loaded, unexpected = super().load_weights(set_heads_aside(weights))
         if heads:
             self._untie(heads[-1])
             loaded.add(LM_HEAD)
         return loaded, unexpected
-
-    def expected_weight_names(self) -> set[str]:
-        """What `load_weights` must have filled for the model to be complete."""
-        return expected_weight_names(self, QKV_GATE_UP)

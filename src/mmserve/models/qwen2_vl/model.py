@@ -9,7 +9,7 @@ tokenizers, scheduling.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -20,10 +20,10 @@ from mmserve.models.qwen2_vl.config import Qwen2VLConfig
 from mmserve.models.qwen2_vl.language import qwen2_language_model
 from mmserve.models.qwen2_vl.processor import VisionInput
 from mmserve.models.qwen2_vl.vision import GridTHW, VisionTransformer
-from mmserve.models.weights import QKV_GATE_UP, even_shards, expected_weight_names, load_weights
+from mmserve.models.weights import CheckpointWeights
 
 
-class Qwen2VLForConditionalGeneration(nn.Module):
+class Qwen2VLForConditionalGeneration(CheckpointWeights, nn.Module):
     def __init__(self, config: Qwen2VLConfig) -> None:
         super().__init__()
         self.config = config
@@ -73,20 +73,3 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         if name.startswith("language_model.lm_head.") and self.config.text.tie_word_embeddings:
             return None  # tied: the embedding matrix is the head
         return name, tensor
-
-    def _shard_sizes(self, name: str, param: torch.Tensor) -> list[int]:
-        if ".qkv_proj." in name:
-            t = self.config.text
-            return [t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim,
-                    t.num_key_value_heads * t.head_dim]
-        return even_shards(name, param, 2)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[set[str], list[str]]:
-        """Copy checkpoint tensors in. Returns (names of our parameters filled, unexpected hf names).
-
-        Raises ValueError naming the tensor on a shape mismatch."""
-        return load_weights(self, weights, self._rename, QKV_GATE_UP, self._shard_sizes)
-
-    def expected_weight_names(self) -> set[str]:
-        """What `load_weights` must have filled for the model to be complete."""
-        return expected_weight_names(self, QKV_GATE_UP)

@@ -9,7 +9,7 @@ What it does not know: files, tokenizers, scheduling.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -20,13 +20,13 @@ from mmserve.models.qwen3_vl.config import Qwen3VLConfig
 from mmserve.models.qwen3_vl.language import qwen3_language_model
 from mmserve.models.qwen3_vl.processor import VisionInput
 from mmserve.models.qwen3_vl.vision import VisionTransformer
-from mmserve.models.weights import QKV_GATE_UP, even_shards, expected_weight_names, load_weights
+from mmserve.models.weights import CheckpointWeights
 
 _PREFIXES = (("model.visual.", "visual."), ("model.language_model.", "language_model."),
              ("lm_head.", "language_model.lm_head."))
 
 
-class Qwen3VLForConditionalGeneration(nn.Module):
+class Qwen3VLForConditionalGeneration(CheckpointWeights, nn.Module):
     def __init__(self, config: Qwen3VLConfig) -> None:
         super().__init__()
         self.config = config
@@ -68,20 +68,3 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         if name == "visual.patch_embed.weight":
             tensor = tensor.reshape(tensor.shape[0], -1)  # (out, C, T, P, P) -> (out, C*T*P*P)
         return name, tensor
-
-    def _shard_sizes(self, name: str, param: torch.Tensor) -> list[int]:
-        if ".qkv_proj." in name:
-            t = self.config.text
-            return [t.num_attention_heads * t.head_dim] + [t.num_key_value_heads * t.head_dim] * 2
-        return even_shards(name, param, 2)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[set[str], list[str]]:
-        """Copy checkpoint tensors in. Returns (names of our parameters filled, unexpected hf names).
-
-        Raises ValueError naming the tensor on a shape mismatch. Only the language model stacks
-        projections (the vision tower's q/k/v are one tensor in the checkpoint already)."""
-        return load_weights(self, weights, self._rename, QKV_GATE_UP, self._shard_sizes)
-
-    def expected_weight_names(self) -> set[str]:
-        """What `load_weights` must have filled for the model to be complete."""
-        return expected_weight_names(self, QKV_GATE_UP)
