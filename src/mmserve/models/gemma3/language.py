@@ -96,9 +96,10 @@ class Gemma3TextModel(nn.Module):
         return self.embed_tokens(input_ids) * scale
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, extra_streams: torch.Tensor | None = None) -> torch.Tensor:
         """inputs_embeds (num_tokens, hidden), already scaled (text) or encoder rows (images);
-        positions (1, num_tokens). Returns the final hidden states (num_tokens, hidden)."""
+        positions (1, num_tokens); extra_streams: always None (one embedding stream). Returns the final
+        hidden states (num_tokens, hidden)."""
         dtype = inputs_embeds.dtype
         tables = {True: self.local_rotary(positions, dtype), False: self.global_rotary(positions, dtype)}
         x = inputs_embeds

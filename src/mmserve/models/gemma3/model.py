@@ -19,12 +19,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from mmserve.models.family_model import LanguageModelCalls
 from mmserve.models.gemma3.config import Gemma3Config
 from mmserve.models.gemma3.language import Gemma3TextModel
 from mmserve.models.gemma3.processor import ImageInput
 from mmserve.models.gemma3.vision import Gemma3VisionEncoder
-from mmserve.models.layers.attention import AttentionBackend, AttentionMetadata
-from mmserve.models.weights import CheckpointWeights
 
 # hf prefix (after an optional leading "model.") -> ours; first match wins; None: not used by this model
 _PREFIXES: tuple[tuple[str, str | None], ...] = (
@@ -44,7 +43,7 @@ _PREFIXES: tuple[tuple[str, str | None], ...] = (
 )
 
 
-class Gemma3ForConditionalGeneration(CheckpointWeights, nn.Module):
+class Gemma3ForConditionalGeneration(LanguageModelCalls, nn.Module):
     def __init__(self, config: Gemma3Config) -> None:
         super().__init__()
         self.config = config
@@ -58,18 +57,6 @@ class Gemma3ForConditionalGeneration(CheckpointWeights, nn.Module):
         pixels = torch.from_numpy(np.concatenate([p.pixel_values for p in payloads]))
         rows = self.vision(pixels.to(device, non_blocking=True))  # (all crops, mm_tokens, hidden)
         return [r.reshape(1, -1, rows.shape[-1]) for r in rows.split([len(p.pixel_values) for p in payloads])]
-
-    # ---- decoder --------------------------------------------------------------------------
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed(input_ids)
-
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
-                meta: AttentionMetadata, extra_streams: torch.Tensor | None = None) -> torch.Tensor:
-        """positions: (1, num_tokens) token indices; this family has no extra embedding streams."""
-        return self.language_model(inputs_embeds, positions, backend, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
 
     # ---- weights --------------------------------------------------------------------------
     def map_name(self, hf_name: str) -> str | None:

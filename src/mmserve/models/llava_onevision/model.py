@@ -21,13 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmserve.models.family_model import LanguageModelCalls
 from mmserve.models.layers.activations import get_activation
-from mmserve.models.layers.attention import AttentionBackend, AttentionMetadata
 from mmserve.models.llava_onevision.config import LlavaOnevisionConfig
 from mmserve.models.llava_onevision.language import qwen2_language_model
 from mmserve.models.llava_onevision.processor import ImageInput, VideoInput
 from mmserve.models.llava_onevision.vision import SiglipVisionTower
-from mmserve.models.weights import CheckpointWeights
 
 # hf prefix -> ours, first match wins (after an optional leading "model.")
 _PREFIXES = (
@@ -57,7 +56,7 @@ class Projector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaOnevisionForConditionalGeneration(CheckpointWeights, nn.Module):
+class LlavaOnevisionForConditionalGeneration(LanguageModelCalls, nn.Module):
     def __init__(self, config: LlavaOnevisionConfig) -> None:
         super().__init__()
         self.config = config
@@ -102,18 +101,6 @@ class LlavaOnevisionForConditionalGeneration(CheckpointWeights, nn.Module):
         frames = feats.view(feats.shape[0], s, s, -1).permute(0, 3, 1, 2)
         frames = F.interpolate(frames, size=[pooled, pooled], mode="bilinear").permute(0, 2, 3, 1)
         return torch.cat((frames.reshape(-1, feats.shape[-1]), self.image_newline[None].to(feats.dtype)), dim=0)
-
-    # ---- decoder --------------------------------------------------------------------------
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed(input_ids)
-
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
-                meta: AttentionMetadata, extra_streams: torch.Tensor | None = None) -> torch.Tensor:
-        """positions: (1, num_tokens) token indices; this family has no extra embedding streams."""
-        return self.language_model(inputs_embeds, positions, backend, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
 
     # ---- weights --------------------------------------------------------------------------
     def map_name(self, hf_name: str) -> str | None:

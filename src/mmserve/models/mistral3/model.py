@@ -24,12 +24,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmserve.models.layers.attention import AttentionBackend, AttentionMetadata
+from mmserve.models.family_model import LanguageModelCalls
 from mmserve.models.mistral3.config import Mistral3Config
 from mmserve.models.mistral3.language import mistral_language_model
 from mmserve.models.mistral3.processor import ImageInput
 from mmserve.models.mistral3.vision import Mistral3Projector, PixtralVisionEncoder
-from mmserve.models.weights import CheckpointWeights
 
 # hf prefix -> ours, first match wins
 _PREFIXES = (
@@ -43,7 +42,7 @@ _PREFIXES = (
 LM_HEAD = "language_model.lm_head.weight"
 
 
-class Mistral3ForConditionalGeneration(CheckpointWeights, nn.Module):
+class Mistral3ForConditionalGeneration(LanguageModelCalls, nn.Module):
     def __init__(self, config: Mistral3Config) -> None:
         super().__init__()
         self.config = config
@@ -61,18 +60,6 @@ class Mistral3ForConditionalGeneration(CheckpointWeights, nn.Module):
         rows = self.multi_modal_projector(features, grids)
         unit = self.config.spatial_merge_size ** 2
         return [r[None] for r in rows.split([h * w // unit for h, w in grids])]
-
-    # ---- decoder --------------------------------------------------------------------------
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed(input_ids)
-
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
-                meta: AttentionMetadata, extra_streams: torch.Tensor | None = None) -> torch.Tensor:
-        """positions: (1, num_tokens) token indices; this family has no extra embedding streams."""
-        return self.language_model(inputs_embeds, positions, backend, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
 
     # ---- weights --------------------------------------------------------------------------
     @staticmethod

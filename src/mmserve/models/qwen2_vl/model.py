@@ -15,15 +15,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmserve.models.layers.attention import AttentionBackend, AttentionMetadata
+from mmserve.models.family_model import LanguageModelCalls
 from mmserve.models.qwen2_vl.config import Qwen2VLConfig
 from mmserve.models.qwen2_vl.language import qwen2_language_model
 from mmserve.models.qwen2_vl.processor import VisionInput
 from mmserve.models.qwen2_vl.vision import GridTHW, VisionTransformer
-from mmserve.models.weights import CheckpointWeights
 
 
-class Qwen2VLForConditionalGeneration(CheckpointWeights, nn.Module):
+class Qwen2VLForConditionalGeneration(LanguageModelCalls, nn.Module):
     def __init__(self, config: Qwen2VLConfig) -> None:
         super().__init__()
         self.config = config
@@ -43,17 +42,6 @@ class Qwen2VLForConditionalGeneration(CheckpointWeights, nn.Module):
         unit = self.config.vision.spatial_merge_size ** 2
         rows = self.encode(pixels.to(device, non_blocking=True), grids)
         return [r[None] for r in rows.split([t * h * w // unit for t, h, w in grids])]
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed(input_ids)
-
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
-                meta: AttentionMetadata, extra_streams: torch.Tensor | None = None) -> torch.Tensor:
-        """positions: (3, num_tokens) M-RoPE; this family has no extra embedding streams."""
-        return self.language_model(inputs_embeds, positions, backend, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
 
     # ---- weights --------------------------------------------------------------------------
     @staticmethod

@@ -15,18 +15,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmserve.models.layers.attention import AttentionBackend, AttentionMetadata
+from mmserve.models.family_model import LanguageModelCalls
 from mmserve.models.qwen3_vl.config import Qwen3VLConfig
 from mmserve.models.qwen3_vl.language import qwen3_language_model
 from mmserve.models.qwen3_vl.processor import VisionInput
 from mmserve.models.qwen3_vl.vision import VisionTransformer
-from mmserve.models.weights import CheckpointWeights
 
 _PREFIXES = (("model.visual.", "visual."), ("model.language_model.", "language_model."),
              ("lm_head.", "language_model.lm_head."))
 
 
-class Qwen3VLForConditionalGeneration(CheckpointWeights, nn.Module):
+class Qwen3VLForConditionalGeneration(LanguageModelCalls, nn.Module):
     def __init__(self, config: Qwen3VLConfig) -> None:
         super().__init__()
         self.config = config
@@ -42,17 +41,6 @@ class Qwen3VLForConditionalGeneration(CheckpointWeights, nn.Module):
         unit = self.config.vision.spatial_merge_size ** 2
         streams = self.visual(pixels.to(device, non_blocking=True), grids)  # (streams, rows, hidden)
         return list(streams.split([t * h * w // unit for t, h, w in grids], dim=1))
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed(input_ids)
-
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
-                meta: AttentionMetadata, extra_streams: torch.Tensor | None = None) -> torch.Tensor:
-        """positions: (3, num_tokens) M-RoPE; extra_streams: (num_deepstack, num_tokens, hidden) or None."""
-        return self.language_model(inputs_embeds, positions, backend, meta, extra_streams)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
 
     # ---- weights --------------------------------------------------------------------------
     def _rename(self, hf_name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
