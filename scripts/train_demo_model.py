@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.demo import shapes
-from mmserve.models.layers.attention import AttentionMetadata
+from mmserve.models.layers.attention import FULL, AttentionMetadata, LayerAttention
 from mmserve.models.qwen2_vl.chat_template import QWEN2_VL_CHAT_TEMPLATE, QWEN_SPECIAL_TOKENS
 from mmserve.models.qwen2_vl.config import parse_config
 from mmserve.models.qwen2_vl.export import save_weights
@@ -232,10 +232,13 @@ class PaddedCausalBackend:
     """Causal attention for training: every sequence in the batch is padded to the same length."""
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, layer: LayerAttention = FULL) -> torch.Tensor:
+        if layer.sliding_window is not None or meta.spans:
+            raise ValueError("the training backend is plain causal: no sliding window, no bidirectional spans")
         b, length = meta.num_sequences, meta.query_lens[0]
         qh, kh, vh = (x.view(b, length, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=qh.shape[1] != kh.shape[1])
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=layer.scale,
+                                             enable_gqa=qh.shape[1] != kh.shape[1])
         return out.transpose(1, 2).reshape(b * length, -1)
 
 
@@ -280,8 +283,14 @@ def aux_loss(head: nn.Module, rows: torch.Tensor, aux: torch.Tensor) -> torch.Te
     return sum(F.cross_entropy(lg.reshape(-1, c), t.reshape(-1)) for lg, c, t in zip(logits, classes, targets)) / 4
 
 
+def fused_embeds(model: Qwen2VLForConditionalGeneration, rows: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Text embeddings with the image rows written at the image placeholder positions (out of place:
+    autograd flows into both)."""
+    return model.embed(batch.input_ids).index_copy(0, batch.image_rows, rows)
+
+
 def lm_loss(model: Qwen2VLForConditionalGeneration, rows: torch.Tensor, batch: Batch) -> torch.Tensor:
-    embeds = model.embed(batch.input_ids, rows, batch.image_rows)
+    embeds = fused_embeds(model, rows, batch)
     hidden = model(embeds, batch.positions, PaddedCausalBackend(), batch.meta)
     keep = batch.targets >= 0  # logits only where there is a target: most tokens are prompt
     return F.cross_entropy(model.compute_logits(hidden[keep]), batch.targets[keep])
@@ -303,7 +312,7 @@ def greedy_answers(model: Qwen2VLForConditionalGeneration, processor: Qwen2VLPro
     out: list[list[int]] = [[] for _ in prompts]
     for _ in range(max_new_tokens):
         batch = collate(prompts, ids["<|endoftext|>"], ids["<|image_pad|>"])
-        hidden = model(model.embed(batch.input_ids, rows, batch.image_rows), batch.positions,
+        hidden = model(fused_embeds(model, rows, batch), batch.positions,
                        PaddedCausalBackend(), batch.meta)
         length = batch.meta.query_lens[0]
         last = torch.tensor([b * length + len(p.token_ids) - 1 for b, p in enumerate(prompts)])
