@@ -52,3 +52,22 @@ def test_every_split_point_covers_every_row_once(mm):
                 for p in mm.plan_chunk(s, e) for r in range(p.row_start, p.row_end)]
         assert rows == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2)]
     assert np.array_equal(mm.item_of_row, [0, 0, 0, 0, 1, 1, 1])
+
+
+# Mistral 3's layout: per row of patches [IMG]x2 then [IMG_BREAK] (5), the last break is [IMG_END] (6)
+SPECIAL_IDS = [1, 9, 9, 5, 9, 9, 5, 9, 9, 6, 1, 1]
+
+
+def test_special_rows_inside_a_span_take_no_encoder_row():
+    m = compute_masks(SPECIAL_IDS, mm_token_ids=[9], special_token_ids=[5, 6])
+    assert m.mm_mask[1:10].all() and not m.embed_mask[[3, 6, 9]].any()
+    mm = MultimodalRuntimeData(m.embed_mask, m.embed_cumsum, [6])
+    outputs = {0: torch.arange(6.0)[None, :, None]}
+    for cut in range(1, len(SPECIAL_IDS)):  # ends on an [IMG] row, on a break row, on the end row
+        fused = []
+        for start, end in ((0, cut), (cut, len(SPECIAL_IDS))):
+            pieces = mm.plan_chunk(start, end)
+            for rows, piece in zip(gather_chunk_rows(pieces, outputs), pieces):
+                fused += [(start + int(t), float(r)) for t, r in zip(piece.token_positions, rows[0, :, 0])]
+        # every [IMG] token gets the next encoder row, whatever the split; specials get none
+        assert fused == [(1, 0.0), (2, 1.0), (4, 2.0), (5, 3.0), (7, 4.0), (8, 5.0)], cut
