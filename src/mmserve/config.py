@@ -28,6 +28,7 @@ def resolve_model(model: str | None) -> str:
     raise ModelLoadError("no model given and the bundled demo model is not installed; pass a checkpoint directory")
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # what runner/kv_quant.py stores
 
 
 @dataclass(frozen=True)
@@ -36,8 +37,11 @@ class CacheConfig:
     kv_cache_bytes: int | None = None  # sizes the KV pool; default DEFAULT_KV_CACHE_BYTES
     num_kv_blocks: int | None = None  # overrides kv_cache_bytes
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype), "int8" or "fp8_e4m3" (per-token-per-head scales)
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:

@@ -10,6 +10,7 @@ from mmserve.inputs.items import PromptPositions
 from mmserve.models.layers.attention import AttentionMetadata, ContiguousKVCache, LayerAttention
 from mmserve.runner.attention import PagedAttentionBackend
 from mmserve.runner.batch import BatchBuilder
+from mmserve.runner.kv_quant import kv_format
 from mmserve.runner.kv_storage import PagedKVStorage
 from mmserve.runner.model_runner import RunnerPrompt, RunnerRequest
 from mmserve.sampling_params import SamplingParams
@@ -48,7 +49,7 @@ SEQUENCES = [
 @pytest.mark.parametrize("with_spans", [True, False])
 def test_paged_backend_equals_dense_reference(heads, kv_heads, window, with_spans):
     torch.manual_seed(0)
-    storage = PagedKVStorage(1, 64, BLOCK, kv_heads, HEAD_DIM, torch.float32)
+    storage = PagedKVStorage(1, 64, BLOCK, kv_heads, HEAD_DIM, kv_format("auto", torch.float32))
     backend = PagedAttentionBackend(storage)
     layer = LayerAttention(sliding_window=window, scale=0.3)
     free = list(np.random.default_rng(0).permutation(64))  # blocks scattered over the pool
@@ -114,7 +115,7 @@ def test_chunk_starting_inside_a_span_over_shared_prefix_blocks():
     torch.manual_seed(2)
     length, spans = 16, ((3, 10),)
     q, k, v = torch.randn(length, 4, HEAD_DIM), torch.randn(length, 2, HEAD_DIM), torch.randn(length, 2, HEAD_DIM)
-    storage = PagedKVStorage(1, 16, BLOCK, 2, HEAD_DIM, torch.float32)
+    storage = PagedKVStorage(1, 16, BLOCK, 2, HEAD_DIM, kv_format("auto", torch.float32))
     backend = PagedAttentionBackend(storage)
     prompt = RunnerPrompt(PromptPositions(1), None, None, (), (), (), spans)
     first = RunnerRequest("a", list(range(length)), length, prompt, SamplingParams(), [5, 2, 9, 11], 0)

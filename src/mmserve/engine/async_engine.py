@@ -78,7 +78,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self._error: BaseException | None = None
-        self._stats: dict[str, int | float] = engine.get_stats()
+        self._stats: dict[str, int | float | str] = engine.get_stats()
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -142,7 +142,7 @@ class AsyncEngine:
         self._commands.put(_Call(fn, future))
         return await future
 
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> dict[str, int | float | str]:
         """The engine's counters as of the end of its latest step or command (a snapshot)."""
         return dict(self._stats)
 

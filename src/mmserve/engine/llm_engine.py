@@ -38,6 +38,7 @@ from mmserve.models.registry import resolve
 from mmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mmserve.runner.attention import PagedAttentionBackend
 from mmserve.runner.encoder_runner import EncodeJob
+from mmserve.runner.kv_quant import kv_format
 from mmserve.runner.kv_storage import PagedKVStorage
 from mmserve.runner.model_runner import ModelRunner, RunnerPrompt, StepInputs
 from mmserve.sampling_params import SamplingParams
@@ -69,10 +70,13 @@ class Engine:
         self.processor = family.processor_class(Path(config.model), self.model.config, config.media)
         self.spec = family.build_spec(self.model.config, self.processor, config.media)
         self.max_model_len = config.scheduler.max_model_len or self.spec.max_position_embeddings
-        num_blocks = self._num_kv_blocks()
         spec = self.spec
+        self.kv_format = kv_format(config.cache.kv_cache_dtype, self.dtype)
+        self.kv_bytes_per_token = PagedKVStorage.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                                                                 self.kv_format)
+        num_blocks = self._num_kv_blocks()
         self.kv_storage = PagedKVStorage(spec.num_layers, num_blocks, config.cache.block_size, spec.num_kv_heads,
-                                         spec.head_dim, self.dtype, self.device)
+                                         spec.head_dim, self.kv_format, self.device)
         kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.budget = self._resolve_budget()
         items = ItemScheduler(EncoderCacheManager(self.budget.cache_bytes, self.budget.output_budget_bytes),
@@ -107,11 +111,10 @@ class Engine:
         return budget
 
     def _num_kv_blocks(self) -> int:
-        cache, spec = self.config.cache, self.spec
+        cache = self.config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
-        per_block = PagedKVStorage.bytes_per_block(spec.num_layers, cache.block_size, spec.num_kv_heads,
-                                                 spec.head_dim, self.dtype)
+        per_block = self.kv_bytes_per_token * cache.block_size
         num = (cache.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // per_block
         if num < 1:
             raise ValueError(f"kv_cache_bytes={cache.kv_cache_bytes} is smaller than one block ({per_block} bytes)")
@@ -240,7 +243,7 @@ class Engine:
         return outputs
 
     # ---- introspection --------------------------------------------------------------------------
-    def get_stats(self) -> dict[str, int | float]:
+    def get_stats(self) -> dict[str, int | float | str]:
         s, kv, cache = self.scheduler.stats, self.scheduler.kv, self.scheduler.encoder_cache
         return {
             "requests_finished": s.requests_finished,
@@ -253,6 +256,9 @@ class Engine:
             "num_preemptions": s.num_preemptions,
             "kv_blocks_total": kv.num_blocks,
             "kv_blocks_free": kv.num_free_blocks,
+            "kv_cache_dtype": self.config.cache.kv_cache_dtype,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_capacity_tokens": kv.num_blocks * kv.block_size,
             "kv_cache_evictions": kv.stats.evictions,
             "encoder_items_encoded": self.runner.encoder.num_items_encoded,
             "encoder_tokens_encoded": self.runner.encoder.num_tokens_encoded,

@@ -103,7 +103,7 @@ class LLM:
             raise
         return [results[rid] for rid in ids]
 
-    def get_stats(self) -> dict[str, int | float]:
+    def get_stats(self) -> dict[str, int | float | str]:
         return self.engine.get_stats()
 
     def check_integrity(self) -> None:

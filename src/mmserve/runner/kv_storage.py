@@ -1,9 +1,11 @@
-"""Paged KV storage: the engine's key/value blocks, in a dtype of their own.
+"""Paged KV storage: the engine's key/value blocks, in a format of their own.
 
 Role: own one key and one value tensor per layer, shaped (num_blocks, block_size, kv_heads,
-head_dim), in the storage dtype (today the model dtype; independent of it by design, so a
-quantized storage can replace this one). Write a step's new keys/values at their flat slots, and
-hand the attention backend whole blocks back in the compute dtype.
+head_dim), in the storage format (`kv_quant.KVFormat`: the model dtype, or int8 / fp8 codes with
+a float16 scale per token per kv head beside them). Write a step's new keys/values at their flat
+slots (quantizing them on the way in), and hand the attention backend the blocks it asks for
+back in the compute dtype (dequantized on the way out: only those blocks, never a full-precision
+copy of the cache).
 
 What it does not know: attention, masks, sequences, requests — only slots and block ids.
 """
@@ -12,28 +14,39 @@ from __future__ import annotations
 
 import torch
 
+from mmserve.runner.kv_quant import SCALE_DTYPE, KVFormat, dequantize, quantize
+
 
 class PagedKVStorage:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+                 fmt: KVFormat, device: torch.device | str = "cpu") -> None:
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.key = torch.zeros(shape, dtype=dtype, device=device)
-        self.value = torch.zeros(shape, dtype=dtype, device=device)
+        self.fmt = fmt
+        self.key = torch.zeros(shape, dtype=fmt.element_dtype, device=device)
+        self.value = torch.zeros(shape, dtype=fmt.element_dtype, device=device)
+        self.key_scale = self.value_scale = None
+        if fmt.quantized:
+            self.key_scale = torch.ones(shape[:-1], dtype=SCALE_DTYPE, device=device)
+            self.value_scale = torch.ones(shape[:-1], dtype=SCALE_DTYPE, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.dtype = dtype
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        """Bytes one block takes over all layers, K and V."""
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, fmt: KVFormat) -> int:
+        """Bytes one token's KV takes over all layers, K and V, scales included."""
+        return 2 * num_layers * num_kv_heads * fmt.bytes_per_head(head_dim)
 
     def write(self, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v (num_tokens, kv_heads, head_dim) at flat slots (block * block_size + offset)."""
-        key, value = self.key[layer_idx], self.value[layer_idx]
-        key.view(-1, *key.shape[2:]).index_copy_(0, slot_mapping, k.to(self.dtype))
-        value.view(-1, *value.shape[2:]).index_copy_(0, slot_mapping, v.to(self.dtype))
+        for store, scales, x in ((self.key, self.key_scale, k), (self.value, self.value_scale, v)):
+            flat = store[layer_idx].flatten(0, 1)
+            if not self.fmt.quantized:
+                flat.index_copy_(0, slot_mapping, x.to(self.fmt.element_dtype))
+                continue
+            codes, scale = quantize(x, self.fmt)
+            # copied as bytes: index_copy_ has no float8 kernel on the CPU, and the bits are what we store
+            flat.view(torch.uint8).index_copy_(0, slot_mapping, codes.view(torch.uint8))
+            scales[layer_idx].flatten(0, 1).index_copy_(0, slot_mapping, scale)
 
     def gather(self, layer_idx: int, block_ids: torch.Tensor,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,4 +54,7 @@ class PagedKVStorage:
         `dtype`. index_select on a flat id list: several times faster on the CPU than advanced indexing."""
         keys = self.key[layer_idx].index_select(0, block_ids)
         values = self.value[layer_idx].index_select(0, block_ids)
-        return keys.to(dtype), values.to(dtype)
+        if not self.fmt.quantized:
+            return keys.to(dtype), values.to(dtype)
+        return (dequantize(keys, self.key_scale[layer_idx].index_select(0, block_ids), dtype),
+                dequantize(values, self.value_scale[layer_idx].index_select(0, block_ids), dtype))

@@ -30,7 +30,7 @@ LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
 TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                    1.0, 2.5)
 
-StatsFn = Callable[[], dict[str, int | float]]
+StatsFn = Callable[[], dict[str, int | float | str]]
 
 
 class _EngineStatsCollector(Collector):
@@ -40,7 +40,11 @@ class _EngineStatsCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
         for key, value in sorted(stats.items()):
-            if key in MONOTONIC_STATS:
+            if isinstance(value, str):  # a setting (e.g. kv_cache_dtype): an info gauge, the value as a label
+                info = GaugeMetricFamily(PREFIX + key + "_info", f"engine setting {key}", labels=[key])
+                info.add_metric([value], 1)
+                yield info
+            elif key in MONOTONIC_STATS:
                 yield CounterMetricFamily(PREFIX + key, f"engine stat {key} (cumulative)", value=value)
             else:
                 yield GaugeMetricFamily(PREFIX + key, f"engine stat {key}", value=value)

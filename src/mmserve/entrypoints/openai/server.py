@@ -115,7 +115,7 @@ def _v1_router(serving: OpenAIServing, engine: AsyncEngine, api_key: str | None)
                                          max_model_len=serving.max_model_len)])
 
     @router.get("/stats")
-    async def stats() -> dict[str, int | float]:
+    async def stats() -> dict[str, int | float | str]:
         """The engine's counters (the JSON twin of /metrics): KV blocks, encoder cache, requests."""
         return engine.stats()
 
