@@ -3,7 +3,8 @@ test_server.py): a real server subprocess per family, the official `openai` clie
 video sent as data URIs. The served greedy answer and prompt size equal the offline `LLM`'s for the
 same pixels, so the server path (media decoding at the family's default fps, the family's
 processor, the engine) is the one parity-tested against transformers in tests/models/. An
-image-only family answers a video with a 400 in OpenAI's error format and keeps serving."""
+image-only family answers a video with a 400 in OpenAI's error format and keeps serving. Two
+families run with `--kv-cache-dtype` int8 / fp8_e4m3, and /metrics says so."""
 
 from __future__ import annotations
 
@@ -15,21 +16,28 @@ from mmserve import LLM, SamplingParams
 from mmserve.inputs.media import decode_image_bytes
 from mmserve.inputs.video import decode_video
 from tests.e2e.conftest import start_server, stop_server, wait_healthy
-from tests.e2e.test_server import data_uri, mp4_bytes, png_bytes
+from tests.e2e.test_server import data_uri, metric_samples, mp4_bytes, png_bytes
 from tests.fixtures.families import FAMILIES
 
 MAX_FRAMES = 4
 NUM_TOKENS = 6
 
 
+# two families are served with a quantized KV cache (the CLI flag; the offline engine likewise)
+KV_CACHE_DTYPE = {"gemma3": "int8", "mistral3": "fp8_e4m3"}
+
+
 @pytest.fixture(scope="module", params=["qwen3_vl", "llava_onevision", "gemma3", "mistral3"])
 def served(request, all_checkpoints, tmp_path_factory):
     model = str(all_checkpoints[request.param])
+    kv_cache_dtype = KV_CACHE_DTYPE.get(request.param, "auto")
     server = start_server(model, tmp_path_factory.mktemp("logs") / f"{request.param}.log",
-                          "--max-video-frames", str(MAX_FRAMES), "--num-kv-blocks", "128")
+                          "--max-video-frames", str(MAX_FRAMES), "--num-kv-blocks", "128",
+                          "--kv-cache-dtype", kv_cache_dtype)
     try:
         wait_healthy(server)
-        yield server, LLM(model, max_video_frames=MAX_FRAMES, num_kv_blocks=128), request.param
+        yield server, LLM(model, max_video_frames=MAX_FRAMES, num_kv_blocks=128, kv_cache_dtype=kv_cache_dtype), \
+            request.param
     finally:
         stop_server(server)
 
@@ -76,3 +84,13 @@ def test_video_answer_equals_offline(served):
     assert reply.choices[0].message.content == text
     assert reply.usage.prompt_tokens == prompt_tokens > len(frames)
     assert reply.usage.completion_tokens == completion_tokens
+
+
+def test_metrics_report_the_kv_cache(served):
+    server, llm, family = served
+    samples = metric_samples(server)
+    ours = llm.get_stats()
+    kv_cache_dtype = KV_CACHE_DTYPE.get(family, "auto")
+    assert samples[("mmserve_kv_cache_dtype_info", (("kv_cache_dtype", kv_cache_dtype),))] == 1.0
+    assert samples[("mmserve_kv_bytes_per_token", ())] == ours["kv_bytes_per_token"]
+    assert samples[("mmserve_kv_capacity_tokens", ())] == ours["kv_capacity_tokens"] == 128 * 16

@@ -35,6 +35,12 @@ def reference(q, k, v, spans, window, scale):
     return out.reshape(length, -1)
 
 
+def _request(rid, length, spans, blocks, num_computed=0):
+    """A runner request of `length` prompt tokens with its bidirectional spans and KV blocks."""
+    prompt = RunnerPrompt(PromptPositions(1), None, None, (), (), (), spans)
+    return RunnerRequest(rid, list(range(length)), length, prompt, SamplingParams(), blocks, num_computed)
+
+
 # (length, spans, chunk schedule: tokens per step, 0 = not scheduled that step)
 SEQUENCES = [
     (14, (), [10, 1, 1, 1, 1]),
@@ -61,8 +67,7 @@ def test_paged_backend_equals_dense_reference(heads, kv_heads, window, with_span
         tensors.append((q, k, v))
         expected.append(reference(q, k, v, spans, window, 0.3))
         blocks = [int(free.pop()) for _ in range(-(-length // BLOCK))]
-        prompt = RunnerPrompt(PromptPositions(1), None, None, (), (), (), spans)
-        states.append(RunnerRequest(f"s{i}", list(range(length)), length, prompt, SamplingParams(), blocks, 0))
+        states.append(_request(f"s{i}", length, spans, blocks))
     for step in range(len(SEQUENCES[0][2])):
         builder = BatchBuilder(BLOCK, torch.device("cpu"))
         rows = []
@@ -117,13 +122,12 @@ def test_chunk_starting_inside_a_span_over_shared_prefix_blocks():
     q, k, v = torch.randn(length, 4, HEAD_DIM), torch.randn(length, 2, HEAD_DIM), torch.randn(length, 2, HEAD_DIM)
     storage = PagedKVStorage(1, 16, BLOCK, 2, HEAD_DIM, kv_format("auto", torch.float32))
     backend = PagedAttentionBackend(storage)
-    prompt = RunnerPrompt(PromptPositions(1), None, None, (), (), (), spans)
-    first = RunnerRequest("a", list(range(length)), length, prompt, SamplingParams(), [5, 2, 9, 11], 0)
+    first = _request("a", length, spans, [5, 2, 9, 11])
     builder = BatchBuilder(BLOCK, torch.device("cpu"))
     builder.add(first, length, [], {})
     backend.forward(0, q, k, v, builder.build().attn)
     # the second sequence shares blocks 5 and 2 (tokens [0, 8)) and computes [8, 16) itself
-    second = RunnerRequest("b", list(range(length)), length, prompt, SamplingParams(), [5, 2, 7, 3], 8)
+    second = _request("b", length, spans, [5, 2, 7, 3], num_computed=8)
     builder = BatchBuilder(BLOCK, torch.device("cpu"))
     builder.add(second, 8, [], {})
     out = backend.forward(0, q[8:], k[8:], v[8:], builder.build().attn)

@@ -37,14 +37,16 @@ class EvalResult:
 
 
 def evaluate(model_dir: str | Path | None = None, n: int = 500, seed: int = 0,
-             max_num_batched_tokens: int = 8192) -> EvalResult:
-    """Run n conversations of stream `seed` through the engine; exact match after strip()."""
+             max_num_batched_tokens: int = 8192, **engine_kwargs: object) -> EvalResult:
+    """Run n conversations of stream `seed` through the engine; exact match after strip().
+    `engine_kwargs` go to `mmserve.LLM` (e.g. kv_cache_dtype="int8")."""
     if seed >= shapes.TRAIN_SEED_BASE:
         raise ValueError(f"eval seeds must be below {shapes.TRAIN_SEED_BASE} (training uses the rest)")
     model_dir = Path(model_dir) if model_dir else default_model_dir()
     samples = shapes.make_samples(seed, n)
     started = time.perf_counter()
-    llm = mmserve.LLM(str(model_dir), enable_prefix_caching=True, max_num_batched_tokens=max_num_batched_tokens)
+    llm = mmserve.LLM(str(model_dir), enable_prefix_caching=True, max_num_batched_tokens=max_num_batched_tokens,
+                      **engine_kwargs)
     outputs = llm.chat([s.messages for s in samples], mmserve.SamplingParams(temperature=0, max_tokens=32),
                        use_tqdm=False)
     answers = [out.outputs[0].text.strip() for out in outputs]
@@ -75,8 +77,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0, help=f"stream seed, below {shapes.TRAIN_SEED_BASE}")
     p.add_argument("--model", default=None, help="checkpoint dir (default: the bundled demo model)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"])
     args = p.parse_args(argv)
-    print_report(evaluate(args.model, args.n, args.seed, args.max_num_batched_tokens))
+    print_report(evaluate(args.model, args.n, args.seed, args.max_num_batched_tokens,
+                          kv_cache_dtype=args.kv_cache_dtype))
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ Role: `KVFormat` names a storage format (`auto`: the model dtype; `int8`; `fp8_e
 sizes; `quantize` turns (tokens, kv_heads, head_dim) vectors into codes plus one scale per token
 per kv head (symmetric: scale = max |x| / the format's largest code), `dequantize` undoes it.
 Scales are stored as float16: two bytes beside a head's codes, precise to 2^-11, far finer than
-an int8 step. Quantization uses the float16-rounded scale, so what is stored decodes exactly
-as it was meant.
+an int8 step. The scale is rounded up to a float16 (so no element's code overflows) and
+quantization divides by that stored scale, so what is stored decodes exactly as it was meant.
 
 What it does not know: blocks, slots, attention, requests.
 """
@@ -19,8 +19,8 @@ import torch
 from mmserve.config import KV_CACHE_DTYPES
 
 SCALE_DTYPE = torch.float16
-# the smallest scale kept: a float16 normal number (a zero vector would otherwise divide by zero)
-MIN_SCALE = torch.finfo(SCALE_DTYPE).tiny
+# the smallest scale kept, float16's smallest subnormal (a zero vector would otherwise divide by zero)
+MIN_SCALE = 2.0 ** -24
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,9 @@ def quantize(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor
     """x (tokens, kv_heads, head_dim) -> codes of the same shape in fmt.element_dtype, scales
     (tokens, kv_heads) in SCALE_DTYPE."""
     x = x.float()
-    scale = (x.abs().amax(dim=-1) / fmt.max_code).clamp(min=MIN_SCALE).to(SCALE_DTYPE)
+    exact = (x.abs().amax(dim=-1) / fmt.max_code).clamp(min=MIN_SCALE)
+    scale = exact.to(SCALE_DTYPE)
+    scale = torch.where(scale.float() < exact, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
     scaled = x / scale.float()[..., None]
     if fmt.element_dtype == torch.int8:
         codes = scaled.round().clamp(-fmt.max_code, fmt.max_code).to(torch.int8)
