@@ -6,7 +6,7 @@ import torch
 
 from mmserve.runner.attention import PagedAttentionBackend
 from mmserve.runner.batch import BatchBuilder
-from mmserve.runner.kv_quant import dequantize, kv_format, quantize
+from mmserve.runner.kv_quant import dequantize, fp8_decode_table, kv_format, quantize
 from mmserve.runner.kv_storage import PagedKVStorage
 from tests.unit.test_attention_backend import HEAD_DIM, reference
 from tests.unit.test_attention_backend import _request as request
@@ -97,3 +97,10 @@ def test_blocks_read_back_what_was_written(name):
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
     expected = k if not fmt.quantized else dequantize(*quantize(k, fmt), torch.float32)
     assert torch.equal(first[0].flatten(0, 1), expected)
+
+
+def test_fp8_decode_table_equals_torchs_conversion():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).view(4, 64)
+    scale = torch.full((4,), 0.5, dtype=torch.float16)
+    fast = dequantize(codes, scale, torch.float32, fp8_decode_table("cpu"))
+    assert torch.equal(fast.nan_to_num(), dequantize(codes, scale, torch.float32).nan_to_num())

@@ -65,6 +65,17 @@ def quantize(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor
     return codes, scale
 
 
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """codes (..., head_dim), scale (...) -> values in `dtype`."""
-    return (codes.float() * scale.float()[..., None]).to(dtype)
+def fp8_decode_table(device: torch.device | str) -> torch.Tensor:
+    """(256,) float32: the value of every float8_e4m3fn bit pattern. Reading codes through it is several
+    times faster on the CPU than torch's float8 -> float32 conversion."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().to(device)
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+               table: torch.Tensor | None = None) -> torch.Tensor:
+    """codes (..., head_dim), scale (...) -> values in `dtype`; `table`: fp8_decode_table for fp8 codes."""
+    if table is not None and codes.dtype == torch.float8_e4m3fn:
+        values = table.index_select(0, codes.view(torch.uint8).flatten().int()).view(codes.shape)
+    else:
+        values = codes.float()
+    return (values * scale.float()[..., None]).to(dtype)

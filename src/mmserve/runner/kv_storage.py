@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from mmserve.runner.kv_quant import SCALE_DTYPE, KVFormat, dequantize, quantize
+from mmserve.runner.kv_quant import SCALE_DTYPE, KVFormat, dequantize, fp8_decode_table, quantize
 
 
 class PagedKVStorage:
@@ -30,6 +30,7 @@ class PagedKVStorage:
             self.value_scale = torch.ones(shape[:-1], dtype=SCALE_DTYPE, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self._table = fp8_decode_table(device) if fmt.element_dtype == torch.float8_e4m3fn else None
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, fmt: KVFormat) -> int:
@@ -56,5 +57,5 @@ class PagedKVStorage:
         values = self.value[layer_idx].index_select(0, block_ids)
         if not self.fmt.quantized:
             return keys.to(dtype), values.to(dtype)
-        return (dequantize(keys, self.key_scale[layer_idx].index_select(0, block_ids), dtype),
-                dequantize(values, self.value_scale[layer_idx].index_select(0, block_ids), dtype))
+        return (dequantize(keys, self.key_scale[layer_idx].index_select(0, block_ids), dtype, self._table),
+                dequantize(values, self.value_scale[layer_idx].index_select(0, block_ids), dtype, self._table))
