@@ -14,6 +14,6 @@ fi
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
   "$VENV/bin/python" -m pip install --quiet --upgrade pip
   "$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
-  "$VENV/bin/python" -m pip install --quiet -e ".[test]"
+  "$VENV/bin/python" -m pip install --quiet -e ".[test,ray]"
   echo "$want" > "$STAMP"
 fi

@@ -29,6 +29,7 @@ def resolve_model(model: str | None) -> str:
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # what runner/kv_quant.py stores
+ENCODER_BACKENDS = ("process", "ray")  # where encoder workers run (runner/process_pool.py, runner/ray_pool.py)
 
 
 @dataclass(frozen=True)
@@ -70,13 +71,21 @@ class EncoderConfig:
     max_encoder_tokens_per_step: int | None = None  # pre-merge patches; lifted to the largest item
     encoder_output_budget_bytes: int | None = None  # encoder outputs referenced by live requests
     encoder_cache_bytes: int | None = None  # the one pool (referenced + reusable entries)
+    encoder_workers: int = 0  # 0: encode inline in the engine's step; N: N worker processes / Ray actors
+    encoder_backend: str = "process"  # "process" (local processes) or "ray" (Ray actors)
+    ray_address: str | None = None  # an existing Ray cluster to join; None: start a local one
+    encoder_timeout_s: float = 30.0  # no live worker for this long: the requests waiting on items fail
 
     def __post_init__(self) -> None:
         for name in ("max_encoder_items_per_step", "max_encoder_tokens_per_step", "encoder_output_budget_bytes",
-                     "encoder_cache_bytes"):
+                     "encoder_cache_bytes", "encoder_timeout_s"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+        if self.encoder_workers < 0:
+            raise ValueError(f"encoder_workers must be >= 0, got {self.encoder_workers}")
+        if self.encoder_backend not in ENCODER_BACKENDS:
+            raise ValueError(f"encoder_backend must be one of {', '.join(ENCODER_BACKENDS)}; got {self.encoder_backend!r}")
 
 
 @dataclass(frozen=True)

@@ -98,8 +98,10 @@ class EncoderCacheManager:
             raise RuntimeError("encoder cache overcommitted: reserved more bytes than the pool can free")
 
     def commit(self, key: str) -> None:
+        """The output is in the runner's store. MISSING too: a worker's output can arrive after its producer
+        left (its other users still want it)."""
         entry = self.entries.get(key)
-        if entry is not None and entry.state == EntryState.PENDING:
+        if entry is not None and entry.state in (EntryState.PENDING, EntryState.MISSING):
             entry.state, entry.producer = EntryState.READY, None
 
     def fail(self, key: str) -> None:

@@ -30,9 +30,12 @@ class EncoderStep:
 
 
 class ItemScheduler:
-    def __init__(self, cache: EncoderCacheManager, budget: EncoderBudget) -> None:
+    def __init__(self, cache: EncoderCacheManager, budget: EncoderBudget, outputs_arrive_later: bool = False) -> None:
+        """outputs_arrive_later: items are encoded by workers, so an item dispatched (or in flight) is not
+        ready this step: a chunk stops before its first row, as before any item not yet encoded."""
         self.cache = cache
         self.budget = budget
+        self.outputs_arrive_later = outputs_arrive_later
 
     def item_bytes(self, item: ItemSpec) -> int:
         return item.output_rows * self.budget.bytes_per_row
@@ -80,6 +83,12 @@ class ItemScheduler:
                 cache.reserve_missing(rid, key, self.item_bytes(item))
         return True
 
+    def waits_for_output(self, request: Request, token: int) -> bool:
+        """Does the request's prefill stop at `token` only for an item that workers are encoding?"""
+        return self.outputs_arrive_later and any(
+            item.offset <= token < item.end and self.cache.state(item.content_hash) == EntryState.PENDING
+            for item in request.items)
+
     def plan_chunk(self, request: Request, start: int, end: int, step: EncoderStep) -> int:
         """Schedule the MISSING items tokens [start, end) reach; return the (possibly cut) end."""
         rid = request.request_id
@@ -87,8 +96,10 @@ class ItemScheduler:
             if item.end <= start or item.offset >= end or item.output_rows == 0:
                 continue
             state = self.cache.state(item.content_hash)
-            if state in (EntryState.READY, EntryState.PENDING):
+            if state == EntryState.READY or (state == EntryState.PENDING and not self.outputs_arrive_later):
                 continue
+            if state == EntryState.PENDING:  # in flight on a worker
+                return max(start, item.offset)
             assert state == EntryState.MISSING and self.cache.holds(rid, item.content_hash), (
                 f"{rid}: item {item.index} reached without a reservation")
             cost = self.item_bytes(item)
@@ -102,4 +113,6 @@ class ItemScheduler:
             step.num_tokens += item.encoder_tokens
             step.num_bytes += cost
             step.items.setdefault(rid, []).append(item.index)
+            if self.outputs_arrive_later:
+                return max(start, item.offset)
         return end

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from mmserve.core.chunk_policy import ChunkBoundaryPolicy
+from mmserve.core.encoder_cache import EntryState
 from mmserve.core.item_scheduler import EncoderStep, ItemScheduler
 from mmserve.core.kv_cache import KVBlock, KVCacheManager
 from mmserve.core.request import Request, RequestStatus
@@ -175,38 +176,43 @@ class Scheduler:
             num_new = self.chunking.cut(request, num_hit, num_hit + min(num_new, budget)) - num_hit
             if num_new == 0:
                 break
-            num_new = self._admit(request, hits, num_hit, num_new, plan)
-            if num_new == 0:
+            num_new, admitted = self._admit(request, hits, num_hit, num_new, plan)
+            if not admitted:
                 break
             self.waiting.popleft()
             self.running.append(request)
-            plan.out.num_scheduled_tokens[request.request_id] = num_new
+            if num_new:  # 0: admitted to wait for an item its workers are encoding
+                plan.out.num_scheduled_tokens[request.request_id] = num_new
             plan.out.new_requests.append(self._new_request_data(request))
             budget -= num_new
 
-    def _admit(self, request: Request, hits: list[KVBlock], num_hit: int, num_new: int, plan: _StepPlan) -> int:
-        """Take KV blocks and encoder reservations; returns tokens scheduled (0: not admitted, undone)."""
+    def _admit(self, request: Request, hits: list[KVBlock], num_hit: int, num_new: int,
+               plan: _StepPlan) -> tuple[int, bool]:
+        """Take KV blocks and encoder reservations; returns (tokens scheduled, admitted). Not admitted:
+        undone. Admitted with 0 tokens: its first uncomputed token is an item encoder workers are
+        encoding (it waits in running, holding its reservations)."""
         request.num_computed_tokens = 0
         if self.kv.allocate_slots(request, num_new, hits) is None:
-            return 0
+            return 0, False
         held = {k for k in self.encoder_cache.entries if self.encoder_cache.holds(request.request_id, k)}
         # every item is referenced, also those inside the prefix hit: a preempted request may need them
         if not self.items.try_reserve(request, 0):
             self.kv.free(request)
-            return 0
+            return 0, False
         end = self.items.plan_chunk(request, num_hit, num_hit + num_new, plan.encoder)
-        if end <= num_hit:  # the encoder step is full: undo, retry next step
+        if end <= num_hit and not self.items.waits_for_output(request, num_hit):
+            # the encoder step is full: undo, retry next step
             plan.encoder.items.pop(request.request_id, None)
             new_refs = {k for k in self.encoder_cache.entries if self.encoder_cache.holds(request.request_id, k)}
             self.encoder_cache.release(request.request_id, new_refs - held)
             self.kv.free(request)
-            return 0
+            return 0, False
         request.num_computed_tokens = num_hit
         request.status = RequestStatus.RUNNING
         if request.num_cached_tokens < 0:  # first admission: count the prompt once
             request.num_cached_tokens = num_hit
             self.stats.prompt_tokens += request.num_prompt_tokens
-        return end - num_hit
+        return max(0, end - num_hit), True
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         return NewRequestData(
@@ -268,14 +274,18 @@ class Scheduler:
             for i in indices:
                 if request is not None:
                     produced[request.items[i].content_hash] = rid
-        # commits first: a producer failed below for another key must not take a committed output with it
+        # commits first: a producer failed below for another key must not take a committed output with it.
+        # With encoder workers an output arrives in a later step than its production: any PENDING key counts
         committed = set(result.encoder_committed_keys)
+        for key in committed:
+            self.encoder_cache.commit(key)
         for key in produced:
-            if key in committed:
-                self.encoder_cache.commit(key)
-            elif key not in result.encoder_failed_keys:
+            if key not in committed and key not in result.encoder_failed_keys \
+                    and key not in result.encoder_in_flight_keys:
                 self.encoder_cache.fail(key)
         for key, reason in result.encoder_failed_keys.items():  # pinned to one key: all its users fail
+            if key not in produced and self.encoder_cache.state(key) == EntryState.PENDING:
+                self.encoder_cache.fail(key)  # produced in an earlier step (a worker's outcome)
             for rid in sorted(self.encoder_cache.users(key)):
                 outputs.append(self._fail(self.requests[rid], reason))
         if result.encoder_batch_error is not None:  # only the producers fail; consumers keep waiting

@@ -70,6 +70,8 @@ class ModelRunnerOutput:
     encoder_failed_keys: dict[str, str] = field(default_factory=dict)
     # an encoder batch failure not attributable to one item: only this step's producers fail
     encoder_batch_error: str | None = None
+    # keys handed to encoder workers whose outputs have not arrived yet: they stay PENDING
+    encoder_in_flight_keys: set[str] = field(default_factory=set)
     # requests whose scheduled tokens were not computed (an item they needed failed): no progress
     skipped: set[str] = field(default_factory=set)
 

@@ -69,9 +69,11 @@ class _Stream:
 class AsyncEngine:
     """One engine thread; any number of asyncio callers. Start it with `start()` on a running loop."""
 
-    def __init__(self, engine: Engine, on_output: Callable[[RequestOutput], None] | None = None) -> None:
+    def __init__(self, engine: Engine, on_output: Callable[[RequestOutput], None] | None = None,
+                 on_encoded: Callable[[int, float], None] | None = None) -> None:
         self.engine = engine
         self._on_output = on_output  # called on the engine thread for every finished output (metrics)
+        self._on_encoded = on_encoded  # (worker, latency_s) of every item an encoder worker returned
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams between the loop and the engine thread
@@ -91,6 +93,7 @@ class AsyncEngine:
         self._commands.put(None)  # wake the thread if idle
         if self._thread is not None:
             self._thread.join(timeout_s)
+        self.engine.shutdown()  # its encoder workers, if any
 
     @property
     def is_running(self) -> bool:
@@ -153,6 +156,10 @@ class AsyncEngine:
                 self._apply_commands(block=not self.engine.has_unfinished_requests())
                 if self.engine.has_unfinished_requests():
                     self._deliver(self.engine.step())
+                    if self._on_encoded is not None:
+                        for outcome in self.engine.runner.last_outcomes:
+                            self._on_encoded(outcome.worker, outcome.latency_s)
+                        self.engine.runner.last_outcomes = []
                 self._stats = self.engine.get_stats()
         except BaseException as exc:  # a step that raises leaves the engine unusable: fail everyone
             logger.exception("the engine thread died")

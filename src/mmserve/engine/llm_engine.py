@@ -12,6 +12,7 @@ This is the only module that holds both core/ and runner/. It knows no family.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ from mmserve.models.loader import generation_eos_ids, load_model, parse_dtype, r
 from mmserve.models.registry import resolve
 from mmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mmserve.runner.attention import PagedAttentionBackend
+from mmserve.runner.encoder_pool import EncoderPool, WorkerSpec, make_pool
 from mmserve.runner.encoder_runner import EncodeJob
 from mmserve.runner.kv_quant import kv_format
 from mmserve.runner.kv_storage import PagedKVStorage
@@ -44,6 +46,8 @@ from mmserve.runner.model_runner import ModelRunner, RunnerPrompt, StepInputs
 from mmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("mmserve.engine")
+IDLE_POLL_S = 0.002  # a step with nothing to compute but outputs due from encoder workers waits this long
+DIE_ON_KEY_ENV = "MMSERVE_TEST_ENCODER_DIE_ON_KEY"  # test hook: a first-generation worker dies on this key
 
 
 @dataclass
@@ -79,21 +83,38 @@ class Engine:
                                          spec.head_dim, self.kv_format, self.device)
         kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.budget = self._resolve_budget()
+        enc = config.encoder
+        self.encoder_pool = self._start_encoder_pool() if enc.encoder_workers else None
         items = ItemScheduler(EncoderCacheManager(self.budget.cache_bytes, self.budget.output_budget_bytes),
-                              self.budget)
+                              self.budget, outputs_arrive_later=self.encoder_pool is not None)
         sched = config.scheduler
         chunking = ChunkBoundaryPolicy(indivisible_items=spec.bidirectional_media)
         max_batched, _ = resolve_token_budget(sched.max_num_batched_tokens, spec.max_item_span,
                                               chunking.indivisible_items)
         self.scheduler = Scheduler(SchedulerLimits(sched.max_num_seqs, max_batched, sched.enable_chunked_prefill,
                                                    self.max_model_len), kv, items, chunking)
-        self.runner = ModelRunner(self.model, spec, PagedAttentionBackend(self.kv_storage), self.device)
+        self.runner = ModelRunner(self.model, spec, PagedAttentionBackend(self.kv_storage), self.device,
+                                  self.encoder_pool, enc.encoder_timeout_s)
         eos = set(spec.eos_token_ids) | set(generation_eos_ids(config.model))
         if self.processor.tokenizer.eos_token_id is not None:
             eos.add(self.processor.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
         self.tracked: dict[str, _Tracked] = {}
         self._pending_outputs: list[RequestOutput] = []  # rejected at admission, returned by the next step
+
+    def _start_encoder_pool(self) -> EncoderPool:
+        """Encoder workers: the cores are split evenly between the workers and the engine's own step."""
+        enc = self.config.encoder
+        cores = len(os.sched_getaffinity(0))
+        spec = WorkerSpec(self.config.model, self.config.dtype, self.config.device,
+                          threads=max(1, cores // (enc.encoder_workers + 1)),
+                          die_on_key=os.environ.get(DIE_ON_KEY_ENV) or None)
+        return make_pool(enc.encoder_backend, spec, enc.encoder_workers, enc.ray_address)
+
+    def shutdown(self) -> None:
+        """Stop the encoder workers (if any); the engine takes no more work afterwards."""
+        if self.encoder_pool is not None:
+            self.encoder_pool.shutdown()
 
     def _resolve_budget(self) -> EncoderBudget:
         enc, spec = self.config.encoder, self.spec
@@ -166,8 +187,12 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         pending, self._pending_outputs = self._pending_outputs, []
         sched = self.scheduler.schedule()
-        if sched.is_empty and not (sched.encoder_items or sched.free_encoder_keys or sched.finished_request_ids):
+        waiting_on_workers = self.encoder_pool is not None and bool(self.runner.async_encoder.jobs)
+        if sched.is_empty and not (sched.encoder_items or sched.free_encoder_keys or sched.finished_request_ids
+                                   or waiting_on_workers):
             return pending  # nothing to run, and nothing the runner must drop
+        if sched.is_empty and not sched.encoder_items and waiting_on_workers:
+            time.sleep(IDLE_POLL_S)  # only waiting for workers' outputs: do not spin on the CPU they need
         now = time.time()
         for new in sched.new_requests:
             tracked = self.tracked[new.request_id]
@@ -200,7 +225,8 @@ class Engine:
                 continue
             for i in list(tracked.payloads):
                 key = tracked.request.items[i].content_hash
-                if cache.state(key) == EntryState.READY and cache.holds(rid, key):
+                # READY: encoded and held; PENDING: a worker has it (the pool keeps it until its outcome)
+                if cache.state(key) in (EntryState.READY, EntryState.PENDING) and cache.holds(rid, key):
                     del tracked.payloads[i]
 
     def _output(self, core: EngineCoreOutput) -> RequestOutput:
@@ -273,7 +299,16 @@ class Engine:
             "budget_encoder_output_bytes": self.budget.output_budget_bytes,
             "budget_encoder_cache_bytes": self.budget.cache_bytes,
             "budget_bytes_per_embedding_row": self.budget.bytes_per_row,
+            **self._worker_stats(),
         }
+
+    def _worker_stats(self) -> dict[str, int]:
+        if self.encoder_pool is None:
+            return {}
+        pool = self.encoder_pool.stats()
+        return {"encoder_workers_alive": pool.workers_alive, "encoder_worker_restarts": pool.worker_restarts,
+                "encoder_items_redispatched": pool.items_redispatched,
+                "encoder_items_in_flight": len(self.runner.async_encoder.jobs)}
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -43,21 +43,26 @@ def _int_or_size(text: str) -> int:
                                               else (unit or "")])
 
 
+# engine args whose flag also has a shorter name
+FLAG_ALIASES = {"encoder_timeout_s": ("--encoder-timeout",)}
+
+
 def _add_field_flag(group: argparse._ArgumentGroup, f: dataclasses.Field, hint: Any) -> None:
-    flag = "--" + f.name.replace("_", "-")
+    flags = ("--" + f.name.replace("_", "-"), *FLAG_ALIASES.get(f.name, ()))
     default = f.default if f.default is not dataclasses.MISSING else None
     shown = "automatic" if default is None else default
     args = typing.get_args(hint)
     base = next((a for a in args if a is not type(None)), hint) if args else hint
     if base is bool:
-        group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                           help=f"(default: {shown})")
+        group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                           help=f"(default: {shown})", dest=f.name)
     elif base is int:
-        group.add_argument(flag, type=_int_or_size, default=argparse.SUPPRESS, metavar="N",
-                           help=f"(default: {shown})")
+        group.add_argument(*flags, type=_int_or_size, default=argparse.SUPPRESS, metavar="N",
+                           help=f"(default: {shown})", dest=f.name)
     else:
-        group.add_argument(flag, type=base if base in (float, str) else str, default=argparse.SUPPRESS,
-                           metavar="PATH" if f.name.endswith("_path") else "VALUE", help=f"(default: {shown})")
+        group.add_argument(*flags, type=base if base in (float, str) else str, default=argparse.SUPPRESS,
+                           metavar="PATH" if f.name.endswith("_path") else "VALUE", help=f"(default: {shown})",
+                           dest=f.name)
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -108,3 +108,13 @@ class LLM:
 
     def check_integrity(self) -> None:
         self.engine.check_integrity()
+
+    def shutdown(self) -> None:
+        """Stop the encoder workers, if any (`with LLM(...) as llm:` does it on exit)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -33,3 +33,12 @@ class LanguageModelCalls(CheckpointWeights):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)
+
+    @property
+    def encoder_device(self) -> torch.device:
+        """Where the vision side's weights are (encode_items moves pixels there)."""
+        return next(p for n, p in self.named_parameters() if not n.startswith("language_model.")).device
+
+    def drop_language_model(self) -> None:
+        """Keep only the vision side (an encoder worker's model): embed/forward/logits are gone."""
+        self.language_model = None

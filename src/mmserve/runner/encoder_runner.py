@@ -72,8 +72,13 @@ class EncoderRunner:
         except Exception as exc:  # cannot be pinned to one item
             result.batch_error = f"encoder failed: {type(exc).__name__}: {exc}"
             return result
+        return self.commit(list(zip(jobs, outputs)), result)
+
+    def commit(self, pairs: list[tuple[EncodeJob, torch.Tensor]], result: EncodeResult | None = None) -> EncodeResult:
+        """Validate every output, then commit the valid ones to the store (inline and worker outputs alike)."""
+        result = result or EncodeResult()
         valid = []
-        for job, out in zip(jobs, outputs):  # validate every output before committing any
+        for job, out in pairs:  # validate every output before committing any
             problem = self._problem(job, out)
             if problem is None:
                 valid.append((job, out))

@@ -21,8 +21,10 @@ import torch
 from mmserve.core.step import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from mmserve.inputs.items import PromptPositions
 from mmserve.models.spec import FamilyModel, FamilySpec
+from mmserve.runner.async_encoder import AsyncEncoder
 from mmserve.runner.attention import PagedAttentionBackend, PagedAttentionMetadata
 from mmserve.runner.batch import BatchBuilder
+from mmserve.runner.encoder_pool import EncoderPool, ItemOutcome
 from mmserve.runner.encoder_runner import EncodeJob, EncoderRunner, OutputShape
 from mmserve.runner.fusion import ChunkPiece, MultimodalRuntimeData
 from mmserve.runner.sampler import Sampler, SamplingMetadata, make_generator
@@ -86,7 +88,7 @@ class RunnerRequest:
 
 class ModelRunner:
     def __init__(self, model: FamilyModel, spec: FamilySpec, attention: PagedAttentionBackend,
-                 device: torch.device) -> None:
+                 device: torch.device, pool: EncoderPool | None = None, encoder_timeout_s: float = 30.0) -> None:
         self.model = model
         self.spec = spec
         self.attention = attention
@@ -96,6 +98,9 @@ class ModelRunner:
         self.requests: dict[str, RunnerRequest] = {}
         dtype = next(model.parameters()).dtype
         self.encoder = EncoderRunner(model.encode_items, OutputShape(spec.num_embedding_streams, spec.embed_dim, dtype))
+        # with workers, items are encoded elsewhere and arrive in later steps
+        self.async_encoder = None if pool is None else AsyncEncoder(pool, self.encoder, encoder_timeout_s)
+        self.last_outcomes: list[ItemOutcome] = []
         self.last_step = StepTiming()
 
     def release(self, request_id: str) -> None:
@@ -110,6 +115,8 @@ class ModelRunner:
         for rid in sched.finished_request_ids:
             self.requests.pop(rid, None)
         self.encoder.free(sched.free_encoder_keys)
+        if self.async_encoder is not None:
+            self.async_encoder.free(sched.free_encoder_keys)
         for new in sched.new_requests:
             self.requests[new.request_id] = self._start(new, inputs.prompts[new.request_id])
         for cached in sched.cached_requests:
@@ -117,7 +124,12 @@ class ModelRunner:
             state.block_ids.extend(cached.new_block_ids)
             assert state.num_computed_tokens == cached.num_computed_tokens, "runner and scheduler disagree"
         result = ModelRunnerOutput()
-        outcome = self.encoder.forward_items(inputs.encoder_jobs)
+        if self.async_encoder is None:
+            outcome = self.encoder.forward_items(inputs.encoder_jobs)
+        else:
+            step = self.async_encoder.step(inputs.encoder_jobs)
+            outcome, self.last_outcomes = step.result, step.outcomes
+            result.encoder_in_flight_keys = step.in_flight
         result.encoder_committed_keys = outcome.committed
         result.encoder_failed_keys = outcome.failed_keys
         result.encoder_batch_error = outcome.batch_error

@@ -23,7 +23,7 @@ MONOTONIC_STATS = frozenset({
     "requests_finished", "requests_rejected", "prompt_tokens", "prompt_tokens_computed",
     "prefix_cache_hit_tokens", "generation_tokens", "num_preemptions", "kv_cache_evictions",
     "encoder_items_encoded", "encoder_tokens_encoded", "encoder_cache_hits", "encoder_cache_misses",
-    "encoder_cache_evictions",
+    "encoder_cache_evictions", "encoder_worker_restarts", "encoder_items_redispatched",
 })
 LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                      10.0, 20.0, 40.0, 80.0)
@@ -68,9 +68,16 @@ class ServerMetrics:
                                                buckets=TOKEN_BUCKETS_S, registry=self.registry)
         self.e2e_latency = Histogram(PREFIX + "e2e_request_latency_seconds", "arrival to finish",
                                      buckets=LATENCY_BUCKETS_S, registry=self.registry)
+        self.encode_latency = Histogram(PREFIX + "encoder_worker_latency_seconds",
+                                        "an item's encode on a worker, handed over to arrived", ["worker"],
+                                        buckets=LATENCY_BUCKETS_S, registry=self.registry)
 
     def attach_engine_stats(self, stats: StatsFn) -> None:
         self.registry.register(_EngineStatsCollector(stats))
+
+    def observe_encoded(self, worker: int, latency_s: float) -> None:
+        """Record an item an encoder worker returned."""
+        self.encode_latency.labels(worker=str(worker)).observe(latency_s)
 
     def observe(self, output: RequestOutput) -> None:
         """Record a finished request."""

@@ -125,7 +125,7 @@ def _v1_router(serving: OpenAIServing, engine: AsyncEngine, api_key: str | None)
 def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     """A FastAPI app serving `engine`; its lifespan starts and stops the engine thread."""
     metrics = ServerMetrics()
-    async_engine = AsyncEngine(engine, on_output=metrics.observe)
+    async_engine = AsyncEngine(engine, on_output=metrics.observe, on_encoded=metrics.observe_encoded)
     metrics.attach_engine_stats(async_engine.stats)
     serving = OpenAIServing(async_engine, config)
 
@@ -147,7 +147,10 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     async def health() -> Response:
         if not async_engine.is_running:
             return _error(503, "the engine is not running", "server_error")
-        return Response(status_code=200)
+        stats = async_engine.stats()
+        if stats.get("encoder_workers_alive", 1) == 0:  # text still served; images wait or time out
+            return JSONResponse({"status": "degraded", "reason": "no encoder worker is alive"}, status_code=200)
+        return JSONResponse({"status": "ok"}, status_code=200)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

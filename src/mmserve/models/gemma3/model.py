@@ -53,7 +53,7 @@ class Gemma3ForConditionalGeneration(LanguageModelCalls, nn.Module):
     # ---- encoder --------------------------------------------------------------------------
     def encode_items(self, payloads: Sequence[ImageInput]) -> list[torch.Tensor]:
         """One (1, crops * mm_tokens_per_image, hidden) tensor per item: views into one batched output."""
-        device = self.language_model.embed_tokens.weight.device
+        device = self.encoder_device
         pixels = torch.from_numpy(np.concatenate([p.pixel_values for p in payloads]))
         rows = self.vision(pixels.to(device, non_blocking=True))  # (all crops, mm_tokens, hidden)
         return [r.reshape(1, -1, rows.shape[-1]) for r in rows.split([len(p.pixel_values) for p in payloads])]

@@ -53,7 +53,7 @@ class Mistral3ForConditionalGeneration(LanguageModelCalls, nn.Module):
     # ---- encoder --------------------------------------------------------------------------
     def encode_items(self, payloads: Sequence[ImageInput]) -> list[torch.Tensor]:
         """One (1, rows, hidden) tensor per image: views into one batched output."""
-        device = self.language_model.embed_tokens.weight.device
+        device = self.encoder_device
         patches = torch.from_numpy(np.concatenate([p.patches for p in payloads]))
         grids = [p.grid_hw for p in payloads]
         features = self.vision_tower(patches.to(device, non_blocking=True), grids)

@@ -36,7 +36,7 @@ class Qwen2VLForConditionalGeneration(LanguageModelCalls, nn.Module):
 
     def encode_items(self, payloads: Sequence[VisionInput]) -> list[torch.Tensor]:
         """One (1, rows, hidden) tensor per item (one embedding stream): views into one batched output."""
-        device = self.language_model.embed_tokens.weight.device
+        device = self.encoder_device
         pixels = torch.from_numpy(np.concatenate([p.pixel_values for p in payloads]))
         grids = [p.grid_thw for p in payloads]
         unit = self.config.vision.spatial_merge_size ** 2

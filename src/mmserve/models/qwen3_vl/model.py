@@ -35,7 +35,7 @@ class Qwen3VLForConditionalGeneration(LanguageModelCalls, nn.Module):
     # ---- forward pieces -------------------------------------------------------------------
     def encode_items(self, payloads: Sequence[VisionInput]) -> list[torch.Tensor]:
         """One (1 + num_deepstack, rows, hidden) tensor per item: views into one batched output."""
-        device = self.language_model.embed_tokens.weight.device
+        device = self.encoder_device
         pixels = torch.from_numpy(np.concatenate([p.pixel_values for p in payloads]))
         grids = [p.grid_thw for p in payloads]
         unit = self.config.vision.spatial_merge_size ** 2

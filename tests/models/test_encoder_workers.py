@@ -1,0 +1,132 @@
+"""Vision encoding on worker processes (`encoder_workers`, backend `process`): the same greedy
+output as inline encoding and as transformers, dedup stays central, a worker killed mid-item is
+replaced without losing or changing an answer, a pool without workers fails only the requests
+waiting on images, and the engine's exit leaves no worker behind."""
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from mmserve import LLM, SamplingParams
+from mmserve.engine.llm_engine import DIE_ON_KEY_ENV
+from mmserve.runner.encoder_pool import PoolStats
+from tests.models.helpers import image_part, random_image, text_part
+from tests.models.test_engine_parity import GREEDY, _workload, expected_tokens  # noqa: F401 (a fixture)
+
+
+def _tokens(outputs):
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_workers_answer_like_inline_and_transformers(all_checkpoints, expected_tokens, family):  # noqa: F811
+    model_dir = str(all_checkpoints[family])
+    with LLM(model_dir, encoder_workers=2, max_num_batched_tokens=64) as llm:
+        outputs = llm.chat(_workload(family), GREEDY, use_tqdm=False)
+        llm.check_integrity()
+        stats = llm.get_stats()
+    assert _tokens(outputs) == expected_tokens(family)
+    assert stats["encoder_workers_alive"] == 2 and stats["encoder_items_in_flight"] == 0
+
+
+def _shared_image_requests(rng):
+    a, b = random_image(rng, 120, 90), random_image(rng, 64, 150)
+    return [[{"role": "user", "content": [image_part(a if i % 2 else b), text_part(f"Question {i}?")]}]
+            for i in range(8)]
+
+
+def test_shared_images_are_encoded_once(all_checkpoints):
+    conversations = _shared_image_requests(np.random.default_rng(0))
+    with LLM(str(all_checkpoints["qwen2_vl"]), encoder_workers=2) as llm:
+        llm.chat(conversations, GREEDY, use_tqdm=False)
+        assert llm.get_stats()["encoder_items_encoded"] == 2
+        llm.check_integrity()
+
+
+def test_a_worker_killed_mid_item_is_replaced(all_checkpoints, monkeypatch):
+    model_dir = str(all_checkpoints["qwen2_vl"])
+    conversations = _shared_image_requests(np.random.default_rng(1))
+    with LLM(model_dir) as inline:
+        expected = _tokens(inline.chat(conversations, GREEDY, use_tqdm=False))
+        victim = inline.engine.process_chat(conversations[0]).items[0].content_hash
+    monkeypatch.setenv(DIE_ON_KEY_ENV, victim)
+    with LLM(model_dir, encoder_workers=2) as llm:
+        outputs = llm.chat(conversations, GREEDY, use_tqdm=False)
+        stats = llm.get_stats()
+        llm.check_integrity()
+    assert _tokens(outputs) == expected
+    assert stats["encoder_items_redispatched"] > 0 and stats["encoder_worker_restarts"] == 1
+
+
+class _NoWorkers:
+    """A pool whose workers are all gone for good: nothing comes back."""
+
+    def __init__(self, since_s: float) -> None:
+        self.since = time.monotonic() - since_s
+
+    def submit(self, jobs):
+        pass
+
+    def poll(self):
+        return []
+
+    def stats(self):
+        return PoolStats(0, 3, 0, 0)
+
+    def seconds_without_workers(self):
+        return time.monotonic() - self.since
+
+    def shutdown(self):
+        pass
+
+
+def test_no_workers_fails_only_the_requests_waiting_on_images(all_checkpoints):
+    with LLM(str(all_checkpoints["qwen2_vl"]), encoder_workers=1, encoder_timeout_s=0.5) as llm:
+        llm.engine.encoder_pool.shutdown()
+        llm.engine.encoder_pool = llm.engine.runner.async_encoder.pool = _NoWorkers(since_s=0.0)
+        rng = np.random.default_rng(2)
+        started = time.monotonic()
+        outputs = llm.chat([[{"role": "user", "content": [image_part(random_image(rng, 80, 80)), text_part("Hi?")]}],
+                            [{"role": "user", "content": [text_part("Just text, please.")]}]],
+                           SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        assert time.monotonic() - started < 10
+        image, text = outputs
+        assert image.outputs[0].finish_reason == "error" and "encoder_timeout_s" in (image.error or "")
+        assert text.outputs[0].finish_reason == "length" and len(text.outputs[0].token_ids) == 4
+        llm.check_integrity()
+
+
+def test_exit_stops_the_workers(all_checkpoints):
+    llm = LLM(str(all_checkpoints["qwen2_vl"]), encoder_workers=2)
+    llm.chat(_shared_image_requests(np.random.default_rng(3))[:2], GREEDY, use_tqdm=False)
+    pids = list(llm.engine.encoder_pool.worker_pids().values())
+    assert len(pids) == 2 and all(_alive(p) for p in pids)
+    llm.shutdown()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids)
+
+
+def test_ray_workers_answer_like_transformers_and_dedup(all_checkpoints, expected_tokens):  # noqa: F811
+    """The Ray backend on a local cluster the engine starts (and stops on exit)."""
+    import ray
+
+    with LLM(str(all_checkpoints["qwen2_vl"]), encoder_workers=1, encoder_backend="ray") as llm:
+        assert _tokens(llm.chat(_workload("qwen2_vl"), GREEDY, use_tqdm=False)) == expected_tokens("qwen2_vl")
+        before = llm.get_stats()["encoder_items_encoded"]
+        llm.chat(_shared_image_requests(np.random.default_rng(4)), GREEDY, use_tqdm=False)
+        assert llm.get_stats()["encoder_items_encoded"] - before == 2
+        assert llm.get_stats()["encoder_workers_alive"] == 1
+        llm.check_integrity()
+    assert not ray.is_initialized()
