@@ -130,3 +130,27 @@ def test_ray_workers_answer_like_transformers_and_dedup(all_checkpoints, expecte
         assert llm.get_stats()["encoder_workers_alive"] == 1
         llm.check_integrity()
     assert not ray.is_initialized()
+
+
+def test_health_says_degraded_without_workers_and_text_is_still_served(all_checkpoints):
+    from fastapi.testclient import TestClient
+
+    from mmserve.entrypoints.openai.media import MediaRules
+    from mmserve.entrypoints.openai.server import build_app
+    from mmserve.entrypoints.openai.serving import ServerConfig
+
+    llm = LLM(str(all_checkpoints["qwen2_vl"]), encoder_workers=1, encoder_timeout_s=0.5)
+    llm.engine.encoder_pool.shutdown()
+    llm.engine.encoder_pool = llm.engine.runner.async_encoder.pool = _NoWorkers(since_s=1.0)
+    app = build_app(llm.engine, ServerConfig("m", MediaRules(llm.engine.config.media)))
+    with TestClient(app) as client:
+        client.get("/v1/models")  # the engine thread has taken a stats snapshot by now
+        deadline = time.monotonic() + 5
+        while client.get("/health").json()["status"] != "degraded" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        health = client.get("/health")
+        assert health.status_code == 200 and health.json() == {"status": "degraded",
+                                                              "reason": "no encoder worker is alive"}
+        reply = client.post("/v1/chat/completions", json={"model": "m", "max_tokens": 3, "temperature": 0,
+                                                          "messages": [{"role": "user", "content": "Hello"}]})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
