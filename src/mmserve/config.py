@@ -29,7 +29,7 @@ def resolve_model(model: str | None) -> str:
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # what runner/kv_quant.py stores
-ENCODER_BACKENDS = ("process", "ray")  # where encoder workers run (runner/process_pool.py, runner/ray_pool.py)
+ENCODER_BACKENDS = ("process", "ray")  # where encoder workers run (workers/process_pool.py, workers/ray_pool.py)
 
 
 @dataclass(frozen=True)

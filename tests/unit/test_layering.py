@@ -66,3 +66,10 @@ def test_the_layering_check_would_catch_a_family_import(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("def f():\n    from mmserve.models.qwen2_vl.processor import Qwen2VLProcessor\n")
     assert _family_imports(probe) == {"mmserve.models.qwen2_vl.processor"}
+
+
+@pytest.mark.parametrize("path", sorted((SRC / "workers").glob("*.py")), ids=lambda p: p.name)
+def test_workers_hold_no_request_state(path):
+    """Encoder workers see items only: nothing from the scheduler, the engine or the server."""
+    bad = {n for n in _imports(path) if n.startswith(("mmserve.core", "mmserve.engine", "mmserve.entrypoints"))}
+    assert not bad, f"{path.name} imports {sorted(bad)}"

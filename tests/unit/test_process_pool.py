@@ -1,4 +1,4 @@
-"""The `process` encoder backend (runner/process_pool.py, runner/process_worker.py): outputs equal inline
+"""The `process` encoder backend (workers/process_pool.py, workers/process_worker.py): outputs equal inline
 encoding, payloads and outputs cross through shared memory, a worker killed with items in flight loses
 none of them, a pool whose workers cannot start waits (and says for how long) without raising, and
 shutdown leaves no process behind.
@@ -20,10 +20,9 @@ import pytest
 import torch
 
 from mmserve.models.loader import load_model
-from mmserve.runner.encoder_pool import MAX_RESTARTS_PER_MINUTE, WorkerSpec
 from mmserve.runner.encoder_runner import EncodeJob
-from mmserve.runner.process_pool import ProcessEncoderPool
-from mmserve.runner.process_worker import (
+from mmserve.workers.process_pool import ProcessEncoderPool
+from mmserve.workers.process_worker import (
     MAX_BATCH_ITEMS,
     ItemDone,
     ItemFailed,
@@ -34,6 +33,7 @@ from mmserve.runner.process_worker import (
     in_shared_memory,
     to_shared,
 )
+from mmserve.workers.spec import MAX_RESTARTS_PER_MINUTE, WorkerSpec
 from tests.fixtures.tiny_checkpoints import build_checkpoint
 from tests.models.helpers import image_part, load_processor, random_image, text_part, user
 from tests.unit.pool_helpers import collect

@@ -1,4 +1,4 @@
-"""The `ray` encoder backend (runner/ray_pool.py) on a local two-CPU Ray cluster, one per module:
+"""The `ray` encoder backend (workers/ray_pool.py) on a local two-CPU Ray cluster, one per module:
 outputs equal inline encoding exactly, an actor that dies mid-item loses nothing (its items go to a
 live actor, its slot gets a new one), a batch that raises fails only its own items, actors that
 cannot start are restarted a bounded number of times while the pool says how long it has had none,
@@ -20,10 +20,10 @@ import torch
 
 from mmserve.errors import ModelLoadError
 from mmserve.models.loader import load_model
-from mmserve.runner import ray_pool
-from mmserve.runner.encoder_pool import WorkerSpec
 from mmserve.runner.encoder_runner import EncodeJob
-from mmserve.runner.ray_pool import RayEncoderPool
+from mmserve.workers import ray_pool
+from mmserve.workers.ray_pool import RayEncoderPool
+from mmserve.workers.spec import WorkerSpec
 from tests.fixtures.tiny_checkpoints import build_checkpoint
 from tests.models.helpers import image_part, load_processor, random_image, text_part, user
 from tests.unit.pool_helpers import collect
@@ -189,8 +189,8 @@ def test_a_pool_that_started_ray_shuts_it_down(model_dir, items):
     pytest.importorskip("ray")
     script = f"""
 import os, pickle, sys, time, ray
-from mmserve.runner.encoder_pool import WorkerSpec
-from mmserve.runner.ray_pool import RayEncoderPool
+from mmserve.workers.spec import WorkerSpec
+from mmserve.workers.ray_pool import RayEncoderPool
 job = pickle.load(sys.stdin.buffer)
 pool = RayEncoderPool(WorkerSpec({model_dir!r}, "float32", "cpu", 1), num_workers=1)
 assert ray.is_initialized()

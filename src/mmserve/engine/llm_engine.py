@@ -38,12 +38,13 @@ from mmserve.models.loader import generation_eos_ids, load_model, parse_dtype, r
 from mmserve.models.registry import resolve
 from mmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mmserve.runner.attention import PagedAttentionBackend
-from mmserve.runner.encoder_pool import EncoderPool, WorkerSpec, make_pool
+from mmserve.runner.encoder_pool import EncoderPool
 from mmserve.runner.encoder_runner import EncodeJob
 from mmserve.runner.kv_quant import kv_format
 from mmserve.runner.kv_storage import PagedKVStorage
 from mmserve.runner.model_runner import ModelRunner, RunnerPrompt, StepInputs
 from mmserve.sampling_params import SamplingParams
+from mmserve.workers.spec import WorkerSpec, make_pool
 
 logger = logging.getLogger("mmserve.engine")
 IDLE_POLL_S = 0.002  # a step with nothing to compute but outputs due from encoder workers waits this long

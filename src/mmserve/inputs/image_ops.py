@@ -232,3 +232,11 @@ def resize_exact(image: Image.Image, width: int, height: int, resample: int,
     """Resize an RGB image to a (height, width, 3) uint8 array (a view of a fresh RGBX buffer),
     bit-identical to `np.asarray(image.resize((width, height), resample))`."""
     return resize_rgbx(image, width, height, resample, pool, num_parts)[..., :3]
+
+
+def rescale_normalize(pixels: np.ndarray, rescale_factor: float, mean: tuple[float, ...],
+                      std: tuple[float, ...]) -> np.ndarray:
+    """(..., 3) uint8 -> (..., 3) float32 as transformers' PIL image processors compute it: the rescale in
+    float64 cast to float32, then the normalize in float32."""
+    x = (pixels.astype(np.float64) * rescale_factor).astype(np.float32)
+    return (x - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)

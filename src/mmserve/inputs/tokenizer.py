@@ -20,7 +20,8 @@ from tokenizers import Tokenizer
 from mmserve.errors import InvalidInputError, ModelLoadError
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON file's object, or {} when the file is absent."""
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
@@ -43,7 +44,7 @@ def load_chat_template(model_dir: Path) -> str | None:
     jinja_file = model_dir / "chat_template.jinja"
     if jinja_file.is_file():
         return jinja_file.read_text()
-    for source in (_read_json(model_dir / "chat_template.json"), _read_json(model_dir / "tokenizer_config.json")):
+    for source in (read_json(model_dir / "chat_template.json"), read_json(model_dir / "tokenizer_config.json")):
         template = source.get("chat_template")
         if isinstance(template, list):  # named templates: take "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
@@ -59,7 +60,7 @@ class TextTokenizer:
         if not path.is_file():
             raise ModelLoadError(f"no tokenizer.json in {model_dir}")
         self._tok = Tokenizer.from_file(str(path))
-        config = _read_json(root / "tokenizer_config.json")
+        config = read_json(root / "tokenizer_config.json")
         self.eos_token: str | None = _token_content(config.get("eos_token"))
         self.bos_token: str | None = _token_content(config.get("bos_token"))
         self.eos_token_id: int | None = self.token_to_id(self.eos_token) if self.eos_token else None

@@ -71,7 +71,9 @@ class BatchBuilder:
         self.query_lens.append(num)
         self.context_lens.append(start)
         # the bidirectional spans this chunk's queries lie in (the chunk policy keeps each one whole)
-        self.spans.append(tuple(s for s in state.prompt.attention_spans if s[0] < end and s[1] > start))
+        spans = state.prompt.attention_spans
+        self.spans.append(tuple(s for s in spans if s[0] < end and s[1] > start)
+                          if spans and start < state.num_prompt_tokens else ())  # decodes lie in no span
         num_blocks = -(-end // self.block_size)
         if num == 1 and start > 0:
             self.decode_rows.append(row)

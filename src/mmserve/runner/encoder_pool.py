@@ -4,11 +4,10 @@ Role: an `EncoderPool` takes `EncodeJob`s without waiting (`submit`) and hands b
 arrived (`poll`), per item: its output tensor or why it failed. A pool owns its workers' lives:
 it notices a worker that died, gives that worker's in-flight items to another one, restarts it
 (a bounded number of times per minute), and says how long it has had no live worker. Two
-backends implement it: `process` (local processes, tensors through shared memory) and `ray`
-(Ray actors, the object store). `WorkerSpec` is all a worker needs to build its encoder:
-`build_encoder` loads the family model and keeps only its vision side.
+backends implement it, in `workers/`: `process` (local processes, tensors through shared memory)
+and `ray` (Ray actors, the object store).
 
-Validation and commit stay with the runner (`EncoderRunner.commit_outputs`), exactly as for
+Validation and commit stay with the runner (`EncoderRunner.commit`), exactly as for
 inline encoding; the engine's encoder cache stays the one place an output lives, so a pool never
 sees a key twice while it is in flight or cached.
 
@@ -23,20 +22,7 @@ from typing import Protocol
 
 import torch
 
-from mmserve.runner.encoder_runner import EncodeFn, EncodeJob
-
-MAX_RESTARTS_PER_MINUTE = 3  # per worker slot
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What a worker needs to build its encoder."""
-
-    model_dir: str
-    dtype: str  # "float32", "bfloat16", ...
-    device: str  # torch device of the worker's encoder
-    threads: int  # torch threads in the worker
-    die_on_key: str | None = None  # test hook: a worker of the first generation exits hard on this key
+from mmserve.runner.encoder_runner import EncodeJob
 
 
 @dataclass(frozen=True)
@@ -78,30 +64,3 @@ class EncoderPool(Protocol):
     def shutdown(self) -> None:
         """Stop every worker and wait for them; the pool takes no more work."""
         ...
-
-
-def build_encoder(spec: WorkerSpec) -> EncodeFn:
-    """In a worker: load the family model, drop its language model, return its `encode_items`."""
-    from mmserve.models.loader import load_model
-
-    torch.set_num_threads(spec.threads)
-    model = load_model(spec.model_dir, spec.dtype, spec.device)
-    model.drop_language_model()
-
-    @torch.inference_mode()
-    def encode(payloads: Sequence[object]) -> list[torch.Tensor]:
-        return [out.to("cpu") for out in model.encode_items(payloads)]
-    return encode
-
-
-def make_pool(backend: str, spec: WorkerSpec, num_workers: int, ray_address: str | None = None) -> EncoderPool:
-    """The pool of `backend` ("process" or "ray"); Ray is imported only when asked for."""
-    if backend == "process":
-        from mmserve.runner.process_pool import ProcessEncoderPool
-
-        return ProcessEncoderPool(spec, num_workers)
-    if backend == "ray":
-        from mmserve.runner.ray_pool import RayEncoderPool
-
-        return RayEncoderPool(spec, num_workers, ray_address=ray_address)
-    raise ValueError(f"unknown encoder backend {backend!r}")

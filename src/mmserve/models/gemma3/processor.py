@@ -25,7 +25,6 @@ What it does not know: devices, KV caches, scheduling, the model's weights.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,10 +33,11 @@ import numpy as np
 from PIL import Image
 
 from mmserve.errors import ModelLoadError
-from mmserve.inputs.image_ops import resize_exact, to_rgb
+from mmserve.inputs.image_ops import rescale_normalize, resize_exact, to_rgb
 from mmserve.inputs.items import IMAGE
 from mmserve.inputs.media import MediaLimits
 from mmserve.inputs.processing import ItemExpansion, MultimodalProcessor
+from mmserve.inputs.tokenizer import read_json
 from mmserve.models.gemma3.config import Gemma3Config
 from mmserve.models.gemma3.pan_and_scan import (
     DEFAULT_MAX_NUM_CROPS,
@@ -86,13 +86,9 @@ class Preprocessing:
     def pixels(self, crops: list[Image.Image]) -> np.ndarray:
         """RGB crops -> (n, 3, S, S) float32: resized, rescaled in float64 then cast, normalized in float32."""
         stack = np.stack([resize_exact(c, self.edge_pixels, self.edge_pixels, self.resample) for c in crops])
-        x = (stack.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        x = (x - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
+        x = rescale_normalize(stack, self.rescale_factor, self.mean, self.std)
         return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
 
-
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 class Gemma3Processor(MultimodalProcessor):
@@ -103,7 +99,7 @@ class Gemma3Processor(MultimodalProcessor):
                          embed_ids={IMAGE: config.image_token_id})
         root = Path(model_dir)
         self.config = config
-        processor_config = _read_json(root / "processor_config.json")
+        processor_config = read_json(root / "processor_config.json")
         image_config = self.preprocessor_config or dict(processor_config.get("image_processor") or {})
         self.prep = Preprocessing.from_dict(image_config, config.vision.image_size)
         seq = processor_config.get("image_seq_length", image_config.get("image_seq_length"))

@@ -24,7 +24,7 @@ import numpy as np
 from PIL import Image
 
 from mmserve.errors import ModelLoadError
-from mmserve.inputs.image_ops import resize_exact, to_rgb
+from mmserve.inputs.image_ops import rescale_normalize, resize_exact, to_rgb
 from mmserve.inputs.items import IMAGE, VIDEO
 from mmserve.inputs.media import MediaLimits
 from mmserve.inputs.processing import ItemExpansion, MultimodalProcessor
@@ -76,8 +76,7 @@ class Preprocessing:
 
     def normalize(self, tiles: np.ndarray) -> np.ndarray:
         """(n, S, S, 3) uint8 -> (n, 3, S, S) float32, as rescale then normalize compute it."""
-        x = (tiles.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        x = (x - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
+        x = rescale_normalize(tiles, self.rescale_factor, self.mean, self.std)
         return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
 
 

@@ -21,7 +21,6 @@ What it does not know: devices, KV caches, scheduling, the model's weights.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,10 +30,11 @@ import numpy as np
 from PIL import Image
 
 from mmserve.errors import ModelLoadError
-from mmserve.inputs.image_ops import resize_exact, to_rgb
+from mmserve.inputs.image_ops import rescale_normalize, resize_exact, to_rgb
 from mmserve.inputs.items import IMAGE
 from mmserve.inputs.media import MediaLimits
 from mmserve.inputs.processing import ItemExpansion, MultimodalProcessor
+from mmserve.inputs.tokenizer import read_json
 from mmserve.models.mistral3.config import Mistral3Config
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -88,14 +88,10 @@ class Preprocessing:
     def patches(self, pixels: np.ndarray, patch: int) -> np.ndarray:
         """(H, W, 3) uint8 -> (H/P * W/P, 3*P*P) float32, rescaled then normalized as transformers computes
         it (float64 rescale cast to float32, then float32 normalize), laid out as patches."""
-        x = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        x = (x - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
+        x = rescale_normalize(pixels, self.rescale_factor, self.mean, self.std)
         h, w = x.shape[0] // patch, x.shape[1] // patch
         return np.ascontiguousarray(x.reshape(h, patch, w, patch, 3).transpose(0, 2, 4, 1, 3)).reshape(h * w, -1)
 
-
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 class Mistral3Processor(MultimodalProcessor):
@@ -108,7 +104,7 @@ class Mistral3Processor(MultimodalProcessor):
         self.prep = Preprocessing.from_dict(self.preprocessor_config)
         self.patch, self.merge = config.vision.patch_size, config.spatial_merge_size
         self.unit = config.pixels_per_row
-        proc = _read_json(root / "processor_config.json")
+        proc = read_json(root / "processor_config.json")
         self._check_processor_config(proc)
         self.break_id = self._token_id(proc.get("image_break_token", "[IMG_BREAK]"))
         self.end_id = self._token_id(proc.get("image_end_token", "[IMG_END]"))

@@ -15,7 +15,6 @@ What it does not know: devices, KV caches, scheduling.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from mmserve.errors import InvalidInputError
 from mmserve.inputs.items import IMAGE, VIDEO, MMItem, PromptPositions
 from mmserve.inputs.media import MediaLimits
 from mmserve.inputs.processing import ItemExpansion, MultimodalProcessor
+from mmserve.inputs.tokenizer import read_json
 from mmserve.models.qwen2_vl.image_processor import (
     MAX_ASPECT_RATIO,
     ImageProcessorConfig,
@@ -102,9 +102,6 @@ class Qwen3VLVideoProcessor(Qwen2VLImageProcessor):
         return self._patchify(np.stack(arrays), cfg)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
-
 
 class Qwen3VLProcessor(MultimodalProcessor):
     def __init__(self, model_dir: str | Path, config: Qwen3VLConfig, limits: MediaLimits | None = None,
@@ -115,7 +112,7 @@ class Qwen3VLProcessor(MultimodalProcessor):
         self.merge = config.vision.spatial_merge_size
         self.image_processor = Qwen2VLImageProcessor(ImageProcessorConfig.from_dict(self.preprocessor_config),
                                                      num_threads)
-        video_raw = {**VIDEO_DEFAULTS, **_read_json(Path(model_dir) / "video_preprocessor_config.json")}
+        video_raw = {**VIDEO_DEFAULTS, **read_json(Path(model_dir) / "video_preprocessor_config.json")}
         self.video_processor = Qwen3VLVideoProcessor(ImageProcessorConfig.from_dict(video_raw), num_threads)
         self.default_video_fps = float(video_raw.get("fps") or VIDEO_DEFAULTS["fps"])
         self.start_id, self.end_id = config.vision_start_token_id, config.vision_end_token_id

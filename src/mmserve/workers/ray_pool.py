@@ -34,14 +34,9 @@ import numpy as np
 import torch
 
 from mmserve.errors import ModelLoadError
-from mmserve.runner.encoder_pool import (
-    MAX_RESTARTS_PER_MINUTE,
-    ItemOutcome,
-    PoolStats,
-    WorkerSpec,
-    build_encoder,
-)
+from mmserve.runner.encoder_pool import ItemOutcome, PoolStats
 from mmserve.runner.encoder_runner import EncodeJob
+from mmserve.workers.spec import MAX_RESTARTS_PER_MINUTE, WorkerSpec, build_encoder
 
 logger = logging.getLogger("mmserve.ray_pool")
 

@@ -44,9 +44,9 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from mmserve.runner.encoder_pool import MAX_RESTARTS_PER_MINUTE, ItemOutcome, PoolStats, WorkerSpec
+from mmserve.runner.encoder_pool import ItemOutcome, PoolStats
 from mmserve.runner.encoder_runner import EncodeJob
-from mmserve.runner.process_worker import (
+from mmserve.workers.process_worker import (
     ItemDone,
     ItemFailed,
     JobMessage,
@@ -56,6 +56,7 @@ from mmserve.runner.process_worker import (
     to_shared,
     worker_main,
 )
+from mmserve.workers.spec import MAX_RESTARTS_PER_MINUTE, WorkerSpec
 
 logger = logging.getLogger("mmserve.process_pool")
 

@@ -39,8 +39,8 @@ import numpy as np
 import torch
 import torch.multiprocessing  # noqa: F401  registers the reductions that send tensors as shared memory
 
-from mmserve.runner.encoder_pool import WorkerSpec, build_encoder
 from mmserve.runner.encoder_runner import EncodeFn
+from mmserve.workers.spec import WorkerSpec, build_encoder
 
 MAX_BATCH_ITEMS = 4  # small batches: outputs come back in pieces, and a failing batch takes few items
 PARENT_CHECK_S = 1.0  # how often an idle worker checks that its pool's process still exists
