@@ -25,7 +25,9 @@ from openai import OpenAI
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from mmserve import LLM, ModelLoadError, SamplingParams
+from mmserve import LLM, ModelLoadError, SamplingParams, VideoFrames
+from mmserve.demo.video import encode_video, moving_shapes
+from mmserve.inputs.video import decode_video
 from tests.e2e.conftest import file_server, start_server, stop_server, wait_healthy
 
 API_KEY = "test-secret"
@@ -208,6 +210,75 @@ def test_video_url_from_file_server_and_data_uri(server, client, media_dir, file
     assert over_http.usage.prompt_tokens == inline.usage.prompt_tokens > 20
 
 
+# ---- streaming video: a growing video encodes only its new frames -------------------------------------
+def _video_question(part: dict) -> list[dict]:
+    return [{"role": "user", "content": [part, {"type": "text", "text": "What is happening now?"}]}]
+
+
+def _png_uri(image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return data_uri(buf.getvalue())
+
+
+def _new_frame_tokens(llm, frames, num_old_frames: int) -> int:
+    """Encoder tokens of the temporal groups (two frames each) past the first `num_old_frames` frames."""
+    items = llm.engine.process_chat(_video_question({"type": "video_frames",
+                                                     "video_frames": {"frames": frames, "fps": 2}})).items
+    return sum(i.encoder_tokens for i in items if i.part >= num_old_frames // 2)
+
+
+def test_video_frames_part_streams(server, client, llm):
+    """A video sent as its frames (the `video_frames` part) grows by two frames: the server encodes only
+    those and reuses the KV of the old ones; its answers equal the offline LLM's (chat and generate)."""
+    frames = moving_shapes(4, fps=2.0, seed=5, width=64, height=48)
+    answers = []
+    for count in (2, 4):
+        part = {"type": "video_frames", "video_frames": {"urls": [_png_uri(f) for f in frames[:count]], "fps": 2}}
+        before = stats(server)
+        answers.append(greedy_chat(client, server, _video_question(part), max_tokens=6))
+        after = stats(server)
+        if count == 4:
+            assert after["encoder_tokens_encoded"] - before["encoder_tokens_encoded"] == \
+                _new_frame_tokens(llm, frames[:4], 2)
+            assert after["prefix_cache_hit_tokens"] > before["prefix_cache_hit_tokens"]
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    for count, answer in zip((2, 4), answers, strict=True):
+        offline = llm.chat(_video_question({"type": "video_frames",
+                                            "video_frames": {"frames": frames[:count], "fps": 2}}),
+                           greedy, use_tqdm=False)[0]
+        assert answer.choices[0].message.content == offline.outputs[0].text
+        assert answer.usage.prompt_tokens == len(offline.prompt_token_ids)
+        chat = llm.engine.processor.render_chat(_video_question({"type": "video"}))
+        generated = llm.generate({"prompt": chat.prompt,
+                                  "multi_modal_data": {"video": VideoFrames(frames[:count], fps=2)}},
+                                 greedy, use_tqdm=False)[0]
+        assert generated.outputs[0].token_ids == offline.outputs[0].token_ids
+
+
+def test_growing_video_file_reuses_its_sampled_frames(server, client, llm, media_dir):
+    """A video file that grows between requests, sampled at 2 fps from t=0: the frames it had keep
+    their place, so the second request encodes only the new second's frames."""
+    clip = moving_shapes(20, fps=10.0, seed=6, width=64, height=48)
+    path = media_dir / "growing.mp4"
+    part = {"type": "video_url", "video_url": {"url": str(path)}}
+    answers = []
+    for seconds in (1, 2):
+        path.write_bytes(encode_video(clip[:seconds * 10], 10))
+        before = stats(server)
+        answers.append(greedy_chat(client, server, _video_question(part), max_tokens=6))
+        after = stats(server)
+        frames = decode_video(path.read_bytes(), 2.0, 4, 10**6, sampling="fps")
+        assert len(frames) == 2 * seconds
+        if seconds == 2:
+            assert after["encoder_tokens_encoded"] - before["encoder_tokens_encoded"] == \
+                _new_frame_tokens(llm, frames, 2)
+            assert after["prefix_cache_hit_tokens"] > before["prefix_cache_hit_tokens"]
+        offline = llm.chat(_video_question({"type": "video", "video": frames}),
+                           SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
+        assert answers[-1].choices[0].message.content == offline.outputs[0].text
+
+
 def test_mm_processor_kwargs_change_the_prompt(server, client):
     messages = image_message(data_uri(png_bytes((200, 200, 20), size=(224, 224))))
     full = greedy_chat(client, server, messages, max_tokens=1)
@@ -243,6 +314,16 @@ BAD_REQUESTS = {
     "unknown_model": ({**_chat_body("hi"), "model": "no-such-model"}, 404, "does not exist"),
     "max_tokens_beyond_context": ({**_chat_body("hi"), "max_tokens": 10**6}, 400, "maximum context length"),
     "n_above_one": ({**_chat_body("hi"), "n": 2}, 400, "n=1"),
+    "video_frames_without_urls": (_chat_body([{"type": "video_frames", "video_frames": {"fps": 2}}]), 400,
+                                  "needs {'video_frames': {'urls'"),
+    "video_frames_over_the_limit": (_chat_body([{"type": "video_frames", "video_frames": {
+        "urls": [data_uri(png_bytes((1, 2, 3)))] * 5}}]), 400, "over the limit of 4"),
+    "video_frames_bad_fps": (_chat_body([{"type": "video_frames", "video_frames": {
+        "urls": [data_uri(png_bytes((1, 2, 3)))], "fps": 0}}]), 400, "fps must be a positive number"),
+    "video_frames_bad_frame": (_chat_body([{"type": "video_frames", "video_frames": {
+        "urls": [data_uri(b"not a png")]}}]), 400, "could not be decoded"),
+    "unknown_video_sampling": ({**_chat_body([{"type": "video_url", "video_url": {"url": data_uri(
+        b"x", "video/mp4")}}]), "mm_processor_kwargs": {"video_sampling": "later"}}, 400, "video_sampling"),
     "bad_temperature": ({**_chat_body("hi"), "temperature": -1}, 400, "temperature"),
 }
 

@@ -126,6 +126,20 @@ def test_prompt_longer_than_context(checkpoint_dirs):
     assert out.outputs[0].finish_reason == "length" and len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 16
 
 
+def test_context_never_exceeds_the_kv_cache(checkpoint_dirs):
+    """A request must fit the KV cache alone, or it would wait forever: the context is capped to the
+    cache (a prompt over it is refused, generation stops at it), and a configured context that the
+    cache cannot hold is refused at start."""
+    llm = LLM(str(checkpoint_dirs["qwen2_vl"]), num_kv_blocks=4, block_size=16)
+    with pytest.raises(InvalidInputError, match="context is 64 tokens"):
+        llm.generate(["word " * 80], use_tqdm=False)
+    out = llm.generate(["hi"], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "length" and len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 64
+    llm.check_integrity()
+    with pytest.raises(ValueError, match="does not fit the KV cache"):
+        LLM(str(checkpoint_dirs["qwen2_vl"]), num_kv_blocks=4, block_size=16, max_model_len=65)
+
+
 def test_chat_with_data_uri_and_local_path(checkpoint_dirs, img, tmp_path):
     buf = io.BytesIO()
     img.save(buf, format="PNG")

@@ -6,6 +6,7 @@ import torch
 import transformers
 
 from mmserve.models.generation import generate
+from tests.fixtures.families import whole_items
 from tests.fixtures.tiny_checkpoints import reference_inputs
 from tests.models.helpers import (
     REFERENCE_IMAGE_PART,
@@ -58,11 +59,11 @@ def _both_inputs(model_dir, processor, case):
     messages, images, frames = case
     chat = processor.render_chat(messages)
     ours = processor.process(chat.prompt, images=chat.images, videos=chat.videos)
-    video_items = [i for i in ours.items if i.modality == "video"]
+    videos = whole_items(ours, "video")
     kwargs = {}
     if frames is not None:  # feed both implementations the same pixel_values_videos
-        kwargs = dict(videos_pixel_values=np.concatenate([i.payload.pixel_values for i in video_items]),
-                      video_grid_thw=[list(i.payload.grid_thw) for i in video_items])
+        kwargs = dict(videos_pixel_values=np.concatenate([p for p, _ in videos]),
+                      video_grid_thw=[g for _, g in videos])
     ref, _ = reference_inputs(model_dir, _reference_messages(messages), images, **kwargs)
     assert ours.prompt_token_ids == ref["input_ids"][0].tolist()
     return ours, ref

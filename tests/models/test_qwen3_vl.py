@@ -27,6 +27,7 @@ from transformers.video_utils import VideoMetadata
 from mmserve.models.generation import generate, prefill_inputs, prompt_positions
 from mmserve.models.layers.attention import AttentionMetadata, ContiguousKVCache
 from mmserve.models.loader import generation_eos_ids
+from tests.fixtures.families import whole_items
 from tests.fixtures.tiny_qwen3_vl import build_qwen3_vl_checkpoint
 from tests.models.helpers import full_logits, image_part, load_family, random_image, text_part, user
 
@@ -146,7 +147,7 @@ def _both(processor, ref_processor, case):
 
 
 def _pixels(prompt, modality):
-    return np.concatenate([i.payload.pixel_values for i in prompt.items if i.modality == modality])
+    return np.concatenate([pixels for pixels, _ in whole_items(prompt, modality)])
 
 
 @pytest.mark.parametrize("case", ["text", "one_image", "two_images", "video", "thin_video", "multi_turn"])
@@ -157,7 +158,7 @@ def test_processor_matches_reference(loaded, reference, ref_processor, case):
     for modality, key, grid_key in (("image", "pixel_values", "image_grid_thw"),
                                     ("video", "pixel_values_videos", "video_grid_thw")):
         if key in ref:
-            grids = [list(i.payload.grid_thw) for i in ours.items if i.modality == modality]
+            grids = [grid for _, grid in whole_items(ours, modality)]
             assert grids == ref[grid_key].tolist()
             assert np.abs(_pixels(ours, modality) - ref[key].numpy()).max() <= 1e-5
     positions, delta = reference.model.get_rope_index(ref["input_ids"], ref["mm_token_type_ids"],
@@ -176,11 +177,16 @@ def test_video_span_has_timestamps_and_markers(loaded):
     frames = _cases()["video"][2][0]
     ours = processor.process("<|vision_start|><|video_pad|><|vision_end|>", videos=[frames],
                              mm_processor_kwargs={"fps": VIDEO_FPS})
-    (item,) = ours.items
-    text = processor.tokenizer.decode(ours.prompt_token_ids[item.offset:item.offset + item.length], False)
-    rows = item.output_rows // 3  # 5 frames pad to 6: three temporal patches at (0+1)/2, (2+3)/2, (4+4)/2 / 3 fps
-    pads = "<|video_pad|>" * rows
-    assert text == "".join(f"<{t} seconds><|vision_start|>{pads}<|vision_end|>" for t in ("0.2", "0.8", "1.3"))
+    # 5 frames pad to 6: three temporal patches at (0+1)/2, (2+3)/2, (4+4)/2 / 3 fps, one item each
+    first, *_ = items = ours.items
+    assert [i.part for i in items] == [0, 1, 2] and len({i.output_rows for i in items}) == 1
+    assert items[-1].content_hash not in {i.content_hash for i in items[:-1]}  # the padded group is its own
+    text = processor.tokenizer.decode(ours.prompt_token_ids, False)
+    pads = "<|video_pad|>" * first.output_rows
+    frames_text = "".join(f"<{t} seconds><|vision_start|>{pads}<|vision_end|>" for t in ("0.2", "0.8", "1.3"))
+    assert text == f"<|vision_start|>{frames_text}<|vision_end|>"
+    for item in items:  # each item is exactly its frame's pad rows
+        assert set(ours.prompt_token_ids[item.offset:item.offset + item.length]) == {processor.config.video_token_id}
 
 
 def _ref_inputs(ref):

@@ -30,6 +30,7 @@ from transformers.image_processing_backends import PilBackend
 from transformers.image_utils import SizeDict
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
 
+from tests.fixtures.families import whole_items
 from tests.fixtures.tiny_checkpoints import reference_inputs, spatial_merge_size
 from tests.models.helpers import load_processor, random_image, text_part, user
 
@@ -116,11 +117,12 @@ def test_processed_prompt_video_rows_and_pixels(model_dir, override):
     chat = processor.render_chat(user({"type": "video", "video": frames}, text_part("What happens?")))
     kwargs = None if override is None else {"max_pixels": override}
     prompt = processor.process(chat.prompt, videos=chat.videos, mm_processor_kwargs=kwargs)
-    (item,) = prompt.items
+    ((pixels, ours_grid),) = whole_items(prompt, "video")
     ref, grid = reference_video(model_dir, frames, override)
-    _assert_close(item.payload.pixel_values, item.payload.grid_thw, ref, grid)
+    _assert_close(pixels, tuple(ours_grid), ref, grid)
     rows = int(np.prod(grid)) // spatial_merge_size(model_dir) ** 2
-    assert item.output_rows == rows
+    assert [i.part for i in prompt.items] == list(range(grid[0]))  # one item per temporal group
+    assert sum(i.output_rows for i in prompt.items) == rows
     assert prompt.prompt_token_ids.count(processor.config.video_token_id) == rows
     ref_inputs, _ = reference_inputs(model_dir, chat.prompt, videos_pixel_values=ref, video_grid_thw=[list(grid)])
     assert prompt.prompt_token_ids == ref_inputs["input_ids"][0].tolist()
@@ -143,10 +145,8 @@ def test_qwen2_5_video_mrope_temporal_step(checkpoint_dirs, qwen2_5_reference, f
     chat = processor.render_chat(user(text_part("Watch:"), {"type": "video", "video": frames},
                                       text_part("What happens?")))
     ours = processor.process(chat.prompt, videos=chat.videos, mm_processor_kwargs={"fps": fps})
-    (item,) = ours.items
-    grid = item.payload.grid_thw
-    ref, _ = reference_inputs(model_dir, chat.prompt, videos_pixel_values=item.payload.pixel_values,
-                              video_grid_thw=[list(grid)])
+    ((pixels, grid),) = whole_items(ours, "video")
+    ref, _ = reference_inputs(model_dir, chat.prompt, videos_pixel_values=pixels, video_grid_thw=[list(grid)])
     assert ours.prompt_token_ids == ref["input_ids"][0].tolist()
     vision = qwen2_5_reference.config.vision_config
     with torch.no_grad():

@@ -137,9 +137,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.stats.prefix_cache_queries += request.num_tokens
-        self.stats.prefix_cache_hit_tokens += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count a prefix lookup that admitted its request (a lookup retried while the request waits for
+        room would count its hit again and again)."""
+        self.stats.prefix_cache_queries += num_tokens
+        self.stats.prefix_cache_hit_tokens += num_hit_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: Sequence[KVBlock] = ()) -> list[int] | None:

@@ -209,6 +209,7 @@ class Scheduler:
             return 0, False
         request.num_computed_tokens = num_hit
         request.status = RequestStatus.RUNNING
+        self.kv.record_lookup(request.num_tokens, num_hit)
         if request.num_cached_tokens < 0:  # first admission: count the prompt once
             request.num_cached_tokens = num_hit
             self.stats.prompt_tokens += request.num_prompt_tokens

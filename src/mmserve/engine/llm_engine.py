@@ -74,12 +74,12 @@ class Engine:
         self.model = load_model(config.model, self.dtype, self.device)
         self.processor = family.processor_class(Path(config.model), self.model.config, config.media)
         self.spec = family.build_spec(self.model.config, self.processor, config.media)
-        self.max_model_len = config.scheduler.max_model_len or self.spec.max_position_embeddings
         spec = self.spec
         self.kv_format = kv_format(config.cache.kv_cache_dtype, self.dtype)
         self.kv_bytes_per_token = PagedKVStorage.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
                                                                  self.kv_format)
         num_blocks = self._num_kv_blocks()
+        self.max_model_len = self._max_model_len(num_blocks * config.cache.block_size)
         self.kv_storage = PagedKVStorage(spec.num_layers, num_blocks, config.cache.block_size, spec.num_kv_heads,
                                          spec.head_dim, self.kv_format, self.device)
         kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
@@ -131,6 +131,21 @@ class Engine:
                     budget.max_items_per_step, budget.max_encoder_tokens_per_step, budget.output_budget_bytes,
                     budget.cache_bytes, budget.bytes_per_row, budget.model_atomic_max_tokens)
         return budget
+
+    def _max_model_len(self, kv_capacity_tokens: int) -> int:
+        """The longest sequence (prompt plus output) one request may reach: the configured length, else the
+        model's, but never more than the KV cache holds — a request that cannot fit it alone could never
+        run (vLLM refuses such a configuration at start too)."""
+        configured = self.config.scheduler.max_model_len
+        length = configured or self.spec.max_position_embeddings
+        if length <= kv_capacity_tokens:
+            return length
+        if configured:
+            raise ValueError(f"max_model_len={configured} does not fit the KV cache, which holds {kv_capacity_tokens} "
+                             "tokens: raise kv_cache_bytes (or num_kv_blocks) or lower max_model_len")
+        logger.warning("max_model_len lowered: model=%d effective=%d kv_capacity_tokens=%d", length,
+                       kv_capacity_tokens, kv_capacity_tokens)
+        return kv_capacity_tokens
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache

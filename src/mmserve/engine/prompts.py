@@ -1,7 +1,8 @@
 """Parse vLLM-style prompt inputs into the processor's arguments.
 
 Role: accept a str, `{"prompt": str, ...}` or `{"prompt_token_ids": [...], ...}` with optional
-`multi_modal_data` ({"image": one or a list, "video": frames or a list of frame lists}) and
+`multi_modal_data` ({"image": one or a list, "video": one video or a list: frames, a (F, H, W, C)
+array, or `VideoFrames` — frames with their fps}) and
 `mm_processor_kwargs` and `multi_modal_uuids` (shaped like multi_modal_data), and reject anything
 else with `InvalidInputError`.
 What it does not know: tokenizers, models.
@@ -16,6 +17,7 @@ import numpy as np
 from PIL import Image
 
 from mmserve.errors import InvalidInputError
+from mmserve.inputs.media import VideoFrames
 
 _PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids"}
 
@@ -35,7 +37,10 @@ def _is_frame(value: Any) -> bool:
 
 
 def _as_videos(value: Any) -> list[Any]:
-    """One video (frames or a 4-D array) or a list of videos -> a list of videos."""
+    """One video (frames, a 4-D array, `VideoFrames` or a {"frames": [...], "fps": x} dict) or a list of
+    videos -> a list of videos."""
+    if isinstance(value, (VideoFrames, dict)):
+        return [value]
     if isinstance(value, np.ndarray):
         return [value] if value.ndim == 4 else list(value)
     if isinstance(value, (list, tuple)) and value and all(_is_frame(v) for v in value):

@@ -21,13 +21,14 @@ VIDEO = "video"
 @dataclass(frozen=True)
 class MMItem:
     modality: str  # IMAGE or VIDEO
-    index: int  # position among the prompt's items of this modality
+    index: int  # which image or video of the prompt (its parts share the index)
     offset: int  # first token of the item's placeholder span in the prompt
     length: int  # tokens in the span (embedding rows plus any special tokens inside it)
     encoder_tokens: int  # pre-merge patches the vision tower processes
     output_rows: int  # post-merge embedding rows the item fills
     content_hash: str  # identity of what the model sees (pixels + processing)
     payload: Any = None  # the family's encoder input; only the family's model reads it
+    part: int = 0  # which part of its image or video (a video's temporal group, in families that split)
 
     @property
     def ref(self) -> tuple[str, int]:

@@ -14,6 +14,7 @@ import base64
 import binascii
 import io
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import numpy as np
 from PIL import Image
 
 from mmserve.errors import InvalidInputError
+from mmserve.inputs.frame_sampling import check_fps
 
 # Modes Pillow converts to RGB faithfully; 32-bit integer/float modes have no defined mapping.
 SUPPORTED_IMAGE_MODES = frozenset(
@@ -33,7 +35,7 @@ SUPPORTED_IMAGE_MODES = frozenset(
 class MediaLimits:
     max_image_bytes: int = 32 * 1024 * 1024  # encoded size
     max_image_pixels: int = 64_000_000  # width * height, checked before decoding
-    max_video_frames: int = 32  # also sizes the largest atomic encoder item a video can be
+    max_video_frames: int = 32  # frames per video (and, where a video is one item, its largest size)
     allowed_local_media_path: str | None = None  # local files only below this directory
 
     def __post_init__(self) -> None:
@@ -142,9 +144,37 @@ def load_image(source: Any, limits: MediaLimits | None = None, what: str = "imag
     )
 
 
-def load_video(source: Any, limits: MediaLimits | None = None, what: str = "video") -> list[Image.Image]:
-    """A video given as frames: a list of image sources, or a (F, H, W, C) uint8 array."""
+@dataclass(frozen=True)
+class VideoFrames:
+    """A video given as its frames, with the rate they were sampled at (None: the request's
+    `fps` in mm_processor_kwargs, else the family's default)."""
+
+    frames: Sequence[Any]
+    fps: float | None = None
+
+
+def _video_source(source: Any, what: str) -> tuple[Any, float | None]:
+    """Unwrap `VideoFrames` or a `{"frames" | "urls": [...], "fps": x}` dict (a `video_frames` part)."""
+    if isinstance(source, VideoFrames):
+        source, fps = source.frames, source.fps
+    elif isinstance(source, dict):
+        unknown = sorted(set(source) - {"frames", "urls", "fps"})
+        frames = source.get("frames", source.get("urls"))
+        if unknown or frames is None or ("frames" in source and "urls" in source):
+            raise InvalidInputError(f"{what}: a frame list is {{'frames' or 'urls': [...], 'fps': <number>}}"
+                                    + (f"; unknown keys {unknown}" if unknown else ""))
+        source, fps = frames, source.get("fps")
+    else:
+        return source, None
+    return source, None if fps is None else check_fps(fps, f"{what}: fps")
+
+
+def load_video(source: Any, limits: MediaLimits | None = None,
+               what: str = "video") -> tuple[list[Image.Image], float | None]:
+    """A video given as frames — a list of image sources, a (F, H, W, C) uint8 array, `VideoFrames`
+    or a `{"frames" | "urls": [...], "fps": x}` dict — as (frames, the fps it states or None)."""
     limits = limits or MediaLimits()
+    source, fps = _video_source(source, what)
     if isinstance(source, np.ndarray):
         if source.ndim != 4:
             raise InvalidInputError(f"{what} array must be (frames, H, W, C); got {source.shape}")
@@ -160,4 +190,4 @@ def load_video(source: Any, limits: MediaLimits | None = None, what: str = "vide
     sizes = {f.size for f in frames}
     if len(sizes) > 1:
         raise InvalidInputError(f"{what} frames differ in size: {sorted(sizes)}")
-    return frames
+    return frames, fps

@@ -35,6 +35,7 @@ from PIL import Image
 
 from mmserve.errors import InvalidInputError
 from mmserve.inputs.chat import ChatInput, normalize_messages
+from mmserve.inputs.frame_sampling import SAMPLING_KWARG, check_fps, check_sampling
 from mmserve.inputs.hashing import hash_item
 from mmserve.inputs.items import IMAGE, VIDEO, MMItem, ProcessedPrompt, PromptPositions
 from mmserve.inputs.media import MediaLimits, load_image, load_video
@@ -42,6 +43,20 @@ from mmserve.inputs.placeholders import check_item_rows, embeds_in_range
 from mmserve.inputs.tokenizer import TextTokenizer
 
 DEFAULT_VIDEO_FPS = 2.0
+
+
+@dataclass(frozen=True)
+class ItemPart:
+    """One independently encoded part of an item: a video's temporal group, in families whose vision
+    tower never attends across groups. Each part is its own engine item — keyed, scheduled and
+    cached alone — so a video that extends an earlier one shares its leading parts."""
+
+    offset: int  # the part's first embed row, counted from the start of the item's span
+    rows: int  # its embed rows: a contiguous run of the span
+    encoder_tokens: int
+    payload: Any  # the family's encoder input for this part alone
+    content: Any  # the part's source pixels (its frames), hashed into its content key
+    shape: Any  # what else decides its encoder input (the frames' target size): part of the key
 
 
 @dataclass(frozen=True)
@@ -58,6 +73,9 @@ class ItemExpansion:
     # (token-id prompts: tokenized alone)
     text_before: str = ""
     text_after: str = ""
+    # when given, the item becomes one engine item per part (their rows add up to `rows`); the span's
+    # other tokens (timestamps, frame markers) are ordinary prompt text
+    parts: tuple[ItemPart, ...] = ()
 
 
 class _Run(str):
@@ -141,25 +159,26 @@ class MultimodalProcessor:
         images, videos = list(images or []), list(videos or [])
         self._check_modalities(len(images), len(videos))
         kwargs = dict(mm_processor_kwargs or {})
-        fps = kwargs.pop("fps", self.default_video_fps)
-        if not isinstance(fps, (int, float)) or fps <= 0:
-            raise InvalidInputError(f"fps must be a positive number, got {fps!r}")
+        fps = check_fps(kwargs.pop("fps", self.default_video_fps))
+        check_sampling(kwargs.pop(SAMPLING_KWARG, None))  # it chose the frames of a decoded file
         if prompt is None and prompt_token_ids is None:
             raise InvalidInputError("need a prompt or prompt_token_ids")
         pieces = self._split_prompt(prompt) if prompt is not None else self._split_ids(prompt_token_ids)
         self._check_counts(pieces, len(images), len(videos))
         ids = self._item_uuids(uuids, len(images), len(videos))
-        shaping = {IMAGE: self.processing_key(IMAGE, kwargs), VIDEO: {**self.processing_key(VIDEO, kwargs),
-                                                                       "fps": float(fps)}}
-        expanded: dict[str, list[tuple[ItemExpansion, str]]] = {IMAGE: [], VIDEO: []}
+        image_shaping = self.processing_key(IMAGE, kwargs)
+        video_shaping = self.processing_key(VIDEO, kwargs)
+        expanded: dict[str, list[tuple[ItemExpansion, list[str]]]] = {IMAGE: [], VIDEO: []}
         for i, source in enumerate(images):
             img = load_image(source, self.limits, f"image {i}")
             exp = self.expand_image(img, kwargs, len(images))
-            expanded[IMAGE].append((exp, self._key(IMAGE, ids[IMAGE][i], img, {**shaping[IMAGE], **exp.key_extra})))
+            expanded[IMAGE].append((exp, self._keys(IMAGE, ids[IMAGE][i], img, {**image_shaping, **exp.key_extra}, exp)))
         for i, source in enumerate(videos):
-            frames = load_video(source, self.limits, f"video {i}")
-            exp = self.expand_video(frames, float(fps), kwargs)
-            expanded[VIDEO].append((exp, self._key(VIDEO, ids[VIDEO][i], frames, {**shaping[VIDEO], **exp.key_extra})))
+            frames, stated_fps = load_video(source, self.limits, f"video {i}")
+            video_fps = stated_fps or fps
+            exp = self.expand_video(frames, video_fps, kwargs)
+            shaping = {**video_shaping, "fps": video_fps, **exp.key_extra}
+            expanded[VIDEO].append((exp, self._keys(VIDEO, ids[VIDEO][i], frames, shaping, exp)))
         token_ids, items = self._expand(pieces, expanded)
         return self._finish(prompt, token_ids, items)
 
@@ -173,6 +192,20 @@ class MultimodalProcessor:
         """Content key: what the model sees (pixels or the caller's uuid), how it is shaped, which model."""
         what = {"uuid": uuid} if uuid is not None else content
         return hash_item({"modality": modality, "content": what, "processing": shaping, "model": self.model_key})
+
+    def _keys(self, modality: str, uuid: str | None, content: Any, shaping: dict[str, Any],
+              exp: ItemExpansion) -> list[str]:
+        """One content key per engine item: the whole item's, or each part's. A part is keyed by its own
+        pixels, so equal groups share an entry wherever they stand; under a caller's uuid (which names
+        the whole video, e.g. a stream) by the uuid, the part's place and its pixels' shape."""
+        if not exp.parts:
+            return [self._key(modality, uuid, content, shaping)]
+        keys = []
+        for k, part in enumerate(exp.parts):
+            part_shaping = {**shaping, "part_shape": part.shape}
+            keys.append(self._key(modality, uuid, part.content, part_shaping if uuid is None
+                                  else {**part_shaping, "part": k}))
+        return keys
 
     @staticmethod
     def _item_uuids(uuids: dict[str, list[str | None]] | None, num_images: int,
@@ -242,7 +275,7 @@ class MultimodalProcessor:
                 )
 
     def _expand(self, pieces: list[str | list[int]],
-                expanded: dict[str, list[tuple[ItemExpansion, str]]]) -> tuple[list[int], list[MMItem]]:
+                expanded: dict[str, list[tuple[ItemExpansion, list[str]]]]) -> tuple[list[int], list[MMItem]]:
         ids: list[int] = []
         items: list[MMItem] = []
         seen = {IMAGE: 0, VIDEO: 0}
@@ -264,7 +297,7 @@ class MultimodalProcessor:
                 continue
             index = seen[piece]
             seen[piece] += 1  # a _Run compares and hashes as its modality
-            exp, key = expanded[piece][index]
+            exp, keys = expanded[piece][index]
             span = exp.token_ids
             given = isinstance(piece, _Run) and (piece.length != 1 or piece.expanded)
             if given:  # input already expanded: keep it as given, surrounding text included
@@ -275,8 +308,13 @@ class MultimodalProcessor:
             else:
                 text += exp.text_before
             flush()
-            items.append(MMItem(str(piece), index, len(ids), len(span), exp.encoder_tokens, exp.rows, key,
-                                exp.payload))
+            if exp.parts:
+                items.extend(MMItem(str(piece), index, len(ids) + part.offset, part.rows, part.encoder_tokens,
+                                    part.rows, key, part.payload, part=k)
+                             for k, (part, key) in enumerate(zip(exp.parts, keys, strict=True)))
+            else:
+                items.append(MMItem(str(piece), index, len(ids), len(span), exp.encoder_tokens, exp.rows, keys[0],
+                                    exp.payload))
             ids.extend(span)
             text = "" if given else exp.text_after
         flush()
@@ -293,7 +331,8 @@ class MultimodalProcessor:
         for item in items:  # invariant 1, checked where the prompt is built
             mm_mask[item.offset:item.offset + item.length] = True
             found = embeds_in_range(embed_cumsum, item.offset, item.offset + item.length)
-            check_item_rows(f"{item.modality} {item.index}", found, item.output_rows)
+            check_item_rows(f"{item.modality} {item.index}" + (f" part {item.part}" if item.part else ""), found,
+                            item.output_rows)
         total = int(embed_cumsum[-1]) if token_ids else 0
         check_item_rows("the prompt's items together", total, sum(i.output_rows for i in items))
         return ProcessedPrompt(prompt, token_ids, items, mm_mask, embed_mask, embed_cumsum,

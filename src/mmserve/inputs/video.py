@@ -1,10 +1,10 @@
 """Decode an encoded video file (mp4, webm, ...) into sampled RGB frames with PyAV.
 
-Role: `decode_video(data, fps, max_frames, max_pixels)` returns uint8 (H, W, 3) frames sampled
-at `fps` frames per second of video time, evenly spread over the whole video, at most
-`max_frames` of them (a long video is sampled more sparsely, not cut short). Raises
-`InvalidInputError` for anything undecodable, frameless or over the pixel cap (checked from the
-stream header before a frame is converted).
+Role: `decode_video(data, fps, max_frames, max_pixels, sampling=...)` returns uint8 (H, W, 3)
+frames sampled at `fps` frames per second of video time, at most `max_frames` of them, at the
+instants `frame_sampling.sample_times` picks ("fps" anchored at t=0, "even", or "auto").
+Raises `InvalidInputError` for anything undecodable, frameless or over the pixel cap (checked
+from the stream header before a frame is converted).
 
 What it does not know: models, patch sizes, tokens, where the bytes came from.
 """
@@ -12,19 +12,12 @@ What it does not know: models, patch sizes, tokens, where the bytes came from.
 from __future__ import annotations
 
 import io
-import math
 
 import av
 import numpy as np
 
 from mmserve.errors import InvalidInputError
-
-
-def _sample_times(duration_s: float, fps: float, max_frames: int) -> list[float]:
-    """Evenly spaced sample instants in [0, duration): duration * fps of them, within [1, max_frames]."""
-    count = max(1, min(max_frames, math.floor(duration_s * fps)))
-    step = duration_s / count
-    return [i * step for i in range(count)]
+from mmserve.inputs.frame_sampling import sample_times
 
 
 def _check_pixels(stream: av.video.stream.VideoStream, max_pixels: int, what: str) -> None:
@@ -72,7 +65,7 @@ def _sample(container: av.container.InputContainer, stream: av.video.stream.Vide
 
 
 def decode_video(data: bytes, fps: float, max_frames: int, max_pixels: int,
-                 what: str = "video") -> list[np.ndarray]:
+                 what: str = "video", sampling: str = "auto") -> list[np.ndarray]:
     """Encoded video bytes -> sampled RGB frames, each a uint8 array (H, W, 3)."""
     if not data:
         raise InvalidInputError(f"{what} is empty (0 bytes)")
@@ -85,7 +78,8 @@ def decode_video(data: bytes, fps: float, max_frames: int, max_pixels: int,
             stream = container.streams.video[0]
             _check_pixels(stream, max_pixels, what)
             duration = _duration_s(data, container, stream)
-            frames = _sample(container, stream, _sample_times(duration or 0.0, fps, max_frames))
+            times = sample_times(duration or 0.0, fps, max_frames, sampling, what)
+            frames = _sample(container, stream, times)
     except InvalidInputError:
         raise
     except (av.FFmpegError, OSError, ValueError, EOFError) as exc:

@@ -2,8 +2,10 @@
 
 Role: count media items against `--limit-mm-per-prompt` before any fetching; fetch http(s) URLs
 with `inputs/fetch.py` (the safety rules live there); decode `video_url` files with
-`inputs/video.py` into sampled frames; leave data-URI and local-path images to the processor
-(which enforces the local-path allowlist and the image limits). Each part's `uuid` is kept.
+`inputs/video.py` into sampled frames (the sampler from `mm_processor_kwargs.video_sampling`);
+fetch the frames of a `video_frames` part (`{"urls": [...], "fps": x}`: a video sent as its
+frames, e.g. a growing stream); leave data-URI and local-path images to the processor (which
+enforces the local-path allowlist and the image limits). Each part's `uuid` is kept.
 Runs in a worker thread (it blocks on the network and on decoding).
 
 What it does not know: the engine, HTTP routing, the response format.
@@ -17,11 +19,13 @@ from typing import Any
 
 from mmserve.errors import InvalidInputError
 from mmserve.inputs.fetch import FetchPolicy, fetch_url
+from mmserve.inputs.frame_sampling import SAMPLING_KWARG, check_fps, check_sampling
 from mmserve.inputs.items import IMAGE, VIDEO
-from mmserve.inputs.media import MediaLimits, decode_data_uri, read_local_file
+from mmserve.inputs.media import MediaLimits, VideoFrames, decode_data_uri, read_local_file
 from mmserve.inputs.video import decode_video
 
-SUPPORTED_PARTS = ("text", "image_url", "video_url")
+SUPPORTED_PARTS = ("text", "image_url", "video_url", "video_frames")
+VIDEO_PARTS = ("video_url", "video_frames")
 HTTP_SCHEMES = ("http://", "https://")
 
 
@@ -59,14 +63,35 @@ def _url_of(part: dict[str, Any], kind: str, where: str) -> str:
 
 
 def _check_counts(parts: list[tuple[str, dict[str, Any]]], rules: MediaRules) -> None:
-    for modality, kind in ((IMAGE, "image_url"), (VIDEO, "video_url")):
-        count = sum(1 for _, p in parts if p.get("type") == kind)
+    for modality, kinds in ((IMAGE, ("image_url",)), (VIDEO, VIDEO_PARTS)):
+        count = sum(1 for _, p in parts if p.get("type") in kinds)
         limit = rules.limit_per_prompt.get(modality)
         if limit is not None and count > limit:
             raise InvalidInputError(f"at most {limit} {modality}(s) may be provided in one prompt; got {count}")
 
 
-def _video_frames(url: str, rules: MediaRules, fps: float, where: str) -> list[Any]:
+def _listed_frames(part: dict[str, Any], rules: MediaRules, where: str) -> VideoFrames:
+    """A `video_frames` part: each frame's URL fetched (http) or kept (data URI, local path: the
+    processor decodes those under the image limits), with the part's fps."""
+    value = part.get("video_frames")
+    urls = value.get("urls") if isinstance(value, dict) else None
+    if not isinstance(urls, list) or not urls or not all(isinstance(u, str) and u for u in urls):
+        raise InvalidInputError(f"{where}: a video_frames part needs {{'video_frames': {{'urls': ['...', ...], "
+                                "'fps': <number>}}")
+    unknown = sorted(set(value) - {"urls", "fps"})
+    if unknown:
+        raise InvalidInputError(f"{where}: video_frames has unknown keys {unknown}")
+    if len(urls) > rules.limits.max_video_frames:
+        raise InvalidInputError(f"{where}: video_frames has {len(urls)} frames, over the limit of "
+                                f"{rules.limits.max_video_frames}")
+    fps = value.get("fps")
+    fps = None if fps is None else check_fps(fps, f"{where}: video_frames.fps")
+    frames = [fetch_url(u, rules.limits.max_image_bytes, rules.fetch, f"{where} frame {k}")
+              if u.startswith(HTTP_SCHEMES) else u for k, u in enumerate(urls)]
+    return VideoFrames(frames, fps)
+
+
+def _video_frames(url: str, rules: MediaRules, fps: float, sampling: str, where: str) -> list[Any]:
     what = f"{where} (video)"
     if url.startswith("data:"):
         data = decode_data_uri(url, what)
@@ -76,10 +101,11 @@ def _video_frames(url: str, rules: MediaRules, fps: float, where: str) -> list[A
         data = fetch_url(url, rules.max_video_bytes, rules.fetch, what)
     else:
         data = read_local_file(url, dataclasses.replace(rules.limits, max_image_bytes=rules.max_video_bytes), what)
-    return decode_video(data, fps, rules.limits.max_video_frames, rules.limits.max_image_pixels, what)
+    return decode_video(data, fps, rules.limits.max_video_frames, rules.limits.max_image_pixels, what, sampling)
 
 
-def _resolve_part(part: dict[str, Any], rules: MediaRules, fps: float, where: str) -> dict[str, Any]:
+def _resolve_part(part: dict[str, Any], rules: MediaRules, fps: float, sampling: str,
+                  where: str) -> dict[str, Any]:
     kind = part.get("type")
     uuid = part.get("uuid")
     if uuid is not None and not isinstance(uuid, str):
@@ -95,17 +121,19 @@ def _resolve_part(part: dict[str, Any], rules: MediaRules, fps: float, where: st
             return {"type": "image", "image": data, "uuid": uuid}
         return {"type": "image_url", "image_url": {"url": url}, "uuid": uuid}
     if kind == "video_url":
-        return {"type": "video", "video": _video_frames(_url_of(part, kind, where), rules, fps, where),
+        return {"type": "video", "video": _video_frames(_url_of(part, kind, where), rules, fps, sampling, where),
                 "uuid": uuid}
+    if kind == "video_frames":
+        return {"type": "video", "video": _listed_frames(part, rules, where), "uuid": uuid}
     raise InvalidInputError(f"{where}: unsupported content part type {kind!r}; supported: "
                             f"{', '.join(SUPPORTED_PARTS)}")
 
 
-def _video_fps(mm_processor_kwargs: dict[str, Any] | None, default_fps: float) -> float:
-    fps = (mm_processor_kwargs or {}).get("fps", default_fps)
-    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or fps <= 0:
-        raise InvalidInputError(f"mm_processor_kwargs.fps must be a positive number, got {fps!r}")
-    return float(fps)
+def _video_sampling(mm_processor_kwargs: dict[str, Any] | None, default_fps: float) -> tuple[float, str]:
+    """(fps, sampler) a request's video files are decoded with."""
+    kwargs = mm_processor_kwargs or {}
+    fps = check_fps(kwargs.get("fps", default_fps), "mm_processor_kwargs.fps")
+    return fps, check_sampling(kwargs.get(SAMPLING_KWARG))
 
 
 def resolve_messages(messages: list[dict[str, Any]], rules: MediaRules,
@@ -124,8 +152,8 @@ def resolve_messages(messages: list[dict[str, Any]], rules: MediaRules,
                     raise InvalidInputError(f"messages[{i}].content[{j}] must be an object")
                 located.append((f"messages[{i}].content[{j}]", part))
     _check_counts(located, rules)
-    fps = _video_fps(mm_processor_kwargs, rules.default_video_fps)
-    resolved = iter([_resolve_part(part, rules, fps, where) for where, part in located])
+    fps, sampling = _video_sampling(mm_processor_kwargs, rules.default_video_fps)
+    resolved = iter([_resolve_part(part, rules, fps, sampling, where) for where, part in located])
     out = []
     for message in messages:
         content = message.get("content")
@@ -140,13 +168,13 @@ def resolve_media(parts: list[dict[str, Any]], rules: MediaRules,
     """The completions extension field `media`: image_url / video_url parts in placeholder order."""
     located = [(f"media[{j}]", p) for j, p in enumerate(parts)]
     for where, part in located:
-        if not isinstance(part, dict) or part.get("type") not in ("image_url", "video_url"):
-            raise InvalidInputError(f"{where}: media parts must be image_url or video_url objects")
+        if not isinstance(part, dict) or part.get("type") not in ("image_url", *VIDEO_PARTS):
+            raise InvalidInputError(f"{where}: media parts must be image_url, video_url or video_frames objects")
     _check_counts(located, rules)
-    fps = _video_fps(mm_processor_kwargs, rules.default_video_fps)
+    fps, sampling = _video_sampling(mm_processor_kwargs, rules.default_video_fps)
     out = ResolvedMedia()
     for where, part in located:
-        item = _resolve_part(part, rules, fps, where)
+        item = _resolve_part(part, rules, fps, sampling, where)
         if item["type"] == "video":
             out.videos.append(item["video"])
             out.uuids[VIDEO].append(item["uuid"])

@@ -3,13 +3,17 @@
 Role: the family's hooks on `MultimodalProcessor`: an image or video becomes a run of
 `<|image_pad|>` / `<|video_pad|>` ids, one per merged row, and a `VisionInput` payload (the
 patchified pixels and the (t, h, w) patch grid); positions are the (3, num_tokens) M-RoPE table with
-the decode rope delta. Per-request `min_pixels` / `max_pixels` (and `fps` for video) are accepted.
+the decode rope delta. A video is one engine item per temporal group (`split_video`), so a growing
+video reuses the encoder outputs and KV of its leading frames (`video_parts`); positions still
+treat its groups as one (t, h, w) span, as transformers does. Per-request `min_pixels` / `max_pixels` (and `fps` for
+video) are accepted.
 
 What it does not know: devices, KV caches, scheduling.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +23,7 @@ from PIL import Image
 
 from mmserve.inputs.items import IMAGE, VIDEO, MMItem, PromptPositions
 from mmserve.inputs.media import MediaLimits
-from mmserve.inputs.processing import ItemExpansion, MultimodalProcessor
+from mmserve.inputs.processing import ItemExpansion, ItemPart, MultimodalProcessor
 from mmserve.models.qwen2_vl.config import Qwen2VLConfig
 from mmserve.models.qwen2_vl.image_processor import ImageProcessorConfig, Qwen2VLImageProcessor
 from mmserve.models.qwen2_vl.mrope import VisionSpan, mrope_positions
@@ -63,17 +67,44 @@ class Qwen2VLProcessor(MultimodalProcessor):
         interval = 1.0
         if self.config.is_qwen2_5:  # Qwen2.5-VL spaces temporal patches by their time in the video
             interval = self.config.vision.tokens_per_second * self.config.vision.temporal_patch_size / fps
-        return self._expansion(VIDEO, p.pixel_values, p.grid_thw, interval)
+        t, h, w = p.grid_thw
+        rows = h * w // (self.merge * self.merge)
+        parts = video_parts(p.pixel_values, p.grid_thw, frames, self.image_processor.cfg.temporal_patch_size,
+                            self.merge, [k * rows for k in range(t)],
+                            lambda pixels, grid: VisionInput(pixels, grid, interval))
+        return ItemExpansion([self.pad_ids[VIDEO]] * (t * rows), t * rows, p.num_patches, None, parts=parts)
 
     def positions(self, token_ids: list[int], items: list[MMItem]) -> PromptPositions:
-        spans = [VisionSpan(i.offset, i.payload.grid_thw, i.payload.time_interval) for i in items]
+        spans: list[VisionSpan] = []
+        for i in items:
+            if i.part:  # a later temporal group of the video before: one span, as transformers sees it
+                t, h, w = spans[-1].grid_thw
+                spans[-1] = VisionSpan(spans[-1].offset, (t + i.payload.grid_thw[0], h, w), spans[-1].time_interval)
+            else:
+                spans.append(VisionSpan(i.offset, i.payload.grid_thw, i.payload.time_interval))
         table, delta = mrope_positions(len(token_ids), spans, self.merge)
         return PromptPositions(3, table, delta)
 
     def largest_item_patches(self, max_video_frames: int) -> dict[str, int]:
-        """Encoder tokens of the largest item per modality: an image at max_pixels, a video of
-        `max_video_frames` frames at max_pixels each."""
+        """Encoder tokens of the largest item per modality: an image at max_pixels; a video's largest
+        item is one temporal group (two frames) at max_pixels."""
         cfg = self.image_processor.cfg
         per_frame = cfg.max_pixels // (cfg.patch_size * cfg.patch_size)
-        frames = -(-max_video_frames // cfg.temporal_patch_size)
-        return {IMAGE: per_frame, VIDEO: per_frame * max(frames, 1)}
+        return {IMAGE: per_frame, VIDEO: per_frame}
+
+
+def video_parts(pixel_values: np.ndarray, grid_thw: tuple[int, int, int], frames: list[Image.Image],
+                temporal_patch_size: int, merge: int, row_offsets: list[int],
+                payload: Callable[[np.ndarray, tuple[int, int, int]], Any]) -> tuple[ItemPart, ...]:
+    """A patchified video as one part per temporal group, the group's rows at `row_offsets[k]` of the
+    span. The vision tower attends within a group only (each temporal patch is its own attention
+    segment, its rotary positions are per frame), so encoding the groups one by one gives the whole
+    video's rows exactly. A part is keyed by its own frames (the last group's padding repeats
+    included) and their target size, so a video that extends an earlier one shares its leading parts."""
+    t, h, w = grid_thw
+    per_group = h * w
+    padded = list(frames) + [frames[-1]] * (-len(frames) % temporal_patch_size)
+    return tuple(ItemPart(row_offsets[k], per_group // (merge * merge), per_group,
+                          payload(pixel_values[k * per_group:(k + 1) * per_group], (1, h, w)),
+                          padded[k * temporal_patch_size:(k + 1) * temporal_patch_size], (h, w))
+                 for k in range(t))

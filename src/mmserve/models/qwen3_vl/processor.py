@@ -6,8 +6,9 @@ one per merged row (Qwen2-VL's smart resize and patchify, with Qwen3-VL's prepro
 frames per second) is resized with Qwen3-VL's video rule (the pixel budget covers all frames
 together; video_preprocessor_config.json) and becomes, per temporal patch, `<t seconds>` text, then
 `<|vision_start|>`, that patch's `<|video_pad|>` rows, `<|vision_end|>`, as transformers'
-`Qwen3VLProcessor` writes it (the template's own start/end markers around the video stay).
-Positions are the (3, num_tokens) M-RoPE table of `mrope.py` with its decode delta. Per-request
+`Qwen3VLProcessor` writes it (the template's own start/end markers around the video stay). Each
+temporal patch is its own engine item (`video_parts`): a growing video reuses its leading frames'
+encoder outputs and KV, as long as the frame-count-aware resize keeps their size. Positions are the (3, num_tokens) M-RoPE table of `mrope.py` with its decode delta. Per-request
 `min_pixels` / `max_pixels` (overriding the image or the video bounds) and `fps` are accepted.
 
 What it does not know: devices, KV caches, scheduling.
@@ -35,6 +36,7 @@ from mmserve.models.qwen2_vl.image_processor import (
     PatchifiedItem,
     Qwen2VLImageProcessor,
 )
+from mmserve.models.qwen2_vl.processor import video_parts
 from mmserve.models.qwen3_vl.config import Qwen3VLConfig
 from mmserve.models.qwen3_vl.mrope import FrameRun, mrope_positions
 
@@ -52,7 +54,6 @@ class VisionInput:
 
     pixel_values: np.ndarray  # (encoder_tokens, C*T*P*P) float32, in merge-block order
     grid_thw: tuple[int, int, int]  # patch grid before merging
-    frame_offsets: tuple[int, ...] = (0,)  # per temporal patch: its first placeholder, from the span start
 
 
 def video_target_size(num_frames: int, height: int, width: int, cfg: ImageProcessorConfig) -> tuple[int, int]:
@@ -141,21 +142,22 @@ class Qwen3VLProcessor(MultimodalProcessor):
             offsets.append(len(span))
             span.extend([self.pad_ids[VIDEO]] * frame_rows)
             span.append(self.end_id)
-        return ItemExpansion(span, t * frame_rows, p.num_patches, VisionInput(p.pixel_values, p.grid_thw,
-                                                                               tuple(offsets)))
+        parts = video_parts(p.pixel_values, p.grid_thw, frames, self.video_processor.cfg.temporal_patch_size,
+                            self.merge, offsets, lambda pixels, grid: VisionInput(pixels, grid))
+        return ItemExpansion(span, t * frame_rows, p.num_patches, None, parts=parts)
 
     def positions(self, token_ids: list[int], items: list[MMItem]) -> PromptPositions:
         m = self.merge
-        runs = [FrameRun(i.offset + off, i.payload.grid_thw[1] // m, i.payload.grid_thw[2] // m)
-                for i in items for off in i.payload.frame_offsets]
+        # every item is one frame run: an image, or one temporal group of a video
+        runs = [FrameRun(i.offset, i.payload.grid_thw[1] // m, i.payload.grid_thw[2] // m) for i in items]
         table, delta = mrope_positions(len(token_ids), runs)
         return PromptPositions(3, table, delta)
 
     def largest_item_patches(self, max_video_frames: int) -> dict[str, int]:
-        """Encoder tokens of the largest item per modality: an image at max_pixels; a video of up to
-        `max_video_frames` frames at the largest per-frame size the video resize allows. Its budget
-        counts `t_bar` frames (the count rounded to temporal patches) while the patches cover the
-        count padded up, so a few frames can take more than max_pixels; every count is checked."""
+        """Encoder tokens of the largest item per modality: an image at max_pixels; a video's largest
+        item is one temporal group at the largest per-frame size the video resize allows for up to
+        `max_video_frames` frames. Its budget counts `t_bar` frames (the count rounded to temporal
+        patches), so a few frames can take more than max_pixels / count each; every count is checked."""
         img = self.image_processor.cfg
         vid = self.video_processor.cfg
         unit = self.merge * self.merge
@@ -167,5 +169,5 @@ class Qwen3VLProcessor(MultimodalProcessor):
             t_bar = max(round(counted / temporal) * temporal, temporal)
             per_frame = max(vid.max_pixels // t_bar, vid.max_pixels // counted, vid.factor ** 2)
             per_frame = per_frame // vid.factor ** 2 * vid.factor ** 2
-            video = max(video, -(-counted // temporal) * per_frame // vid.patch_size ** 2)
+            video = max(video, per_frame // vid.patch_size ** 2)
         return {IMAGE: max(image, unit), VIDEO: video}
