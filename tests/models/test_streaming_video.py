@@ -120,3 +120,25 @@ def test_eviction_mid_stream_gives_identical_output(all_checkpoints, family, fra
     assert stats["encoder_cache_evictions"] > 0 and stats["kv_cache_evictions"] > 0
     roomy_encoded = sum(d["encoder_tokens_encoded"] for _, d, _ in roomy)
     assert stats["encoder_tokens_encoded"] > 2 * roomy_encoded  # the stream's old frames were encoded again
+
+
+def test_a_uuid_names_a_growing_stream(all_checkpoints, frames):
+    """Under a caller's uuid, a longer video with the same uuid is the same stream grown: its complete
+    old groups are reused; a padded last group (an odd frame count) is encoded again once it is full."""
+    model_dir = all_checkpoints["qwen2_vl"]
+    llm = LLM(str(model_dir))
+
+    def ask(num_frames):
+        messages = _messages(frames, num_frames)
+        messages[1]["content"][0]["uuid"] = "camera-1"
+        before = llm.get_stats()["encoder_tokens_encoded"]
+        (result,) = llm.chat(messages, GREEDY, use_tqdm=False)
+        return result.outputs[0].token_ids, llm.get_stats()["encoder_tokens_encoded"] - before
+
+    ask(7)  # groups 0-2 full, group 3 = frame 6 twice
+    tokens, encoded = ask(16)
+    (fresh,) = LLM(str(model_dir)).chat(_messages(frames, 16), GREEDY, use_tqdm=False)
+    assert tokens == fresh.outputs[0].token_ids
+    items = _video_items(model_dir, "qwen2_vl", frames, 16)
+    assert encoded == sum(i.encoder_tokens for i in items if i.part >= 3)
+    llm.check_integrity()

@@ -56,7 +56,7 @@ class ItemPart:
     encoder_tokens: int
     payload: Any  # the family's encoder input for this part alone
     content: Any  # the part's source pixels (its frames), hashed into its content key
-    shape: Any  # what else decides its encoder input (the frames' target size): part of the key
+    shape: Any  # what else decides its encoder input (the frames' target size, how many are real): in the key
 
 
 @dataclass(frozen=True)

@@ -100,11 +100,14 @@ def video_parts(pixel_values: np.ndarray, grid_thw: tuple[int, int, int], frames
     span. The vision tower attends within a group only (each temporal patch is its own attention
     segment, its rotary positions are per frame), so encoding the groups one by one gives the whole
     video's rows exactly. A part is keyed by its own frames (the last group's padding repeats
-    included) and their target size, so a video that extends an earlier one shares its leading parts."""
+    included) and their target size, so a video that extends an earlier one shares its leading parts.
+    The size also holds how many of the group's frames are real, so that under a caller's uuid (one
+    name for a growing stream) a padded last group is not taken for the full group that replaces it."""
     t, h, w = grid_thw
     per_group = h * w
     padded = list(frames) + [frames[-1]] * (-len(frames) % temporal_patch_size)
     return tuple(ItemPart(row_offsets[k], per_group // (merge * merge), per_group,
                           payload(pixel_values[k * per_group:(k + 1) * per_group], (1, h, w)),
-                          padded[k * temporal_patch_size:(k + 1) * temporal_patch_size], (h, w))
+                          padded[k * temporal_patch_size:(k + 1) * temporal_patch_size],
+                          (h, w, min(temporal_patch_size, len(frames) - k * temporal_patch_size)))
                  for k in range(t))
