@@ -61,10 +61,12 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         if logits.dim() != 2 or logits.shape[0] != meta.num_rows:
             raise ValueError(f"logits must be (batch={meta.num_rows}, vocab), got {tuple(logits.shape)}")
+        greedy_rows = [meta.is_greedy(row) for row in range(meta.num_rows)]
+        if all(greedy_rows) and not any(meta.banned_token_ids):
+            return logits.argmax(dim=-1)  # the common case: nothing to mask, no copy (float32 is exact for bf16)
         # float32 copy: the masks below write in place and must not touch the caller's tensor.
         logits = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # (batch, vocab)
         _ban_tokens(logits, meta.banned_token_ids)
-        greedy_rows = [meta.is_greedy(row) for row in range(meta.num_rows)]
         if not any(greedy_rows):
             return self._sample(logits, meta, greedy_rows)
         greedy_ids = logits.argmax(dim=-1)  # (batch,); before _sample, which scales logits in place

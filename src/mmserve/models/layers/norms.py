@@ -17,7 +17,6 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # one fused kernel, the same numbers as the formula below in float32
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        input_dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(input_dtype)
+        # the reference: normalise in float32, cast back, then scale by the weight in the weight's dtype
+        normed = F.rms_norm(x.to(torch.float32), self.weight.shape, None, self.eps)
+        return self.weight * normed.to(x.dtype)
