@@ -16,7 +16,9 @@ With `--url` it talks to a running server; otherwise it starts `mmserve serve` o
 port (`--server-model`: the bundled demo model by default, or `tiny`, the tiny random checkpoint built
 under `.bench/` on first use, or a directory) and stops it afterwards.
 
-Prints a card (machine, server, model, workload), a human table, and one JSON line last.
+Prints a card (machine, server, model, workload), a human table, and one JSON line last. Also writes
+a PNG (`--plot`, default `.bench/serve.png`; matplotlib, the optional `bench` extra; skipped with a
+note when it is not installed): output tokens/s per client count and the TTFT and ITL distributions.
 What it does not know: mmserve internals; it only speaks HTTP.
 """
 
@@ -251,6 +253,34 @@ def print_table(results: list[dict[str, Any]]) -> None:
           "ITL = inter-token latency)")
 
 
+def write_plot(results: list[dict[str, Any]], dists: list[dict[str, list[float]]], path: Path) -> str:
+    """Output tokens/s per client count; TTFT and ITL distributions (box plots, ms) per client count."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "not written: matplotlib is not installed (pip install -e '.[bench]')"
+    labels = [str(r["clients"]) for r in results]
+    fig, axes = plt.subplots(1, 3, figsize=(max(12, 2 * len(results) + 8), 4.5))
+    axes[0].bar(labels, [r["output_token_throughput_per_s"] for r in results], color="tab:blue")
+    axes[0].set_xlabel("concurrent clients")
+    axes[0].set_ylabel("output tokens/s")
+    axes[0].set_title("throughput")
+    for ax, key, title in ((axes[1], "ttft_ms", "TTFT (ms)"), (axes[2], "itl_ms", "inter-token latency (ms)")):
+        ax.boxplot([d[key] or [float("nan")] for d in dists], showfliers=True)
+        ax.set_xticks(range(1, len(labels) + 1), labels)
+        ax.set_xlabel("concurrent clients")
+        ax.set_yscale("log")
+        ax.set_title(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"written to {path}"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -265,6 +295,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-tokens", type=int, default=16, help="generic workload: tokens per answer")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     parser.add_argument("--server-args", default="", help="extra `mmserve serve` flags for a local server")
+    parser.add_argument("--plot", type=Path, default=ROOT / ".bench" / "serve.png",
+                        help="PNG of tokens/s and TTFT/ITL distributions per client count (default .bench/serve.png)")
+    parser.add_argument("--no-plot", action="store_true", help="write no PNG")
     args = parser.parse_args(argv)
     client_counts = [int(c) for c in args.clients.split(",")]
 
@@ -276,6 +309,7 @@ def main(argv: list[str] | None = None) -> None:
 
     workload = jobs_for(0)[1]
     results = []
+    dists: list[dict[str, list[float]]] = []  # raw per-request TTFT and per-token ITL, for the plot
     with contextlib.ExitStack() as stack:
         url = args.url
         if url is None:
@@ -292,11 +326,15 @@ def main(argv: list[str] | None = None) -> None:
         for round_index, clients in enumerate(client_counts):
             records, wall = asyncio.run(run_clients(url, args.api_key, model, jobs_for(round_index)[0], clients))
             results.append({"clients": clients, **summarize(records, wall)})
+            dists.append({"ttft_ms": [r.ttft_s * 1000 for r in records],
+                          "itl_ms": [x * 1000 for r in records for x in r.itl_s]})
     card = {"cpu_count": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
             "platform": platform.platform(), "python": platform.python_version(), "server": url, "model": model,
             "clients": client_counts, "output_tokens": args.output_tokens, "workload": workload}
     print_card(card)
     print_table(results)
+    if not args.no_plot:
+        print(f"plot: {write_plot(results, dists, args.plot)}")
     print(json.dumps({"benchmark": "serve", "model": model, "workload": workload, "results": results}))
 
 

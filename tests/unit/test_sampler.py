@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from mmserve.runner.sampler import Sampler, SamplingMetadata, make_generator
+from mmserve.runner.sampler import Sampler, SamplingMetadata, greedy_argmax, make_generator
 
 VOCAB = 50
 
@@ -152,3 +152,18 @@ def test_metadata_lengths_must_agree():
     with pytest.raises(ValueError):
         SamplingMetadata(temperatures=[1.0], top_ks=[0, 0], top_ps=[1.0], min_ps=[0.0], generators=[None],
                          banned_token_ids=[()])
+
+
+@pytest.mark.parametrize("vocab", [397, 4096, 32000, 32001, 151936])
+def test_greedy_argmax_is_argmax(vocab):
+    """The blocked argmax returns exactly argmax's index: random rows, ties (the first wins), a NaN,
+    an all -inf row, bfloat16."""
+    torch.manual_seed(vocab)
+    logits = torch.randn(6, vocab)
+    logits[1, :] = 0.0  # all tied: index 0
+    logits[2, vocab // 3] = logits[2, vocab - 1] = 100.0  # tie between two blocks: the first
+    logits[3, vocab - 1] = float("nan")
+    logits[4, :] = float("-inf")
+    assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1))
+    half = logits.to(torch.bfloat16)
+    assert torch.equal(greedy_argmax(half), half.argmax(dim=-1))

@@ -46,6 +46,28 @@ class SamplingMetadata:
         return self.temperatures[row] < GREEDY_TEMPERATURE_EPS or self.top_ks[row] == 1
 
 
+# vocabularies at least this big take the blocked argmax below
+_BLOCKED_ARGMAX_MIN_VOCAB = 4096
+_ARGMAX_BLOCK = 256
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(-1)` of a (batch, vocab) tensor, the same index (the first maximum; a NaN counts as
+    the maximum, as argmax has it), found faster on the CPU: ATen's argmax walks a row one element at a
+    time (about 1 ms for 32 x 32000), while a max over fixed blocks vectorises. The block holding the
+    first maximum is the first block whose maximum is the row's; the index is found inside it."""
+    batch, vocab = logits.shape
+    if vocab < _BLOCKED_ARGMAX_MIN_VOCAB or logits.device.type != "cpu":
+        return logits.argmax(dim=-1)
+    num_blocks = -(-vocab // _ARGMAX_BLOCK)
+    if num_blocks * _ARGMAX_BLOCK != vocab:
+        logits = torch.nn.functional.pad(logits, (0, num_blocks * _ARGMAX_BLOCK - vocab), value=float("-inf"))
+    blocks = logits.reshape(batch, num_blocks, _ARGMAX_BLOCK)
+    best_block = blocks.amax(dim=-1).argmax(dim=-1)  # (batch,)
+    inner = blocks[torch.arange(batch, device=logits.device), best_block].argmax(dim=-1)
+    return best_block * _ARGMAX_BLOCK + inner
+
+
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
     """A generator on `device` seeded with `seed`, or None for an unseeded request."""
     if seed is None:
@@ -63,13 +85,13 @@ class Sampler:
             raise ValueError(f"logits must be (batch={meta.num_rows}, vocab), got {tuple(logits.shape)}")
         greedy_rows = [meta.is_greedy(row) for row in range(meta.num_rows)]
         if all(greedy_rows) and not any(meta.banned_token_ids):
-            return logits.argmax(dim=-1)  # the common case: nothing to mask, no copy (float32 is exact for bf16)
+            return greedy_argmax(logits)  # the common case: nothing to mask, no copy (float32 is exact for bf16)
         # float32 copy: the masks below write in place and must not touch the caller's tensor.
         logits = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # (batch, vocab)
         _ban_tokens(logits, meta.banned_token_ids)
         if not any(greedy_rows):
             return self._sample(logits, meta, greedy_rows)
-        greedy_ids = logits.argmax(dim=-1)  # (batch,); before _sample, which scales logits in place
+        greedy_ids = greedy_argmax(logits)  # (batch,); before _sample, which scales logits in place
         if all(greedy_rows):
             return greedy_ids
         sampled_ids = self._sample(logits, meta, greedy_rows)

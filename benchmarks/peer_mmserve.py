@@ -1,0 +1,143 @@
+"""`benchmarks/peers.py`'s mmserve worker (and its transformers reference), run in mmserve's own venv.
+
+Run by the harness, one measurement per fresh process:
+  .venv/bin/python benchmarks/peer_mmserve.py --run-dir D --model-dir M --dtype float32 --mode batch --out R
+  .venv/bin/python benchmarks/peer_mmserve.py --run-dir D --model-dir M --reference 8 --out R
+
+Role: load the workload saved in the run directory (`peers_common.load_workload`), build a fresh
+`LLM(model_dir, dtype=...)`, warm it up with one short request on the workload's warm-up image (a
+different image and question, so no timed request is in the prefix or encoder cache), then time
+- `batch`: all requests in one `llm.chat` call; tokens/s = output tokens / the call's wall time;
+  TTFT per request from the call's start (`RequestOutput.metrics`);
+- `one`: one `llm.chat` call per request, in order; TTFT, decode tokens/s = (n - 1) / (finish -
+  first token), end-to-end tokens/s.
+Every request asks for exactly the workload's output tokens (min = max, ignore_eos), greedy.
+With `--reference N` it instead runs transformers' `generate` (float32, greedy, the PIL image
+processor, the same prompt text) on the first N requests and writes their token ids.
+
+What it does not know: mmserve internals; only `LLM`, `SamplingParams` and `RequestOutput.metrics`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.peers_common import (  # noqa: E402
+    load_workload,
+    run_worker,
+    set_thread_env,
+    summarize_batch,
+    summarize_one,
+    write_result,
+)
+
+
+def _messages(req, image) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
+                                         {"type": "text", "text": req.question}]}]
+
+
+def run_mmserve(args: argparse.Namespace) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from mmserve import LLM, SamplingParams
+
+    wl = load_workload(args.run_dir, args.num_requests)
+    images = [r.image() for r in wl.requests]
+    n_out = wl.output_tokens
+    params = SamplingParams(temperature=0, max_tokens=n_out, min_tokens=n_out, ignore_eos=True)
+    started = time.perf_counter()
+    llm = LLM(str(args.model_dir), dtype=args.dtype, max_num_seqs=max(len(images), 1))
+    load_s = time.perf_counter() - started
+    started = time.perf_counter()  # cold call: first request of the process, on the warm-up image
+    llm.chat([_messages(wl.warmup, wl.warmup.image())],
+             SamplingParams(temperature=0, max_tokens=4, min_tokens=4, ignore_eos=True), use_tqdm=False)
+    cold_s = time.perf_counter() - started
+    out = {"system": "mmserve", "dtype": args.dtype, "mode": args.mode, "load_s": round(load_s, 3),
+           "cold_call_s": round(cold_s, 3), "threads": torch.get_num_threads(),
+           "versions": {"torch": torch.__version__}}
+    if args.mode == "batch":
+        convs = [_messages(r, im) for r, im in zip(wl.requests, images)]
+        t_wall = time.time()
+        started = time.perf_counter()
+        outputs = llm.chat(convs, params, use_tqdm=False)
+        wall_s = time.perf_counter() - started
+        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        out.update(summarize_batch(t_wall, wall_s, tokens, [o.metrics.first_token_time for o in outputs],
+                                   [o.metrics.finish_time for o in outputs]))
+    else:
+        records, tokens = [], []
+        for req, im in zip(wl.requests, images):
+            t_wall = time.time()
+            started = time.perf_counter()
+            (o,) = llm.chat([_messages(req, im)], params, use_tqdm=False)
+            wall_s = time.perf_counter() - started
+            ids = list(o.outputs[0].token_ids)
+            m = o.metrics
+            records.append({"wall_s": wall_s, "ttft_s": m.first_token_time - t_wall,
+                            "decode_s": m.finish_time - m.first_token_time, "tokens": ids})
+            tokens.append(ids)
+        out.update(summarize_one(records))
+    out["tokens"] = tokens
+    return out
+
+
+def run_reference(args: argparse.Namespace) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from tests.fixtures.tiny_checkpoints import reference_inputs
+    from transformers import Qwen2VLForConditionalGeneration
+
+    wl = load_workload(args.run_dir, args.reference)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(str(args.model_dir), dtype=torch.float32).eval()
+    pad_id = model.config.text_config.pad_token_id
+    tokens = []
+    started = time.perf_counter()
+    for req in wl.requests:
+        inputs, _ = reference_inputs(args.model_dir, req.prompt, images=[req.image()])
+        with torch.no_grad():
+            gen = model.generate(**inputs, max_new_tokens=wl.output_tokens, min_new_tokens=wl.output_tokens,
+                                 do_sample=False, pad_token_id=pad_id)
+        tokens.append(gen[0, inputs["input_ids"].shape[1]:].tolist())
+    import transformers
+
+    return {"system": "transformers", "dtype": "float32", "mode": "reference", "tokens": tokens,
+            "wall_s": round(time.perf_counter() - started, 3),
+            "prompt_tokens": [int(reference_inputs(args.model_dir, r.prompt, images=[r.image()])[0]["input_ids"]
+                                  .shape[1]) for r in wl.requests],
+            "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--mode", default="batch", choices=["batch", "one"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--num-requests", type=int, default=None)
+    parser.add_argument("--reference", type=int, default=0, help="transformers reference on the first N requests")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    set_thread_env(args.threads)
+
+    def body() -> None:
+        result = run_reference(args) if args.reference else run_mmserve(args)
+        write_result(args.out, result)
+
+    run_worker(body, args.out)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
