@@ -17,7 +17,6 @@ from safetensors import safe_open
 
 from mmserve.errors import ModelLoadError
 from mmserve.models.config_fields import token_ids
-from mmserve.models.layers.packed_linear import prepack_linears
 from mmserve.models.registry import resolve
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -97,6 +96,4 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32",
         raise ModelLoadError(f"{model_dir}: checkpoint has {len(unexpected)} unexpected tensors, "
                              f"e.g. {unexpected[:5]}")
     model.eval().requires_grad_(False)
-    model = model.to(device)
-    prepack_linears(model)  # bfloat16 on the CPU only: bit-identical, faster
-    return model
+    return model.to(device)

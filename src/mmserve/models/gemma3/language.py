@@ -108,9 +108,8 @@ class Gemma3TextModel(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # the head's own module when untied: it may be prepacked (models/layers/packed_linear.py)
-        logits = torch.nn.functional.linear(hidden, self.embed_tokens.weight) if self.lm_head is None \
-            else self.lm_head(hidden)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = torch.nn.functional.linear(hidden, weight)
         cap = self.cfg.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -124,6 +124,5 @@ class DecoderLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            return torch.nn.functional.linear(hidden, self.embed_tokens.weight)
-        return self.lm_head(hidden)  # its own module: it may be prepacked (models/layers/packed_linear.py)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight)
