@@ -75,7 +75,7 @@ def servers(checkpoint_dirs, media_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     main = start_server(model, logs / "main.log", "--allow-private-media-urls", "--allowed-local-media-path",
                         str(media_dir), "--limit-mm-per-prompt", "image=2,video=1", "--max-image-pixels", "1000000",
-                        "--max-video-frames", "4", "--num-kv-blocks", "256")
+                        "--max-video-frames", "4", "--num-kv-blocks", "256", "--max-request-bytes", "3000000")
     strict = start_server(model, logs / "strict.log", "--num-kv-blocks", "64", api_key=API_KEY)
     try:
         wait_healthy(main)
@@ -340,6 +340,30 @@ def test_bad_request_gets_error_json_and_server_serves_on(server, case):
     assert set(error) == {"message", "type", "param", "code"}
     assert needle in error["message"], error["message"]
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_request_body_limit(server, client):
+    """A body over --max-request-bytes gets 413 with OpenAI's error JSON: by its Content-Length before it
+    is read, or while a chunked one arrives; a chunked body within the limit is served."""
+    big = json.dumps({**_chat_body("x" * 3_100_000), "model": server.model}).encode()
+    response = httpx.post(server.url + "/v1/chat/completions", content=big,
+                          headers={"content-type": "application/json"}, timeout=60)
+    assert response.status_code == 413, response.text
+    assert response.json()["error"]["code"] == "request_too_large"
+    assert "3000000" in response.json()["error"]["message"]
+
+    def chunks(body: bytes):
+        for i in range(0, len(body), 65536):
+            yield body[i:i + 65536]
+
+    response = httpx.post(server.url + "/v1/chat/completions", content=chunks(big),
+                          headers={"content-type": "application/json"}, timeout=60)
+    assert response.status_code == 413 and "content-length" not in response.request.headers
+    small = json.dumps({**_chat_body("hi"), "model": server.model}).encode()
+    response = httpx.post(server.url + "/v1/chat/completions", content=chunks(small),
+                          headers={"content-type": "application/json"}, timeout=60)
+    assert response.status_code == 200, response.text
+    assert greedy_chat(client, server, image_message(data_uri(png_bytes((5, 6, 7)))), max_tokens=2).choices
 
 
 def test_good_request_after_bad_ones(server, client):

@@ -3,7 +3,8 @@
 Role: routes (`/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/v1/stats`, `/health`,
 `/metrics`), Bearer-token authentication on `/v1`, and one error shape for every failure —
 OpenAI's `{"error": {"message", "type", "param", "code"}}` with 400 for bad input (malformed
-JSON and schema errors included), 401, 404, 503 when the engine is down. The engine thread starts
+JSON and schema errors included), 401, 404, 413 for a body over `--max-request-bytes`
+(`body_limit.py`), 503 when the engine is down. The engine thread starts
 and stops with the app's lifespan. All state lives on the app (no module globals).
 
 What it does not know: how requests are turned into prompts and responses (serving.py), media
@@ -26,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mmserve.engine.async_engine import AsyncEngine, EngineDeadError
 from mmserve.engine.llm_engine import Engine
+from mmserve.entrypoints.openai.body_limit import BodyLimit
 from mmserve.entrypoints.openai.metrics import ServerMetrics
 from mmserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -140,6 +142,7 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="mmserve", summary="OpenAI-compatible server for vision-language models",
                   lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.serving = async_engine, metrics, serving
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     _install_error_handlers(app)
     app.include_router(_v1_router(serving, async_engine, config.api_key))
 

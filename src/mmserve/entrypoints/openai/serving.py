@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
 from mmserve.engine.async_engine import AsyncEngine, EngineDeadError
+from mmserve.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from mmserve.entrypoints.openai.media import MediaRules, resolve_media, resolve_messages
 from mmserve.entrypoints.openai.protocol import (
     ChatChoice,
@@ -57,6 +58,7 @@ class ServerConfig:
     media: MediaRules
     api_key: str | None = None
     extra_model_names: tuple[str, ...] = field(default=())  # also accepted in `model` (e.g. the path)
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a larger body is refused (413) before it is read
 
 
 def _usage(output: RequestOutput) -> Usage:

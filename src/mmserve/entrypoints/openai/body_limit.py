@@ -1,0 +1,78 @@
+"""A request-body size limit for the HTTP server, enforced before a body is held whole.
+
+Role: an ASGI middleware. A request whose `Content-Length` is over `max_bytes` is answered 413
+with OpenAI's error JSON before any of its body is read. A body without a length (chunked) is
+read here as it arrives and refused with the same 413 as soon as it passes the limit (so no more
+than the limit is ever held), else handed on to the app whole. Other requests are not affected.
+
+What it does not know: routes, the engine, what the body holds.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
+
+
+def _message(max_bytes: int, size: int | None) -> bytes:
+    got = f"{size} bytes" if size is not None else "more than that"
+    error = {"message": f"the request body is {got}; the limit is {max_bytes} bytes (--max-request-bytes)",
+             "type": "invalid_request_error", "param": None, "code": "request_too_large"}
+    return json.dumps({"error": error}).encode()
+
+
+async def _send_413(send: Send, max_bytes: int, size: int | None) -> None:
+    body = _message(max_bytes, size)
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimit:
+    def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+        if max_bytes < 1:
+            raise ValueError(f"max_request_bytes must be positive, got {max_bytes}")
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await _send_413(send, self.max_bytes, int(length))
+            return
+        if length is not None:  # the server reads exactly that many bytes: within the limit
+            await self.app(scope, receive, send)
+            return
+        # no length (chunked): read it here, up to the limit, then hand it on as it came
+        chunks: list[bytes] = []
+        received = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunks.append(message.get("body", b""))
+            received += len(chunks[-1])
+            if received > self.max_bytes:
+                await _send_413(send, self.max_bytes, None)
+                return
+            if not message.get("more_body", False):
+                break
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replayed() -> Message:
+            return replay.pop() if replay else await receive()
+
+        await self.app(scope, replayed, send)
