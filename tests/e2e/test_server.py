@@ -314,6 +314,12 @@ BAD_REQUESTS = {
     "unknown_model": ({**_chat_body("hi"), "model": "no-such-model"}, 404, "does not exist"),
     "max_tokens_beyond_context": ({**_chat_body("hi"), "max_tokens": 10**6}, 400, "maximum context length"),
     "n_above_one": ({**_chat_body("hi"), "n": 2}, 400, "n=1"),
+    "tools": ({**_chat_body("hi"), "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+              "'tools' is not supported"),
+    "json_response_format": ({**_chat_body("hi"), "response_format": {"type": "json_object"}}, 400,
+                             "'response_format' is not supported"),
+    "presence_penalty": ({**_chat_body("hi"), "presence_penalty": 0.5}, 400, "'presence_penalty' is not supported"),
+    "logit_bias": ({**_chat_body("hi"), "logit_bias": {"5": 10}}, 400, "'logit_bias' is not supported"),
     "video_frames_without_urls": (_chat_body([{"type": "video_frames", "video_frames": {"fps": 2}}]), 400,
                                   "needs {'video_frames': {'urls'"),
     "video_frames_over_the_limit": (_chat_body([{"type": "video_frames", "video_frames": {
@@ -364,6 +370,13 @@ def test_request_body_limit(server, client):
                           headers={"content-type": "application/json"}, timeout=60)
     assert response.status_code == 200, response.text
     assert greedy_chat(client, server, image_message(data_uri(png_bytes((5, 6, 7)))), max_tokens=2).choices
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(server, client):
+    """What clients send by default (a user id, no tools, plain text, zero penalties) changes nothing."""
+    reply = greedy_chat(client, server, image_message(data_uri(png_bytes((9, 8, 7)))), max_tokens=2, user="u-1",
+                        presence_penalty=0, frequency_penalty=0.0, response_format={"type": "text"})
+    assert reply.usage.completion_tokens == 2
 
 
 def test_good_request_after_bad_ones(server, client):

@@ -2,7 +2,9 @@
 
 Role: the wire format of `/v1/chat/completions`, `/v1/completions`, `/v1/models` and errors, and
 the one mapping from a request's sampling fields to `SamplingParams`. Unknown request fields are
-accepted and ignored (clients such as the official `openai` package send fields we do not use).
+accepted and ignored (clients send fields such as `user` that change nothing), except the OpenAI
+features mmserve does not implement (`UNSUPPORTED_FIELDS`: tools, response formats, penalties, logit
+bias, ...): set to anything but their neutral value, they are refused with a 400 that names them.
 What it does not know: the engine, media, HTTP routing.
 """
 
@@ -43,6 +45,17 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# OpenAI request fields mmserve does not implement, with the values that ask for nothing (a client may send
+# those): any other value is refused with a 400 naming the field, never silently ignored
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}), "logit_bias": (None, {}),
+    "top_logprobs": (None, 0), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0), "best_of": (None, 1), "audio": (None,), "modalities": (None, ["text"]),
+    "prediction": (None,),
+}
+
+
 class _GenerationRequest(BaseModel):
     """Fields shared by chat and text completions (vLLM's extensions included)."""
 
@@ -74,6 +87,11 @@ class _GenerationRequest(BaseModel):
         not exceed it."""
         if self.logprobs not in (None, False):
             raise RequestError("logprobs are not supported", param="logprobs")
+        extra = self.model_extra or {}
+        for name, harmless in UNSUPPORTED_FIELDS.items():
+            if name in extra and extra[name] not in harmless:
+                raise RequestError(f"'{name}' is not supported by this server (got {extra[name]!r:.80})", param=name,
+                                   code="unsupported_parameter")
         room = max_model_len - num_prompt_tokens
         requested = self.requested_max_tokens()
         if room < 1 or (requested is not None and requested > room):
