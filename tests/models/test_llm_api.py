@@ -5,6 +5,7 @@ import io
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from mmserve import LLM, InvalidInputError, SamplingParams
 from tests.models.helpers import random_image
@@ -164,3 +165,20 @@ def test_stats_and_engine_args(llm, checkpoint_dirs):
     assert STATS_KEYS <= set(llm.get_stats())
     with pytest.raises(TypeError, match="unknown engine argument 'max_num_sequences'"):
         LLM(str(checkpoint_dirs["qwen2_vl"]), max_num_sequences=4)
+
+
+def test_pixels_per_request_limit(checkpoint_dirs):
+    """Images and video frames that each pass the per-image limit but together hold more pixels than
+    max_pixels_per_request are refused, naming the limit; the engine serves on."""
+    llm = LLM(str(checkpoint_dirs["qwen2_vl"]), max_pixels_per_request=100 * 100 * 2)
+    img = Image.new("RGB", (100, 100), (200, 30, 30))
+    two = [{"role": "user", "content": [{"type": "image_pil", "image_pil": img}, {"type": "image_pil", "image_pil": img},
+                                        {"type": "text", "text": "Compare."}]}]
+    three = [{"role": "user", "content": [*two[0]["content"][:2], {"type": "video", "video": [img] * 2},
+                                          {"type": "text", "text": "And?"}]}]
+    assert llm.chat(two, greedy(2), use_tqdm=False)[0].outputs[0].finish_reason == "length"  # exactly the limit
+    with pytest.raises(InvalidInputError, match="over the limit of 20000 pixels per request"):
+        llm.chat(three, greedy(2), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert len(llm.chat(two, greedy(2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+    llm.check_integrity()

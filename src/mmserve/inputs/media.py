@@ -36,11 +36,26 @@ class MediaLimits:
     max_image_bytes: int = 32 * 1024 * 1024  # encoded size
     max_image_pixels: int = 64_000_000  # width * height, checked before decoding
     max_video_frames: int = 32  # frames per video (and, where a video is one item, its largest size)
+    max_pixels_per_request: int = 256_000_000  # decoded pixels of all images and video frames of one request
     allowed_local_media_path: str | None = None  # local files only below this directory
 
     def __post_init__(self) -> None:
-        if self.max_image_bytes <= 0 or self.max_image_pixels <= 0 or self.max_video_frames <= 0:
+        if min(self.max_image_bytes, self.max_image_pixels, self.max_video_frames, self.max_pixels_per_request) <= 0:
             raise ValueError("media limits must be positive")
+
+
+class PixelBudget:
+    """The decoded pixels one request may hold over all its images and video frames."""
+
+    def __init__(self, limits: MediaLimits) -> None:
+        self.limit = limits.max_pixels_per_request
+        self.used = 0
+
+    def take(self, images: list[Image.Image], what: str) -> None:
+        self.used += sum(im.width * im.height for im in images)
+        if self.used > self.limit:
+            raise InvalidInputError(f"the request's images and video frames hold {self.used} pixels by {what}, over "
+                                    f"the limit of {self.limit} pixels per request (max_pixels_per_request)")
 
 
 def _check_size(width: int, height: int, limits: MediaLimits, what: str) -> None:

@@ -38,7 +38,7 @@ from mmserve.inputs.chat import ChatInput, normalize_messages
 from mmserve.inputs.frame_sampling import SAMPLING_KWARG, check_fps, check_sampling
 from mmserve.inputs.hashing import hash_item
 from mmserve.inputs.items import IMAGE, VIDEO, MMItem, ProcessedPrompt, PromptPositions
-from mmserve.inputs.media import MediaLimits, load_image, load_video
+from mmserve.inputs.media import MediaLimits, PixelBudget, load_image, load_video
 from mmserve.inputs.placeholders import check_item_rows, embeds_in_range
 from mmserve.inputs.tokenizer import TextTokenizer
 
@@ -169,12 +169,15 @@ class MultimodalProcessor:
         image_shaping = self.processing_key(IMAGE, kwargs)
         video_shaping = self.processing_key(VIDEO, kwargs)
         expanded: dict[str, list[tuple[ItemExpansion, list[str]]]] = {IMAGE: [], VIDEO: []}
+        pixels = PixelBudget(self.limits)
         for i, source in enumerate(images):
             img = load_image(source, self.limits, f"image {i}")
+            pixels.take([img], f"image {i}")
             exp = self.expand_image(img, kwargs, len(images))
             expanded[IMAGE].append((exp, self._keys(IMAGE, ids[IMAGE][i], img, {**image_shaping, **exp.key_extra}, exp)))
         for i, source in enumerate(videos):
             frames, stated_fps = load_video(source, self.limits, f"video {i}")
+            pixels.take(frames, f"video {i}")
             video_fps = stated_fps or fps
             exp = self.expand_video(frames, video_fps, kwargs)
             shaping = {**video_shaping, "fps": video_fps, **exp.key_extra}
