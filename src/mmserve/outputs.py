@@ -34,3 +34,4 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None  # why the request failed, when finish_reason is "error"
     delta_text: str = field(default="", repr=False)  # text new since the previous output (streaming)
+    internal_error: bool = False  # the error is the server's (a fault in a model step), not the request's

@@ -254,6 +254,9 @@ class Scheduler:
                 self._finish(request, status)
             outputs.append(EngineCoreOutput(rid, (token,), status.finish_reason if status else None,
                                             token if status == RequestStatus.FINISHED_STOPPED else None))
+        for rid, error in result.failed.items():  # failed without tokens this step (a faulted step's waiting requests)
+            if rid not in sched.num_scheduled_tokens and rid in self.requests:
+                outputs.append(self._fail(self.requests[rid], error))
         return outputs
 
     def _fail(self, request: Request, error: str) -> EngineCoreOutput:

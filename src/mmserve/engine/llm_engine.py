@@ -28,7 +28,7 @@ from mmserve.core.item_scheduler import ItemScheduler
 from mmserve.core.kv_cache import KVCacheManager
 from mmserve.core.request import ItemSpec, Request, RequestStatus
 from mmserve.core.scheduler import Scheduler, SchedulerLimits
-from mmserve.core.step import EngineCoreOutput, SchedulerOutput
+from mmserve.core.step import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from mmserve.engine.detokenizer import IncrementalDetokenizer
 from mmserve.engine.prompts import parse_prompt
 from mmserve.errors import InvalidInputError
@@ -62,6 +62,7 @@ class _Tracked:
     runner_prompt: RunnerPrompt
     payloads: dict[int, Any]  # item index -> the family's encoder input, until the item is encoded and held
     stop_reason: int | str | None = None
+    internal_error: bool = False  # failed by a fault in a model step, not by its input
 
 
 class Engine:
@@ -213,10 +214,31 @@ class Engine:
         for new in sched.new_requests:
             tracked = self.tracked[new.request_id]
             tracked.metrics.first_scheduled_time = tracked.metrics.first_scheduled_time or now
-        result = self.runner.execute(sched, self._step_inputs(sched))
+        try:
+            result = self.runner.execute(sched, self._step_inputs(sched))
+        except Exception as exc:  # noqa: BLE001 - a fault in one step must not take the engine down
+            result = self._step_fault(sched, exc)
         core_outputs = self.scheduler.update(sched, result)
         self._drop_encoded_payloads(set(sched.num_scheduled_tokens) | set(sched.encoder_items))
         return pending + [self._output(o) for o in core_outputs]
+
+    def _step_fault(self, sched: SchedulerOutput, exc: Exception) -> ModelRunnerOutput:
+        """The model step raised: the requests it computed fail with an internal error, whatever the runner
+        made of them is dropped (their state, the encoder outputs it produced), and the engine goes on with
+        the others. Encoder keys produced in the step go back to MISSING (nothing reports them committed)."""
+        logger.exception("the model step failed; its requests fail, the engine serves on")
+        message = f"internal error in the model step ({type(exc).__name__}: {exc}); the request was not completed"
+        # every request the runner may have touched: its state there is no longer trusted
+        rids = (set(sched.num_scheduled_tokens) | set(sched.encoder_items) | {n.request_id for n in sched.new_requests}
+                | {c.request_id for c in sched.cached_requests})
+        for rid in rids:
+            self.runner.release(rid)
+            if rid in self.tracked:
+                self.tracked[rid].internal_error = True
+        produced = [self.scheduler.requests[rid].items[i].content_hash for rid, indices in sched.encoder_items.items()
+                    if rid in self.scheduler.requests for i in indices]
+        self.runner.encoder.free(produced)
+        return ModelRunnerOutput(failed={rid: message for rid in rids})
 
     def _step_inputs(self, sched: SchedulerOutput) -> StepInputs:
         """The prompts of new (or resumed) requests and the payloads of this step's items, by content key."""
@@ -272,7 +294,8 @@ class Engine:
         completion = CompletionOutput(0, tracked.detokenizer.output_text, list(request.output_token_ids), finish,
                                       tracked.stop_reason if finish == "stop" else None)
         return RequestOutput(request.request_id, tracked.prompt, request.prompt_token_ids, [completion], finished,
-                             max(request.num_cached_tokens, 0), tracked.metrics, error, delta)
+                             max(request.num_cached_tokens, 0), tracked.metrics, error, delta,
+                             internal_error=tracked.internal_error)
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         outputs = []

@@ -12,6 +12,7 @@ What it does not know: scheduling policy, budgets, text, any family (the model i
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -29,6 +30,8 @@ from mmserve.runner.encoder_runner import EncodeJob, EncoderRunner, OutputShape
 from mmserve.runner.fusion import ChunkPiece, MultimodalRuntimeData
 from mmserve.runner.sampler import Sampler, SamplingMetadata, make_generator
 from mmserve.sampling_params import SamplingParams
+
+FAULT_TOKEN_ENV = "MMSERVE_TEST_STEP_FAULT_TOKEN"  # test hook: a step whose batch holds this token id raises
 
 
 @dataclass
@@ -102,6 +105,8 @@ class ModelRunner:
         self.async_encoder = None if pool is None else AsyncEncoder(pool, self.encoder, encoder_timeout_s)
         self.last_outcomes: list[ItemOutcome] = []
         self.last_step = StepTiming()
+        fault = os.environ.get(FAULT_TOKEN_ENV)
+        self.fault_token = int(fault) if fault else None  # test hook: a step holding this token id raises
 
     def release(self, request_id: str) -> None:
         """Drop a finished request's state now (the step contract would also drop it next step)."""
@@ -177,6 +182,8 @@ class ModelRunner:
             embeds.index_copy_(0, positions, rows[0].to(embeds.dtype))
             if extra is not None:
                 extra.index_copy_(1, positions, rows[1:].to(embeds.dtype))
+        if self.fault_token is not None and bool((batch.input_ids == self.fault_token).any()):
+            raise RuntimeError(f"test fault: token {self.fault_token} in the batch ({FAULT_TOKEN_ENV})")
         forward_started = time.perf_counter()
         hidden = self.model(embeds, batch.positions, self.attention, batch.attn, extra)
         if batch.sample_rows:

@@ -73,6 +73,9 @@ def _sse(payload: BaseModel) -> str:
 
 def _raise_if_failed(output: RequestOutput) -> None:
     if output.outputs[0].finish_reason == "error":
+        if output.internal_error:  # the engine's fault, not the request's: 500, and the engine serves on
+            raise RequestError(output.error or "internal error", status_code=500, type="server_error",
+                               code="internal_error")
         raise RequestError(output.error or "the request failed", param=None, code="request_rejected")
 
 
