@@ -112,6 +112,9 @@ def _add_serve_parser(sub: Any) -> None:
                        help="total time limit for fetching one media URL (default: 10)")
     media.add_argument("--max-video-bytes", type=_int_or_size, default=64 * 1024 * 1024, metavar="N",
                        help="largest encoded video file (default: 64MiB)")
+    http.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                      help="on SIGTERM, how long requests in flight may take to finish before they are aborted "
+                           "(default: 30)")
     http.add_argument("--max-request-bytes", type=_int_or_size, default=32 * 1024 * 1024, metavar="N",
                       help="largest request body; a larger one gets 413 before it is read (default: 32MiB)")
     _add_engine_args(serve)
@@ -198,7 +201,7 @@ def _serve(args: argparse.Namespace) -> int:
     rules = MediaRules(config.media, fetch, args.max_video_bytes, limits, engine.spec.default_video_fps)
     server_config = ServerConfig(name, rules, args.api_key, extra_model_names=(model,) if name != model else (),
                                  max_request_bytes=args.max_request_bytes)
-    serve(engine, server_config, args.host, args.port, args.log_level)
+    serve(engine, server_config, args.host, args.port, args.log_level, args.shutdown_timeout)
     return 0
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -163,10 +164,19 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
 
 def serve(engine: Engine, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "info") -> None:
-    """Serve until interrupted (blocks)."""
+          log_level: str = "info", shutdown_timeout_s: float = 30.0) -> None:
+    """Serve until interrupted (blocks). On SIGTERM or Ctrl-C the server stops accepting connections,
+    lets the requests in flight finish for up to `shutdown_timeout_s`, then closes the rest (closing a
+    request's connection aborts it in the engine), stops the engine and its workers, and returns."""
     import uvicorn
 
     app = build_app(engine, config)
     logger.info("serving %s on http://%s:%d", config.served_model_name, host, port)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal under the handler it found: a
+    # handler that does nothing lets the process end normally (exit 0) instead of dying by the signal
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout_s)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    logger.info("server stopped")
