@@ -379,6 +379,22 @@ def test_neutral_values_of_unsupported_fields_are_accepted(server, client):
     assert reply.usage.completion_tokens == 2
 
 
+def test_openai_client_error_types(server, client):
+    """The official client maps our error responses onto its own error types, with our message."""
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="'tools' is not supported"):
+        greedy_chat(client, server, image_message(data_uri(png_bytes((1, 1, 1)))), max_tokens=2,
+                    tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        greedy_chat(client, server, [{"role": "user", "content": "hi"}], max_tokens=10**6)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.APIStatusError) as too_large:
+        greedy_chat(client, server, [{"role": "user", "content": "x" * 3_100_000}], max_tokens=2)
+    assert too_large.value.status_code == 413 and "--max-request-bytes" in too_large.value.message
+
+
 def test_good_request_after_bad_ones(server, client):
     response = greedy_chat(client, server, image_message(data_uri(png_bytes((5, 5, 5)))), max_tokens=2)
     assert response.usage.completion_tokens >= 1
