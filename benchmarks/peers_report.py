@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from benchmarks import plots
+
 SPEEDUP_TARGET = 1.2  # mmserve / peer
 BUSY_CORES = 0.25  # a measurement during which other processes kept more cores busy is flagged
 LABELS = {"mmserve": "mmserve", "vllm": "vLLM-CPU", "llamacpp": "llama.cpp"}
@@ -164,13 +166,9 @@ def print_targets(results: dict[str, Any]) -> None:
 
 def write_plot(results: dict[str, Any], path: Path) -> str:
     """tok/s per system and mode (bars, per-round range), TTFT and ITL distributions (box plots)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "not written: matplotlib is not installed (pip install -e '.[bench]')"
+    plt = plots.pyplot()
+    if plt is None:
+        return plots.NOT_INSTALLED
     rows = [(model, e) for model, res in results.items() for e in res["results"].values() if "error" not in e]
     if not rows:
         return "not written: nothing measured"
@@ -198,11 +196,7 @@ def write_plot(results: dict[str, Any], path: Path) -> str:
         ax.set_xticks(range(1, len(rows) + 1), labels, fontsize=7)
         ax.set_yscale("log")
         ax.set_title(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return f"written to {path}"
+    return plots.save(fig, path)
 
 
 def json_line(card: dict[str, Any], results: dict[str, Any], plot_note: str, run_s: float) -> str:

@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python benchmarks/serve.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import plots  # noqa: E402
 from benchmarks.workload import Workload, build_workload  # noqa: E402
 
 
@@ -255,13 +256,9 @@ def print_table(results: list[dict[str, Any]]) -> None:
 
 def write_plot(results: list[dict[str, Any]], dists: list[dict[str, list[float]]], path: Path) -> str:
     """Output tokens/s per client count; TTFT and ITL distributions (box plots, ms) per client count."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "not written: matplotlib is not installed (pip install -e '.[bench]')"
+    plt = plots.pyplot()
+    if plt is None:
+        return plots.NOT_INSTALLED
     labels = [str(r["clients"]) for r in results]
     fig, axes = plt.subplots(1, 3, figsize=(max(12, 2 * len(results) + 8), 4.5))
     axes[0].bar(labels, [r["output_token_throughput_per_s"] for r in results], color="tab:blue")
@@ -274,11 +271,7 @@ def write_plot(results: list[dict[str, Any]], dists: list[dict[str, list[float]]
         ax.set_xlabel("concurrent clients")
         ax.set_yscale("log")
         ax.set_title(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return f"written to {path}"
+    return plots.save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:
