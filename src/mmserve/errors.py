@@ -8,7 +8,13 @@ from __future__ import annotations
 
 
 class InvalidInputError(ValueError):
-    """A request's input is unusable: bad media, mismatched placeholders, limits exceeded, ..."""
+    """A request's input is unusable: bad media, mismatched placeholders, limits exceeded, ...
+
+    `param` names the request field at fault when there is one (the server's error JSON carries it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ModelLoadError(RuntimeError):

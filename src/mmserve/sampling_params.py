@@ -17,6 +17,7 @@ from mmserve.errors import InvalidInputError
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows to inf and the
 # softmax turns into NaN, while the distribution is argmax for all practical purposes anyway.
 GREEDY_TEMPERATURE_EPS = 1e-5
+SEED_RANGE = (-(2**63), 2**64)  # what a torch.Generator takes
 
 
 def _is_int(value: object) -> bool:
@@ -28,8 +29,8 @@ def _is_number(value: object) -> bool:
 
 
 def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise InvalidInputError(message)
+    if not condition:  # every message starts with the field's name
+        raise InvalidInputError(message, param=message.split(" ", 1)[0])
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
 
     def _validate_numbers(self) -> None:
-        _check(_is_int(self.n) and self.n == 1, f"only n=1 is supported, got n={self.n!r}")
+        _check(_is_int(self.n) and self.n == 1, f"n must be 1 (only n=1 is supported), got n={self.n!r}")
         _check(_is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
                f"temperature must be a finite number >= 0, got {self.temperature!r}")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1,
@@ -73,13 +74,16 @@ class SamplingParams:
                f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1,
                f"min_p must be in [0, 1], got {self.min_p!r}")
-        _check(self.seed is None or _is_int(self.seed), f"seed must be an integer or null, got {self.seed!r}")
+        _check(self.seed is None or (_is_int(self.seed) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]),
+               f"seed must be null or an integer in [-2**63, 2**64), got {self.seed!r}")
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         _check(_is_int(self.min_tokens) and self.min_tokens >= 0,
                f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         _check(self.min_tokens <= self.max_tokens,
                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            _check(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -90,17 +94,18 @@ class SamplingParams:
 def _normalise_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
     if stop is None:
         return ()
+    _check(isinstance(stop, (str, list, tuple)), f"stop must be a string or a list of strings, got {stop!r:.80}")
     strings = (stop,) if isinstance(stop, str) else tuple(stop)
     for s in strings:
         _check(isinstance(s, str), f"stop must be a string or a list of strings, got an item {s!r}")
-        _check(len(s) > 0, "stop strings must not be empty")
+        _check(len(s) > 0, "stop must not contain empty strings")
     return strings
 
 
 def _normalise_stop_token_ids(stop_token_ids: Sequence[int] | None) -> tuple[int, ...]:
     if stop_token_ids is None:
         return ()
-    _check(not isinstance(stop_token_ids, (str, bytes)), "stop_token_ids must be a list of integers")
+    _check(isinstance(stop_token_ids, (list, tuple)), f"stop_token_ids must be a list of integers, got {stop_token_ids!r:.80}")
     ids = tuple(stop_token_ids)
     for token_id in ids:
         _check(_is_int(token_id) and token_id >= 0,

@@ -39,14 +39,23 @@ def test_frozen():
     ({"min_tokens": -1}, "min_tokens"),
     ({"min_tokens": 17, "max_tokens": 16}, "must not exceed max_tokens"),
     ({"stop_token_ids": [1, -3]}, "stop_token_ids"),
-    ({"stop": ""}, "stop strings must not be empty"),
-    ({"stop": ["ok", ""]}, "stop strings must not be empty"),
+    ({"stop": ""}, "stop must not contain empty strings"),
+    ({"stop": ["ok", ""]}, "stop must not contain empty strings"),
     ({"stop": ["ok", 3]}, "stop must be a string"),
     ({"seed": 1.5}, "seed"),
+    # found by the fuzzers (tests/models/test_fuzz_offline.py): these raised TypeError or were accepted
+    ({"stop": 5}, "stop must be a string or a list"),
+    ({"stop_token_ids": 5}, "stop_token_ids must be a list"),
+    ({"seed": 2**64}, r"seed must be null or an integer in \[-2\*\*63, 2\*\*64\)"),
+    ({"seed": -(2**63) - 1}, "seed"),
+    ({"ignore_eos": {"x": 1}}, "ignore_eos must be true or false"),
+    ({"skip_special_tokens": None}, "skip_special_tokens must be true or false"),
+    ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output must be true or false"),
 ])
 def test_validation_errors(kwargs, message):
-    with pytest.raises(InvalidInputError, match=message):
+    with pytest.raises(InvalidInputError, match=message) as raised:
         SamplingParams(**kwargs)
+    assert raised.value.param in kwargs  # the field at fault, for the server's error JSON
 
 
 def test_invalid_input_error_is_a_value_error():

@@ -30,6 +30,8 @@ class ChatInput:
 
 def normalize_messages(messages: list[dict[str, Any]], media: ChatInput) -> list[dict[str, Any]]:
     """Template-ready messages; media parts are appended to `media` in order."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidInputError(f"a conversation must be a non-empty list of messages, got {messages!r:.80}")
     return [_normalize_message(m, media) for m in messages]
 
 
