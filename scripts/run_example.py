@@ -2,7 +2,8 @@
 
 Generates one image with the demo task's generator, saves it to .run/example.png, prints the
 question, the expected answer and the model's answer (through `mmserve generate`), then starts
-`mmserve serve` on the demo model (Ctrl-C stops it). `--no-serve` stops after the answer.
+`mmserve serve` on the demo model, with its chat page at http://127.0.0.1:8000/ (Ctrl-C stops it).
+`--no-serve` stops after the answer.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def main(argv: list[str]) -> int:
     print(f"model's answer: {answer} ({'right' if answer == sample.answer else 'wrong'})", flush=True)
     if done.returncode != 0 or "--no-serve" in argv:
         return done.returncode
+    # `mmserve serve` prints the chat page's address itself ("chat in your browser: http://...")
     print("\nserving the demo model as mmserve-demo at http://127.0.0.1:8000/v1 (Ctrl-C to stop)", flush=True)
     return subprocess.call([*cli, "serve", "--host", "127.0.0.1", "--port", "8000"])
 

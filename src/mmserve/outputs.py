@@ -35,3 +35,9 @@ class RequestOutput:
     error: str | None = None  # why the request failed, when finish_reason is "error"
     delta_text: str = field(default="", repr=False)  # text new since the previous output (streaming)
     internal_error: bool = False  # the error is the server's (a fault in a model step), not the request's
+    num_mm_items: int = 0  # media items in the prompt (images; a video's items)
+    # of those, items the encoder did not run for this request: found in the encoder cache (ready, or being
+    # encoded for another request) at admission, and items wholly inside the KV prefix-cache hit
+    # (num_cached_tokens) — an item can be both
+    num_encoder_cached_mm_items: int = 0
+    num_prefix_cached_mm_items: int = 0

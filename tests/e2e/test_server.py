@@ -331,7 +331,11 @@ BAD_REQUESTS = {
     "unknown_video_sampling": ({**_chat_body([{"type": "video_url", "video_url": {"url": data_uri(
         b"x", "video/mp4")}}]), "mm_processor_kwargs": {"video_sampling": "later"}}, 400, "video_sampling"),
     "bad_temperature": ({**_chat_body("hi"), "temperature": -1}, 400, "temperature"),
+    "bad_stop": ({**_chat_body("hi"), "stop": ["ok", ""]}, 400, "stop must not contain empty strings"),
 }
+# the field each 400 names in `param`, where the request has one at fault
+BAD_REQUEST_PARAMS = {"max_tokens_beyond_context": "max_tokens", "n_above_one": "n", "tools": "tools",
+                      "bad_temperature": "temperature", "bad_stop": "stop", "logit_bias": "logit_bias"}
 
 
 @pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
@@ -345,6 +349,8 @@ def test_bad_request_gets_error_json_and_server_serves_on(server, case):
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert needle in error["message"], error["message"]
+    if case in BAD_REQUEST_PARAMS:
+        assert error["param"] == BAD_REQUEST_PARAMS[case], error
     assert httpx.get(server.url + "/health").status_code == 200
 
 

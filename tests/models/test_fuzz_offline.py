@@ -40,6 +40,7 @@ def _answer_or_refusal(llm: LLM, call) -> object:
         result = within(CASE_DEADLINE_S, call)
     except InvalidInputError as exc:
         assert str(exc), "an InvalidInputError must say what is wrong"
+        assert " at 0x" not in str(exc), exc  # no Python object reprs in what a user reads
         result = exc
     event("refused" if isinstance(result, InvalidInputError) else "answered")
     stats = llm.get_stats()

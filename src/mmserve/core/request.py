@@ -68,6 +68,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
+    num_encoder_cached_items: int = 0  # items whose output was in the encoder cache at first admission
     num_preemptions: int = 0
     error: str | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks, in order

@@ -37,6 +37,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped (a step raised or the engine was shut down)."""
 
 
+class ShuttingDownError(EngineDeadError):
+    """The server is shutting down and cut this request off at its shutdown timeout."""
+
+
 @dataclass(frozen=True)
 class _Add:
     request_id: str
@@ -94,6 +98,15 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout_s)
         self.engine.shutdown()  # its encoder workers, if any
+
+    def abort_all(self, error: BaseException) -> int:
+        """Fail every request in flight with `error` and abort them in the engine (thread-safe; the
+        server's shutdown timeout). Returns how many were cut off."""
+        with self._lock:
+            request_ids = tuple(self._streams)
+        self._fail_all(error)
+        self._commands.put(_Abort(request_ids))
+        return len(request_ids)
 
     @property
     def is_running(self) -> bool:

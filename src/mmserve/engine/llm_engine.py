@@ -293,9 +293,13 @@ class Engine:
         delta = tracked.detokenizer.take_delta(finished)
         completion = CompletionOutput(0, tracked.detokenizer.output_text, list(request.output_token_ids), finish,
                                       tracked.stop_reason if finish == "stop" else None)
+        num_cached_tokens = max(request.num_cached_tokens, 0)
+        items = [item for item in request.items if item.output_rows > 0]
         return RequestOutput(request.request_id, tracked.prompt, request.prompt_token_ids, [completion], finished,
-                             max(request.num_cached_tokens, 0), tracked.metrics, error, delta,
-                             internal_error=tracked.internal_error)
+                             num_cached_tokens, tracked.metrics, error, delta,
+                             internal_error=tracked.internal_error, num_mm_items=len(items),
+                             num_encoder_cached_mm_items=request.num_encoder_cached_items,
+                             num_prefix_cached_mm_items=sum(1 for item in items if item.end <= num_cached_tokens))
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         outputs = []
@@ -331,6 +335,7 @@ class Engine:
             "encoder_cache_misses": cache.stats.misses,
             "encoder_cache_evictions": cache.stats.evictions,
             "encoder_cache_bytes_used": cache.used_bytes,
+            "encoder_cache_bytes_referenced": cache.referenced_bytes,  # held by live requests; 0 when idle
             "encoder_cache_bytes_total": cache.capacity_bytes,
             "requests_rejected": s.requests_rejected,
             "budget_max_encoder_items_per_step": self.budget.max_items_per_step,

@@ -19,7 +19,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mmserve.config import DEMO_MODEL_NAME, CacheConfig, EncoderConfig, SchedulerConfig, resolve_model
+from mmserve.config import (
+    DEMO_MODEL_DIR,
+    DEMO_MODEL_NAME,
+    CacheConfig,
+    EncoderConfig,
+    SchedulerConfig,
+    resolve_model,
+)
 from mmserve.errors import InvalidInputError, ModelLoadError
 from mmserve.inputs.media import MediaLimits
 
@@ -93,7 +100,8 @@ def _model_arg(parser: argparse.ArgumentParser) -> None:
 def _add_serve_parser(sub: Any) -> None:
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                            description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
-                                       "/v1/completions, /v1/models, /health, /metrics).")
+                                       "/v1/completions, /v1/models, /health, /metrics), with a chat page "
+                                       "at /.")
     _model_arg(serve)
     http = serve.add_argument_group("server")
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
@@ -101,6 +109,8 @@ def _add_serve_parser(sub: Any) -> None:
     http.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     http.add_argument("--served-model-name", default=None, help=f"the model name clients send (default: MODEL, or {DEMO_MODEL_NAME} for the demo model)")
     http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    http.add_argument("--no-web-ui", dest="web_ui", action="store_false",
+                      help="do not serve the browser chat page at / (served by default; it needs no build)")
     media = serve.add_argument_group("media fetching")
     media.add_argument("--limit-mm-per-prompt", default="image=16,video=4", metavar="image=N,video=M",
                        help="most media items of each kind in one prompt (default: image=16,video=4)")
@@ -200,7 +210,10 @@ def _serve(args: argparse.Namespace) -> int:
     engine = Engine(config)
     rules = MediaRules(config.media, fetch, args.max_video_bytes, limits, engine.spec.default_video_fps)
     server_config = ServerConfig(name, rules, args.api_key, extra_model_names=(model,) if name != model else (),
-                                 max_request_bytes=args.max_request_bytes)
+                                 max_request_bytes=args.max_request_bytes, web_ui=args.web_ui,
+                                 demo_model=Path(model).resolve() == DEMO_MODEL_DIR.resolve())
+    if args.web_ui:
+        print(f"chat in your browser: http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
     serve(engine, server_config, args.host, args.port, args.log_level, args.shutdown_timeout)
     return 0
 

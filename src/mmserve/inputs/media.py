@@ -92,6 +92,8 @@ def decode_image_bytes(data: bytes, limits: MediaLimits, what: str = "image") ->
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise InvalidInputError(f"{what} is too large to decode safely: {exc}") from exc
+    except Image.UnidentifiedImageError as exc:  # its text names the in-memory file object: of no use to a client
+        raise InvalidInputError(f"{what} could not be decoded (not an image in a format Pillow reads)") from exc
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
         raise InvalidInputError(f"{what} could not be decoded (corrupt, truncated or not an image): {exc}") from exc
     return validate_image(image, limits, what)

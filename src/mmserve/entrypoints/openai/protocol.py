@@ -112,7 +112,7 @@ class _GenerationRequest(BaseModel):
         try:
             return SamplingParams(**fields)
         except InvalidInputError as exc:
-            raise RequestError(str(exc)) from exc
+            raise RequestError(str(exc), param=exc.param) from exc
 
     @property
     def include_usage(self) -> bool:
@@ -137,7 +137,12 @@ class CompletionRequest(_GenerationRequest):
 
 # ---- responses ------------------------------------------------------------------------------------
 class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the KV prefix cache
+    # extensions: media items in the prompt, and of those, the ones whose encoder output came from the
+    # encoder cache, and the ones wholly inside `cached_tokens` (neither kind was encoded for this request)
+    mm_items: int = 0
+    cached_mm_items: int = 0
+    prefix_cached_mm_items: int = 0
 
 
 class Usage(BaseModel):
@@ -145,6 +150,10 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    # extensions, measured in the server: from the request's arrival to its first generated token, and
+    # the generated tokens after the first over the time after it (None where there is nothing to measure)
+    time_to_first_token_ms: float | None = None
+    decode_tokens_per_s: float | None = None
 
 
 class ChatMessage(BaseModel):

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: a FastAPI app factory and `serve()`.
 
 Role: routes (`/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/v1/stats`, `/health`,
-`/metrics`), Bearer-token authentication on `/v1`, and one error shape for every failure —
+`/metrics`, and the web chat's from web_ui.py unless it is turned off), Bearer-token
+authentication on `/v1`, and one error shape for every failure —
 OpenAI's `{"error": {"message", "type", "param", "code"}}` with 400 for bad input (malformed
 JSON and schema errors included), 401, 404, 413 for a body over `--max-request-bytes`
 (`body_limit.py`), 503 when the engine is down. The engine thread starts
@@ -16,6 +17,7 @@ from __future__ import annotations
 import hmac
 import logging
 import signal
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -26,7 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mmserve.engine.async_engine import AsyncEngine, EngineDeadError
+from mmserve.engine.async_engine import AsyncEngine, EngineDeadError, ShuttingDownError
 from mmserve.engine.llm_engine import Engine
 from mmserve.entrypoints.openai.body_limit import BodyLimit
 from mmserve.entrypoints.openai.metrics import ServerMetrics
@@ -39,7 +41,8 @@ from mmserve.entrypoints.openai.protocol import (
     ModelList,
     RequestError,
 )
-from mmserve.entrypoints.openai.serving import OpenAIServing, ServerConfig
+from mmserve.entrypoints.openai.serving import OpenAIServing, ServerConfig, engine_error
+from mmserve.entrypoints.openai.web_ui import web_ui_router
 from mmserve.errors import InvalidInputError
 
 logger = logging.getLogger("mmserve.server")
@@ -77,7 +80,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error(exc.status_code, str(exc.detail), kind)
 
     async def engine_dead(_: Request, exc: Exception) -> JSONResponse:
-        return _error(503, str(exc), "server_error")
+        assert isinstance(exc, EngineDeadError)
+        return JSONResponse(ErrorResponse(error=engine_error(exc)).model_dump(), status_code=503)
 
     async def validation(request: Request, exc: Exception) -> JSONResponse:
         return _validation_error(request, exc)
@@ -146,6 +150,8 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     _install_error_handlers(app)
     app.include_router(_v1_router(serving, async_engine, config.api_key))
+    if config.web_ui:  # the chat page and its files need no API key: the user types it into the page
+        app.include_router(web_ui_router(config.demo_model, api_key_required=config.api_key is not None))
 
     @app.get("/health")
     async def health() -> Response:
@@ -163,20 +169,45 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     return app
 
 
+def _shutdown_margin_s(timeout_s: float) -> float:
+    """How long before uvicorn's graceful-shutdown timeout the requests still running are cut off, so
+    that each still gets its error answer before uvicorn cancels what is left."""
+    return min(0.5, timeout_s / 4)
+
+
 def serve(engine: Engine, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info", shutdown_timeout_s: float = 30.0) -> None:
     """Serve until interrupted (blocks). On SIGTERM or Ctrl-C the server stops accepting connections,
-    lets the requests in flight finish for up to `shutdown_timeout_s`, then closes the rest (closing a
-    request's connection aborts it in the engine), stops the engine and its workers, and returns."""
+    lets the requests in flight finish for up to `shutdown_timeout_s`, then fails the rest with a 503
+    `server_shutting_down` error (an error event on a stream) and aborts them in the engine, stops the
+    engine and its workers, and returns."""
     import uvicorn
 
     app = build_app(engine, config)
+    async_engine: AsyncEngine = app.state.engine
+
+    def cut_off() -> None:
+        error = ShuttingDownError(f"the server is shutting down: the request was still running after the "
+                                  f"{shutdown_timeout_s:g} s shutdown timeout and was aborted")
+        if cut := async_engine.abort_all(error):
+            logger.warning("shutdown timeout: aborted %d running request(s)", cut)
+
+    class GracefulServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit:  # the first signal starts the shutdown clock
+                timer = threading.Timer(max(0.0, shutdown_timeout_s - _shutdown_margin_s(shutdown_timeout_s)),
+                                        cut_off)
+                timer.daemon = True
+                timer.start()
+            super().handle_exit(sig, frame)
+
     logger.info("serving %s on http://%s:%d", config.served_model_name, host, port)
     # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal under the handler it found: a
     # handler that does nothing lets the process end normally (exit 0) instead of dying by the signal
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout_s)
+        GracefulServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                      timeout_graceful_shutdown=shutdown_timeout_s)).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
     logger.info("server stopped")

@@ -25,7 +25,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
-from mmserve.engine.async_engine import AsyncEngine, EngineDeadError
+from mmserve.engine.async_engine import AsyncEngine, EngineDeadError, ShuttingDownError
 from mmserve.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from mmserve.entrypoints.openai.media import MediaRules, resolve_media, resolve_messages
 from mmserve.entrypoints.openai.protocol import (
@@ -59,16 +59,39 @@ class ServerConfig:
     api_key: str | None = None
     extra_model_names: tuple[str, ...] = field(default=())  # also accepted in `model` (e.g. the path)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a larger body is refused (413) before it is read
+    web_ui: bool = True  # the chat page at `/` (web_ui.py)
+    demo_model: bool = False  # the bundled demo model is served: the page may draw shapes pictures for it
+
+
+def _timings(output: RequestOutput, num_completion_tokens: int) -> dict[str, float | None]:
+    """Time to first token (ms) and decode speed (tokens/s) from the engine's request metrics."""
+    metrics = output.metrics
+    if metrics is None or metrics.first_token_time is None:
+        return {}
+    decode_s = (metrics.finish_time or metrics.first_token_time) - metrics.first_token_time
+    rate = (num_completion_tokens - 1) / decode_s if num_completion_tokens > 1 and decode_s > 0 else None
+    return {"time_to_first_token_ms": round((metrics.first_token_time - metrics.arrival_time) * 1000, 3),
+            "decode_tokens_per_s": None if rate is None else round(rate, 3)}
 
 
 def _usage(output: RequestOutput) -> Usage:
     prompt, completion = len(output.prompt_token_ids), len(output.outputs[0].token_ids)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=output.num_cached_tokens))
+                 **_timings(output, completion),
+                 prompt_tokens_details=PromptTokensDetails(
+                     cached_tokens=output.num_cached_tokens, mm_items=output.num_mm_items,
+                     cached_mm_items=output.num_encoder_cached_mm_items,
+                     prefix_cached_mm_items=output.num_prefix_cached_mm_items))
 
 
 def _sse(payload: BaseModel) -> str:
     return f"data: {payload.model_dump_json()}\n\n"
+
+
+def engine_error(exc: EngineDeadError) -> ErrorInfo:
+    """The error a request gets when the engine stopped under it, or the shutdown timeout cut it off."""
+    return ErrorInfo(message=str(exc), type="server_error",
+                     code="server_shutting_down" if isinstance(exc, ShuttingDownError) else "engine_dead")
 
 
 def _raise_if_failed(output: RequestOutput) -> None:
@@ -126,7 +149,7 @@ async def _stream_events(first: RequestOutput, outputs: AsyncIterator[RequestOut
                     break
                 output = await anext(outputs)
         except EngineDeadError as exc:
-            yield _sse(ErrorResponse(error=ErrorInfo(message=str(exc), type="server_error")))
+            yield _sse(ErrorResponse(error=engine_error(exc)))
         yield "data: [DONE]\n\n"
 
 
