@@ -170,14 +170,23 @@ async def run_clients(base_url: str, api_key: str, model: str, jobs: list[Job],
 
 
 # ---- the server under test -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LocalServer:
+    url: str
+    pid: int  # the `mmserve serve` process (its encoder workers, if any, are its children)
+
+
 @contextlib.contextmanager
-def local_server(model_dir: Path | None, extra_args: list[str]):
-    """`mmserve serve [model_dir]` on a free loopback port (no model_dir: the demo model); yields its URL."""
+def local_server_process(model_dir: Path | None, extra_args: list[str], log_path: Path | None = None):
+    """`mmserve serve [model_dir]` on a free loopback port (no model_dir: the demo model); yields a
+    `LocalServer`. Its output goes to `log_path` (default `.bench/serve-bench-server.log`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    (ROOT / ".bench").mkdir(exist_ok=True)
-    log = open(ROOT / ".bench" / "serve-bench-server.log", "w")  # noqa: SIM115 (closed below)
+    if log_path is None:
+        (ROOT / ".bench").mkdir(exist_ok=True)
+        log_path = ROOT / ".bench" / "serve-bench-server.log"
+    log = open(log_path, "w")  # noqa: SIM115 (closed below)
     model_arg = [str(model_dir)] if model_dir else []
     process = subprocess.Popen([sys.executable, "-m", "mmserve.entrypoints.cli", "serve", *model_arg,
                                 "--port", str(port), "--log-level", "warning", *extra_args],
@@ -192,11 +201,18 @@ def local_server(model_dir: Path | None, extra_args: list[str]):
             time.sleep(0.3)
         else:
             raise RuntimeError(f"the server did not start; see {log.name}")
-        yield url
+        yield LocalServer(url, process.pid)
     finally:
         process.terminate()
         process.wait(timeout=30)
         log.close()
+
+
+@contextlib.contextmanager
+def local_server(model_dir: Path | None, extra_args: list[str]):
+    """`local_server_process`, yielding only the URL."""
+    with local_server_process(model_dir, extra_args) as server:
+        yield server.url
 
 
 # ---- report ----------------------------------------------------------------------------------------
