@@ -88,6 +88,40 @@ class EncoderConfig:
             raise ValueError(f"encoder_backend must be one of {', '.join(ENCODER_BACKENDS)}; got {self.encoder_backend!r}")
 
 
+DEFAULT_ENCODER_GRAPH_MEMORY_BYTES = 2 * 1024**3  # device memory encoder graph captures may take
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """Captured graphs (runner/encoder_graphs.py, runner/decode_graphs.py). `None` switches: on when the
+    device is CUDA, off on the CPU; True on the CPU runs the graph path with a replay-equivalent (the
+    same bucketing and static buffers, no speed-up: for tests)."""
+
+    enable_encoder_cuda_graphs: bool | None = None
+    # (total_tokens, contexts) or (total_tokens, contexts per attention kind...); None: from the encoder budgets
+    encoder_graph_buckets: tuple[tuple[int, ...], ...] | None = None
+    encoder_graph_memory_bytes: int = DEFAULT_ENCODER_GRAPH_MEMORY_BYTES
+    enable_decode_cuda_graphs: bool | None = None
+    decode_graph_batch_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs
+
+    def __post_init__(self) -> None:
+        if self.encoder_graph_memory_bytes <= 0:
+            raise ValueError(f"encoder_graph_memory_bytes must be positive, got {self.encoder_graph_memory_bytes}")
+        if self.decode_graph_batch_sizes is not None and (not self.decode_graph_batch_sizes
+                                                          or min(self.decode_graph_batch_sizes) <= 0):
+            raise ValueError(f"decode_graph_batch_sizes must be positive, got {self.decode_graph_batch_sizes}")
+        if self.encoder_graph_buckets is not None and not all(len(b) >= 2 for b in self.encoder_graph_buckets):
+            raise ValueError("encoder_graph_buckets entries are (total_tokens, contexts[, contexts per kind...])")
+
+    def encoder_graphs_on(self, device_type: str) -> bool:
+        on = self.enable_encoder_cuda_graphs
+        return device_type == "cuda" if on is None else on
+
+    def decode_graphs_on(self, device_type: str) -> bool:
+        on = self.enable_decode_cuda_graphs
+        return device_type == "cuda" if on is None else on
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -98,16 +132,19 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     media: MediaLimits = field(default_factory=MediaLimits)
+    graphs: GraphConfig = field(default_factory=GraphConfig)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
         """Flat vLLM-style engine args (max_num_seqs=..., block_size=...) -> nested config."""
-        groups: dict[str, dict[str, Any]] = {"cache": {}, "scheduler": {}, "encoder": {}, "media": {}, "top": {}}
+        groups: dict[str, dict[str, Any]] = {"cache": {}, "scheduler": {}, "encoder": {}, "media": {}, "graphs": {},
+                                             "top": {}}
         owners = {
             "cache": {f.name for f in dataclasses.fields(CacheConfig)},
             "scheduler": {f.name for f in dataclasses.fields(SchedulerConfig)},
             "encoder": {f.name for f in dataclasses.fields(EncoderConfig)},
             "media": {f.name for f in dataclasses.fields(MediaLimits)},
+            "graphs": {f.name for f in dataclasses.fields(GraphConfig)},
             "top": {"dtype", "device", "seed"},
         }
         for key, value in kwargs.items():
@@ -118,5 +155,5 @@ class EngineConfig:
             groups[owner][key] = value
         return cls(model=model, cache=CacheConfig(**groups["cache"]),
                    scheduler=SchedulerConfig(**groups["scheduler"]), encoder=EncoderConfig(**groups["encoder"]),
-                   media=MediaLimits(**groups["media"]),
+                   media=MediaLimits(**groups["media"]), graphs=GraphConfig(**groups["graphs"]),
                    **groups["top"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -21,10 +22,25 @@ def load_processor(model_dir):
     return family.processor_class(model_dir, family.parse_config(read_config(model_dir)), MediaLimits())
 
 
-def load_family(model_dir, dtype: str = "float32"):
+NO_CUDA_REASON = "no CUDA device: the CUDA parity runs on a GPU machine (scripts/gpu_check.sh)"
+
+
+def devices() -> list:
+    """pytest params of the devices a parity suite runs on: "cpu", and "cuda", skipped (the reason shows
+    in the summary, `-ra`) where no CUDA device exists."""
+    return ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason=NO_CUDA_REASON))]
+
+
+def to_device(inputs: dict, device) -> dict:
+    """A reference model's keyword inputs with every tensor moved to `device`."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def load_family(model_dir, dtype: str = "float32", device: str = "cpu"):
     """(model, processor, spec) for a checkpoint, as the engine builds them."""
     family = resolve(read_config(model_dir))
-    model = load_model(model_dir, dtype)
+    model = load_model(model_dir, dtype, device)
     processor = family.processor_class(model_dir, model.config, MediaLimits())
     return model, processor, family.build_spec(model.config, processor, MediaLimits())
 
@@ -36,14 +52,14 @@ def load_pair(model_dir):
 
 @torch.inference_mode()
 def full_logits(model, prompt: ProcessedPrompt, spec: FamilySpec) -> torch.Tensor:
-    """(num_tokens, vocab) logits of a whole prompt in one prefill."""
+    """(num_tokens, vocab) logits of a whole prompt in one prefill, on the model's device."""
     layout = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
     n = prompt.num_tokens
     dtype = next(model.parameters()).dtype
-    cpu = torch.device("cpu")
-    cache = ContiguousKVCache(layout[0], 1, n, layout[1], layout[2], dtype)
-    embeds, extra = prefill_inputs(model, prompt, cpu)
-    hidden = model(embeds, prompt_positions(prompt, 0, n, cpu), cache, prefill_metadata(prompt, spec), extra)
+    device = next(model.parameters()).device
+    cache = ContiguousKVCache(layout[0], 1, n, layout[1], layout[2], dtype, device)
+    embeds, extra = prefill_inputs(model, prompt, device)
+    hidden = model(embeds, prompt_positions(prompt, 0, n, device), cache, prefill_metadata(prompt, spec), extra)
     return model.compute_logits(hidden)
 
 

@@ -1,6 +1,7 @@
 """The engine's greedy output equals transformers' `generate`, run per request, whatever the
 batching, chunking, preemption or prefix caching — for every family the engine serves
-(docs/architecture.md, invariant 9)."""
+(docs/architecture.md, invariant 9), on every device (`devices()`: the CPU, and CUDA where one exists,
+each against transformers on the same device)."""
 
 import numpy as np
 import pytest
@@ -8,7 +9,7 @@ import torch
 
 from mmserve import LLM, SamplingParams
 from tests.fixtures.families import FAMILIES as SERVED_FAMILIES
-from tests.models.helpers import image_part, load_processor, random_image, text_part
+from tests.models.helpers import devices, image_part, load_processor, random_image, text_part, to_device
 
 NUM_TOKENS = 10
 LONG_SYSTEM = ("You are a careful assistant that looks at pictures and answers questions about them. "
@@ -60,29 +61,34 @@ def expected_tokens(all_checkpoints):
     """transformers' greedy tokens per family, one request at a time (computed once per family)."""
     cache = {}
 
-    def get(family):
-        if family not in cache:
+    def get(family, device="cpu"):
+        if (family, device) not in cache:
             model_dir = all_checkpoints[family]
             fixture = SERVED_FAMILIES[family]
             processor = load_processor(model_dir)
-            ref_model = fixture.reference_class().from_pretrained(model_dir).eval()
+            ref_model = fixture.reference_class().from_pretrained(model_dir).eval().to(device)
             tokens = []
             for ours in _workload(family):
                 chat = processor.render_chat(ours)
                 prompt = processor.process(chat.prompt, images=chat.images, videos=chat.videos)
-                inputs = fixture.reference_kwargs(model_dir, ours, prompt)
+                inputs = to_device(fixture.reference_kwargs(model_dir, ours, prompt), device)
                 with torch.no_grad():
                     out = ref_model.generate(**inputs, max_new_tokens=NUM_TOKENS, min_new_tokens=NUM_TOKENS,
                                              do_sample=False)
                 tokens.append(out[0, inputs["input_ids"].shape[1]:].tolist())
-            cache[family] = tokens
-        return cache[family]
+            cache[family, device] = tokens
+        return cache[family, device]
     return get
 
 
+@pytest.fixture(params=devices())
+def device(request):
+    return request.param
+
+
 @pytest.fixture
-def expected(expected_tokens, served_family):
-    return expected_tokens(served_family)
+def expected(expected_tokens, served_family, device):
+    return expected_tokens(served_family, device)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS)
@@ -94,8 +100,8 @@ def _run(llm, family):
     return [o.outputs[0].token_ids for o in outputs], outputs
 
 
-def test_defaults(served_family, served_model_dir, expected):
-    llm = LLM(str(served_model_dir))
+def test_defaults(served_family, served_model_dir, expected, device):
+    llm = LLM(str(served_model_dir), device=device)
     got, outputs = _run(llm, served_family)
     assert got == expected
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
@@ -103,21 +109,21 @@ def test_defaults(served_family, served_model_dir, expected):
     assert stats["requests_finished"] == 16 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
-def test_chunked_prefill_through_images(served_family, served_model_dir, expected):
-    llm = LLM(str(served_model_dir), max_num_batched_tokens=32)
+def test_chunked_prefill_through_images(served_family, served_model_dir, expected, device):
+    llm = LLM(str(served_model_dir), max_num_batched_tokens=32, device=device)
     got, _ = _run(llm, served_family)
     assert got == expected
 
 
-def test_preemption(served_family, served_model_dir, expected):
-    llm = LLM(str(served_model_dir), num_kv_blocks=24, max_num_batched_tokens=256)
+def test_preemption(served_family, served_model_dir, expected, device):
+    llm = LLM(str(served_model_dir), num_kv_blocks=24, max_num_batched_tokens=256, device=device)
     got, _ = _run(llm, served_family)
     assert llm.get_stats()["num_preemptions"] > 0
     assert got == expected
 
 
-def test_prefix_caching_second_run(served_family, served_model_dir, expected):
-    llm = LLM(str(served_model_dir))
+def test_prefix_caching_second_run(served_family, served_model_dir, expected, device):
+    llm = LLM(str(served_model_dir), device=device)
     first, _ = _run(llm, served_family)
     before = llm.get_stats()
     second, outputs = _run(llm, served_family)

@@ -1,4 +1,5 @@
-"""mmserve's model against transformers on the same tiny random checkpoints (float32)."""
+"""mmserve's model against transformers on the same tiny random checkpoints (float32), on every device
+(`devices()`: the CPU, and CUDA where one exists)."""
 
 import numpy as np
 import pytest
@@ -11,11 +12,13 @@ from tests.fixtures.tiny_checkpoints import reference_inputs
 from tests.models.helpers import (
     REFERENCE_IMAGE_PART,
     REFERENCE_VIDEO_PART,
+    devices,
     full_logits,
     image_part,
     load_family,
     random_image,
     text_part,
+    to_device,
     user,
 )
 
@@ -25,14 +28,19 @@ REFERENCE_CLASSES = {
 }
 
 
-@pytest.fixture
-def loaded(model_dir):
-    return load_family(model_dir)
+@pytest.fixture(params=devices())
+def device(request):
+    return request.param
 
 
 @pytest.fixture
-def reference(model_dir, family):
-    return REFERENCE_CLASSES[family].from_pretrained(model_dir).eval()
+def loaded(model_dir, device):
+    return load_family(model_dir, device=device)
+
+
+@pytest.fixture
+def reference(model_dir, family, device):
+    return REFERENCE_CLASSES[family].from_pretrained(model_dir).eval().to(device)
 
 
 def _cases(rng):
@@ -55,7 +63,7 @@ def _reference_messages(messages):
     return user(*parts)
 
 
-def _both_inputs(model_dir, processor, case):
+def _both_inputs(model_dir, processor, case, device="cpu"):
     messages, images, frames = case
     chat = processor.render_chat(messages)
     ours = processor.process(chat.prompt, images=chat.images, videos=chat.videos)
@@ -66,13 +74,13 @@ def _both_inputs(model_dir, processor, case):
                       video_grid_thw=[g for _, g in videos])
     ref, _ = reference_inputs(model_dir, _reference_messages(messages), images, **kwargs)
     assert ours.prompt_token_ids == ref["input_ids"][0].tolist()
-    return ours, ref
+    return ours, to_device(ref, device)
 
 
 @pytest.mark.parametrize("case", ["text", "one_image", "two_images", "video"])
-def test_logits_match_reference(model_dir, loaded, reference, case):
+def test_logits_match_reference(model_dir, loaded, reference, case, device):
     model, processor, spec = loaded
-    ours, ref = _both_inputs(model_dir, processor, _cases(np.random.default_rng(11))[case])
+    ours, ref = _both_inputs(model_dir, processor, _cases(np.random.default_rng(11))[case], device)
     with torch.no_grad():
         ref_logits = reference(**ref).logits[0]
     our_logits = full_logits(model, ours, spec)
@@ -81,9 +89,9 @@ def test_logits_match_reference(model_dir, loaded, reference, case):
 
 
 @pytest.mark.parametrize("case", ["one_image", "two_images", "video"])
-def test_greedy_generation_matches_reference(model_dir, loaded, reference, case):
+def test_greedy_generation_matches_reference(model_dir, loaded, reference, case, device):
     model, processor, spec = loaded
-    ours, ref = _both_inputs(model_dir, processor, _cases(np.random.default_rng(12))[case])
+    ours, ref = _both_inputs(model_dir, processor, _cases(np.random.default_rng(12))[case], device)
     with torch.no_grad():
         out = reference.generate(**ref, max_new_tokens=24, min_new_tokens=24, do_sample=False)
     expected = out[0, ref["input_ids"].shape[1]:].tolist()

@@ -30,6 +30,7 @@ from mmserve.core.request import ItemSpec, Request, RequestStatus
 from mmserve.core.scheduler import Scheduler, SchedulerLimits
 from mmserve.core.step import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from mmserve.engine.detokenizer import IncrementalDetokenizer
+from mmserve.engine.graph_settings import resolve_runner_graphs
 from mmserve.engine.prompts import parse_prompt
 from mmserve.errors import InvalidInputError
 from mmserve.inputs.items import ProcessedPrompt
@@ -81,10 +82,16 @@ class Engine:
                                                                  self.kv_format)
         num_blocks = self._num_kv_blocks()
         self.max_model_len = self._max_model_len(num_blocks * config.cache.block_size)
-        self.kv_storage = PagedKVStorage(spec.num_layers, num_blocks, config.cache.block_size, spec.num_kv_heads,
-                                         spec.head_dim, self.kv_format, self.device)
-        kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.budget = self._resolve_budget()
+        graphs = resolve_runner_graphs(config, encoder_tokens_per_step=self.budget.max_encoder_tokens_per_step,
+                                       encoder_items_per_step=self.budget.max_items_per_step,
+                                       num_kv_blocks=num_blocks, max_model_len=self.max_model_len,
+                                       num_position_rows=spec.num_position_rows)
+        # decode graphs' padding rows write to a scratch block after the ones the KV manager hands out
+        self.kv_storage = PagedKVStorage(spec.num_layers, num_blocks + graphs.num_scratch_blocks,
+                                         config.cache.block_size, spec.num_kv_heads, spec.head_dim, self.kv_format,
+                                         self.device)
+        kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         enc = config.encoder
         self.encoder_pool = self._start_encoder_pool() if enc.encoder_workers else None
         items = ItemScheduler(EncoderCacheManager(self.budget.cache_bytes, self.budget.output_budget_bytes),
@@ -96,7 +103,7 @@ class Engine:
         self.scheduler = Scheduler(SchedulerLimits(sched.max_num_seqs, max_batched, sched.enable_chunked_prefill,
                                                    self.max_model_len), kv, items, chunking)
         self.runner = ModelRunner(self.model, spec, PagedAttentionBackend(self.kv_storage), self.device,
-                                  self.encoder_pool, enc.encoder_timeout_s)
+                                  self.encoder_pool, enc.encoder_timeout_s, graphs.encoder, graphs.decode)
         eos = set(spec.eos_token_ids) | set(generation_eos_ids(config.model))
         if self.processor.tokenizer.eos_token_id is not None:
             eos.add(self.processor.tokenizer.eos_token_id)

@@ -24,6 +24,7 @@ from mmserve.config import (
     DEMO_MODEL_NAME,
     CacheConfig,
     EncoderConfig,
+    GraphConfig,
     SchedulerConfig,
     resolve_model,
 )
@@ -31,7 +32,7 @@ from mmserve.errors import InvalidInputError, ModelLoadError
 from mmserve.inputs.media import MediaLimits
 
 ENGINE_ARG_GROUPS = (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("encoder budgets", EncoderConfig),
-                     ("media limits", MediaLimits))
+                     ("media limits", MediaLimits), ("captured graphs (CUDA)", GraphConfig))
 SIZE_SUFFIXES = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
 EPILOG = """examples:
   mmserve serve ./my-qwen2-vl --port 8000 --max-num-seqs 32
@@ -50,6 +51,22 @@ def _int_or_size(text: str) -> int:
                                               else (unit or "")])
 
 
+def _int_tuple(text: str) -> tuple[int, ...]:
+    """'1,2,4,8' -> (1, 2, 4, 8)."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
+
+
+def _int_tuples(text: str) -> tuple[tuple[int, ...], ...]:
+    """'1024x2,4096x8' -> ((1024, 2), (4096, 8)): comma-separated entries of 'x'-joined integers."""
+    try:
+        return tuple(tuple(int(n) for n in entry.split("x")) for entry in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected entries like 1024x2 separated by commas, got {text!r}") from None
+
+
 # engine args whose flag also has a shorter name
 FLAG_ALIASES = {"encoder_timeout_s": ("--encoder-timeout",)}
 
@@ -66,6 +83,10 @@ def _add_field_flag(group: argparse._ArgumentGroup, f: dataclasses.Field, hint: 
     elif base is int:
         group.add_argument(*flags, type=_int_or_size, default=argparse.SUPPRESS, metavar="N",
                            help=f"(default: {shown})", dest=f.name)
+    elif typing.get_origin(base) is tuple:
+        nested = typing.get_origin(typing.get_args(base)[0]) is tuple
+        group.add_argument(*flags, type=_int_tuples if nested else _int_tuple, default=argparse.SUPPRESS,
+                           metavar="TxC,..." if nested else "N,...", help=f"(default: {shown})", dest=f.name)
     else:
         group.add_argument(*flags, type=base if base in (float, str) else str, default=argparse.SUPPRESS,
                            metavar="PATH" if f.name.endswith("_path") else "VALUE", help=f"(default: {shown})",

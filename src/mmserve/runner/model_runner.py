@@ -4,7 +4,9 @@ Role: keep per-request device-side state (token ids, block table, positions, the
 encode the items the scheduler asked for (their payloads arrive keyed by content key with the
 step), build the flattened ragged batch (token ids, positions, KV slots, fusion indices) on the
 CPU, ship it with non_blocking copies, run the model and the sampler. One host sync per step: the
-sampled token ids. Reports which encoder keys it committed and which failed.
+sampled token ids. Reports which encoder keys it committed and which failed. With captured graphs
+(runner/encoder_graphs.py, runner/decode_graphs.py) the encoder replays a bucket's graph and a
+decode-only step replays a (batch, width) graph; anything no graph holds runs eagerly.
 
 What it does not know: scheduling policy, budgets, text, any family (the model is a
 `FamilyModel`; its facts come from the `FamilySpec`).
@@ -25,6 +27,8 @@ from mmserve.models.spec import FamilyModel, FamilySpec
 from mmserve.runner.async_encoder import AsyncEncoder
 from mmserve.runner.attention import PagedAttentionBackend, PagedAttentionMetadata
 from mmserve.runner.batch import BatchBuilder
+from mmserve.runner.decode_graphs import DecodeGraphRunner, DecodeGraphSettings
+from mmserve.runner.encoder_graphs import EncoderGraphSettings, build_encoder_graphs, graphed_encode_fn
 from mmserve.runner.encoder_pool import EncoderPool, ItemOutcome
 from mmserve.runner.encoder_runner import EncodeJob, EncoderRunner, OutputShape
 from mmserve.runner.fusion import ChunkPiece, MultimodalRuntimeData
@@ -91,7 +95,9 @@ class RunnerRequest:
 
 class ModelRunner:
     def __init__(self, model: FamilyModel, spec: FamilySpec, attention: PagedAttentionBackend,
-                 device: torch.device, pool: EncoderPool | None = None, encoder_timeout_s: float = 30.0) -> None:
+                 device: torch.device, pool: EncoderPool | None = None, encoder_timeout_s: float = 30.0,
+                 encoder_graphs: EncoderGraphSettings | None = None,
+                 decode_graphs: DecodeGraphSettings | None = None) -> None:
         self.model = model
         self.spec = spec
         self.attention = attention
@@ -100,7 +106,15 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, RunnerRequest] = {}
         dtype = next(model.parameters()).dtype
-        self.encoder = EncoderRunner(model.encode_items, OutputShape(spec.num_embedding_streams, spec.embed_dim, dtype))
+        # captured graphs (None: eager, as always on the CPU unless asked for)
+        self.encoder_graphs = None if encoder_graphs is None else build_encoder_graphs(model, encoder_graphs, device)
+        encode = model.encode_items if self.encoder_graphs is None else graphed_encode_fn(self.encoder_graphs,
+                                                                                          model.encode_items)
+        self.encoder = EncoderRunner(encode, OutputShape(spec.num_embedding_streams, spec.embed_dim, dtype))
+        self.decode_graphs = None
+        if decode_graphs is not None:
+            self.decode_graphs = DecodeGraphRunner(model, attention, decode_graphs, device)
+            self.decode_graphs.capture_all()
         # with workers, items are encoded elsewhere and arrive in later steps
         self.async_encoder = None if pool is None else AsyncEncoder(pool, self.encoder, encoder_timeout_s)
         self.last_outcomes: list[ItemOutcome] = []
@@ -173,6 +187,29 @@ class ModelRunner:
             state, pieces = self.requests[rid], plans[rid]
             outputs = {p.item_index: self.encoder.store[state.prompt.item_keys[p.item_index]] for p in pieces}
             builder.add(state, num, pieces, outputs)
+        forward_started = time.perf_counter()
+        logits = None if self.decode_graphs is None else self._decode_graph_logits(builder)
+        if logits is None:
+            logits, forward_started = self._eager_logits(builder)
+        if builder.sample_rows:
+            rows = builder.sample_rows
+            tokens = self.sampler(logits, self._sampling_metadata(rows)).tolist()  # the one sync
+            self.last_step.forward_s = time.perf_counter() - forward_started
+            for state, token in zip(rows, tokens):
+                state.token_ids.append(token)
+                result.sampled_token_ids[state.request_id] = token
+        for rid, num in scheduled.items():
+            self.requests[rid].num_computed_tokens += num
+
+    def _decode_graph_logits(self, builder: BatchBuilder) -> torch.Tensor | None:
+        """A decode-only step's logits from a captured graph; None: no graph holds it."""
+        if self.fault_token is not None and any(self.fault_token in ids for ids in builder.ids):
+            return None  # the eager path raises the test fault
+        return self.decode_graphs.run(builder)
+
+    def _eager_logits(self, builder: BatchBuilder) -> tuple[torch.Tensor | None, float]:
+        """(num_sampled, vocab) logits of the step's sampled rows (None when none is sampled), and when the
+        model forward began (after the batch is built and fused)."""
         batch = builder.build()
         embeds = self.model.embed(batch.input_ids)
         extra = None
@@ -186,15 +223,7 @@ class ModelRunner:
             raise RuntimeError(f"test fault: token {self.fault_token} in the batch ({FAULT_TOKEN_ENV})")
         forward_started = time.perf_counter()
         hidden = self.model(embeds, batch.positions, self.attention, batch.attn, extra)
-        if batch.sample_rows:
-            logits = self.model.compute_logits(hidden[batch.sample_index])
-            tokens = self.sampler(logits, self._sampling_metadata(batch.sample_rows)).tolist()  # the one sync
-            self.last_step.forward_s = time.perf_counter() - forward_started
-            for state, token in zip(batch.sample_rows, tokens):
-                state.token_ids.append(token)
-                result.sampled_token_ids[state.request_id] = token
-        for rid, num in scheduled.items():
-            self.requests[rid].num_computed_tokens += num
+        return (self.model.compute_logits(hidden[batch.sample_index]) if batch.sample_rows else None), forward_started
 
     def _sampling_metadata(self, rows: list[RunnerRequest]) -> SamplingMetadata:
         params = [r.sampling_params for r in rows]

@@ -51,6 +51,15 @@ _BLOCKED_ARGMAX_MIN_VOCAB = 4096
 _ARGMAX_BLOCK = 256
 
 
+def _to_device(values: list, device: torch.device) -> torch.Tensor:
+    """A small host-built tensor on `device`: from pinned memory with non_blocking on CUDA, because
+    `torch.tensor(values, device=cuda)` copies synchronously (a host sync in the step loop)."""
+    host = torch.tensor(values)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """`logits.argmax(-1)` of a (batch, vocab) tensor, the same index (the first maximum; a NaN counts as
     the maximum, as argmax has it), found faster on the CPU: ATen's argmax walks a row one element at a
@@ -95,7 +104,7 @@ class Sampler:
         if all(greedy_rows):
             return greedy_ids
         sampled_ids = self._sample(logits, meta, greedy_rows)
-        greedy_mask = torch.tensor(greedy_rows, device=logits.device)
+        greedy_mask = _to_device(greedy_rows, logits.device)
         return torch.where(greedy_mask, greedy_ids, sampled_ids)
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata, greedy_rows: list[bool]) -> torch.Tensor:
@@ -107,14 +116,14 @@ class Sampler:
         top_ps = [2.0 if g or p >= 1.0 else p for g, p in zip(greedy_rows, meta.top_ps)]
         min_ps = [0.0 if g else p for g, p in zip(greedy_rows, meta.min_ps)]
 
-        logits.div_(torch.tensor(temperatures, device=device).unsqueeze(1))
+        logits.div_(_to_device(temperatures, device).unsqueeze(1))
         if any(k < vocab_size for k in top_ks):
             _apply_top_k(logits, top_ks)
         if any(p < 1.0 for p in top_ps):
-            _apply_top_p(logits, torch.tensor(top_ps, device=device))
+            _apply_top_p(logits, _to_device(top_ps, device))
         probs = logits.softmax(dim=-1)  # (batch, vocab)
         if any(p > 0.0 for p in min_ps):
-            _apply_min_p(probs, torch.tensor(min_ps, device=device))
+            _apply_min_p(probs, _to_device(min_ps, device))
         noise = _exponential_noise(probs, meta.generators, greedy_rows)
         # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with probability
         # p_i, and needs exactly one vocab-sized draw per row, whatever the filters did.
@@ -129,7 +138,7 @@ def _ban_tokens(logits: torch.Tensor, banned_token_ids: list[tuple[int, ...]]) -
              if 0 <= token_id < vocab_size]
     if not pairs:
         return
-    index = torch.tensor(pairs, device=logits.device)  # (num_banned, 2): row, token id
+    index = _to_device(pairs, logits.device)  # (num_banned, 2): row, token id
     logits[index[:, 0], index[:, 1]] = -torch.inf
 
 
@@ -137,7 +146,7 @@ def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> None:
     """Keep each row's k highest logits (ties with the k-th are kept too)."""
     max_k = max(top_ks)
     top_values = logits.topk(max_k, dim=-1).values  # (batch, max_k), descending
-    kth_index = torch.tensor(top_ks, device=logits.device).sub_(1).unsqueeze(1)  # (batch, 1)
+    kth_index = _to_device(top_ks, logits.device).sub_(1).unsqueeze(1)  # (batch, 1)
     threshold = top_values.gather(1, kth_index)  # (batch, 1)
     logits.masked_fill_(logits < threshold, -torch.inf)
 

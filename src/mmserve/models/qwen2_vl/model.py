@@ -20,6 +20,7 @@ from mmserve.models.qwen2_vl.config import Qwen2VLConfig
 from mmserve.models.qwen2_vl.language import qwen2_language_model
 from mmserve.models.qwen2_vl.processor import VisionInput
 from mmserve.models.qwen2_vl.vision import GridTHW, VisionTransformer
+from mmserve.models.qwen2_vl.vision_graph import Qwen2VisionGraphAdapter
 
 
 class Qwen2VLForConditionalGeneration(LanguageModelCalls, nn.Module):
@@ -42,6 +43,10 @@ class Qwen2VLForConditionalGeneration(LanguageModelCalls, nn.Module):
         unit = self.config.vision.spatial_merge_size ** 2
         rows = self.encode(pixels.to(device, non_blocking=True), grids)
         return [r[None] for r in rows.split([t * h * w // unit for t, h, w in grids])]
+
+    def encoder_graph_adapter(self) -> Qwen2VisionGraphAdapter:
+        """The vision tower laid out for captured graphs (runner/encoder_graphs.py)."""
+        return Qwen2VisionGraphAdapter(self.visual)
 
     # ---- weights --------------------------------------------------------------------------
     @staticmethod

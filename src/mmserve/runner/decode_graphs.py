@@ -1,0 +1,168 @@
+"""Captured decode steps of the language model, one graph per (batch size, block-table width) bucket.
+
+Role: a step whose every sequence decodes one token (no prefill, nothing to fuse) is padded up to a
+captured bucket and replayed: token ids, positions, KV slots, block tables and query positions are
+copied into the bucket's static buffers; the graph runs embed -> decoder (the paged backend's decode
+path, one padded decode group) -> logits; the real rows' logits are copied out for the sampler. A
+padding row decodes token 0 at position 0 over the scratch block, writing its K/V to the scratch
+slot, which no request owns — so padding never touches a real sequence's cache. Prefill, mixed
+steps and batches beyond the largest bucket run eagerly (vLLM and SGLang do the same).
+
+What it does not know: requests, sampling, scheduling, any family (the model is a `FamilyModel`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from mmserve.models.spec import FamilyModel
+from mmserve.runner.attention import DecodeGroup, PagedAttentionBackend, PagedAttentionMetadata
+from mmserve.runner.graph_buckets import DecodeBucket, plan_decode_batch
+from mmserve.runner.graph_capture import CapturedGraph, StaticBuffers, capture_graph, new_graph_pool
+
+if TYPE_CHECKING:
+    from mmserve.runner.batch import BatchBuilder
+
+
+@dataclass(frozen=True)
+class DecodeGraphSettings:
+    batch_sizes: tuple[int, ...]  # captured decode batch sizes (runner/graph_buckets.decode_batch_sizes)
+    block_widths: tuple[int, ...]  # captured block-table widths (runner/graph_buckets.decode_block_widths)
+    scratch_block: int  # a KV block no request is ever given: padding rows write and read there
+    num_position_rows: int  # 3 for M-RoPE, 1 for 1-D RoPE
+    # batch x width x block_size keys a graph may gather per layer: the padded decode attention gathers them
+    # all, and a capture reserves that much for its temporaries; wider batches run eagerly
+    max_keys: int = 1 << 17
+
+
+@dataclass
+class _DecodeGraph:
+    buffers: StaticBuffers
+    graph: CapturedGraph
+
+
+@dataclass
+class DecodeGraphStats:
+    captured: list[DecodeBucket] = field(default_factory=list)
+    num_replays: int = 0
+
+
+class DecodeGraphRunner:
+    def __init__(self, model: FamilyModel, attention: PagedAttentionBackend, settings: DecodeGraphSettings,
+                 device: torch.device) -> None:
+        self.model = model
+        self.attention = attention
+        self.settings = settings
+        self.device = device
+        self.block_size = attention.block_size
+        self.buckets = sorted(DecodeBucket(b, w) for b in settings.batch_sizes for w in settings.block_widths
+                              if b * w * self.block_size <= settings.max_keys)
+        self.graphs: dict[DecodeBucket, _DecodeGraph] = {}
+        self.stats = DecodeGraphStats()
+        self.pool = new_graph_pool(device)
+
+    @torch.inference_mode()
+    def capture_all(self) -> DecodeGraphStats:
+        for bucket in reversed(self.buckets):  # largest first: smaller graphs reuse its pool memory
+            buffers = StaticBuffers(self._static_inputs(bucket))
+            self._load(buffers, bucket, _DecodeArrays.padding(self.settings))
+            graph = capture_graph(lambda b=buffers: self._forward(b), self.device, self.pool)
+            buffers.record()
+            self.graphs[bucket] = _DecodeGraph(buffers, graph)
+            self.stats.captured.append(bucket)
+        # the captures wrote padding K/V at the scratch slot only; nothing else of the cache changed
+        return self.stats
+
+    def _static_inputs(self, bucket: DecodeBucket) -> dict[str, torch.Tensor]:
+        b, dev, i64 = bucket.batch_size, self.device, torch.int64
+        return {
+            "input_ids": torch.zeros(b, dtype=i64, device=dev),
+            "positions": torch.zeros(self.settings.num_position_rows, b, dtype=i64, device=dev),
+            "slot_mapping": torch.zeros(b, dtype=i64, device=dev),
+            "block_table": torch.zeros(b, bucket.num_blocks, dtype=i64, device=dev),
+            "query_positions": torch.zeros(b, 1, dtype=i64, device=dev),
+            # constants, never reloaded
+            "token_index": torch.arange(b, dtype=i64, device=dev),
+            "key_positions": torch.arange(bucket.num_blocks * self.block_size, dtype=i64, device=dev)[None, :],
+        }
+
+    def _forward(self, buffers: StaticBuffers) -> torch.Tensor:
+        """Graph-safe: reads only the static buffers. Returns (batch, vocab) logits."""
+        b = buffers["input_ids"].shape[0]
+        group = DecodeGroup(buffers["block_table"], buffers["key_positions"], buffers["query_positions"],
+                            buffers["token_index"])
+        # every row a decode of one token: the backend's prefill loop is empty, its one decode group padded
+        meta = PagedAttentionMetadata(query_lens=[1] * b, context_lens=[1] * b, spans=[],
+                                      slot_mapping=buffers["slot_mapping"], prefill_block_tables=[None] * b,
+                                      decode_rows=list(range(b)), decode_groups=[group])
+        embeds = self.model.embed(buffers["input_ids"])
+        hidden = self.model(embeds, buffers["positions"], self.attention, meta, None)
+        return self.model.compute_logits(hidden)
+
+    def _load(self, buffers: StaticBuffers, bucket: DecodeBucket, arrays: _DecodeArrays) -> None:
+        for name, array in arrays.padded(bucket, self.settings, self.block_size).items():
+            buffers.load(name, torch.from_numpy(array))
+
+    @torch.inference_mode()
+    def run(self, builder: BatchBuilder) -> torch.Tensor | None:
+        """(num_decodes, vocab) logits of a decode-only step, in batch order; None: run it eagerly."""
+        if not self.graphs or not _decode_only(builder):
+            return None
+        arrays = _DecodeArrays.from_builder(builder)
+        bucket = plan_decode_batch([len(t) for t in arrays.block_tables], list(self.graphs))
+        if bucket is None:
+            return None
+        entry = self.graphs[bucket]
+        self._load(entry.buffers, bucket, arrays)
+        entry.buffers.assert_unmoved()
+        entry.graph.replay()
+        self.stats.num_replays += 1
+        return entry.graph.output[:len(arrays.input_ids)].clone()  # out before the next replay overwrites it
+
+
+def _decode_only(builder: BatchBuilder) -> bool:
+    """Every sequence decodes one token, fuses nothing, and samples its next token."""
+    n = len(builder.query_lens)
+    return n > 0 and len(builder.decode_rows) == n and not builder.fusion and len(builder.sample_rows) == n
+
+
+@dataclass
+class _DecodeArrays:
+    """One decode step's host-side inputs, in batch order (before padding)."""
+
+    input_ids: np.ndarray  # (n,)
+    positions: np.ndarray  # (position_rows, n)
+    slot_mapping: np.ndarray  # (n,)
+    block_tables: list[list[int]]
+    query_positions: np.ndarray  # (n,)
+
+    @classmethod
+    def from_builder(cls, builder: BatchBuilder) -> _DecodeArrays:
+        # decode_rows == range(n) here, so the decode tables are in batch order
+        return cls(np.concatenate(builder.ids), np.concatenate(builder.pos, axis=1), np.concatenate(builder.slots),
+                   [list(t) for t in builder.decode_tables], np.asarray(builder.context_lens, dtype=np.int64))
+
+    @classmethod
+    def padding(cls, settings: DecodeGraphSettings) -> _DecodeArrays:
+        """No real row: the capture's inputs."""
+        empty = np.zeros(0, dtype=np.int64)
+        return cls(empty, np.zeros((settings.num_position_rows, 0), dtype=np.int64), empty, [], empty)
+
+    def padded(self, bucket: DecodeBucket, settings: DecodeGraphSettings, block_size: int) -> dict[str, np.ndarray]:
+        """Padded to the bucket: padding rows decode token 0 at position 0 over the scratch block."""
+        n, b, scratch = len(self.input_ids), bucket.batch_size, settings.scratch_block
+        table = np.full((b, bucket.num_blocks), scratch, dtype=np.int64)  # also past each real row's blocks
+        for row, blocks in enumerate(self.block_tables):
+            table[row, :len(blocks)] = blocks
+        positions = np.zeros((settings.num_position_rows, b), dtype=np.int64)
+        positions[:, :n] = self.positions
+        query_positions = np.zeros((b, 1), dtype=np.int64)
+        query_positions[:n, 0] = self.query_positions
+        return {"input_ids": np.concatenate([self.input_ids, np.zeros(b - n, dtype=np.int64)]),
+                "positions": positions,
+                "slot_mapping": np.concatenate([self.slot_mapping, np.full(b - n, scratch * block_size, dtype=np.int64)]),
+                "block_table": table, "query_positions": query_positions}
