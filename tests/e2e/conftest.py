@@ -73,6 +73,17 @@ def stop_server(server: ServerProcess) -> None:
         server.process.wait(timeout=5)
 
 
+@contextlib.contextmanager
+def running_server(model: str | None, log_path: Path, *flags: str, api_key: str | None = None):
+    """`start_server`, healthy, for the block's duration; stopped afterwards whatever happens."""
+    server = start_server(model, log_path, *flags, api_key=api_key)
+    try:
+        wait_healthy(server)
+        yield server
+    finally:
+        stop_server(server)
+
+
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
     """Static files, plus /redirect?to=PATH answering 302 (to test that redirects are followed)."""
 

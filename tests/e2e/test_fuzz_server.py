@@ -18,7 +18,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 
-from tests.e2e.conftest import start_server, stop_server, wait_healthy
+from tests.e2e.conftest import running_server
 from tests.fixtures.fuzz import (
     chat_messages,
     data_uris,
@@ -35,13 +35,9 @@ CASE_DEADLINE_S = 60.0  # one case takes well under a second on the tiny model; 
 def fuzz_server(checkpoint_dirs, tmp_path_factory):
     # a short context bounds generation whatever max_tokens a case asks for; a short fetch timeout bounds
     # a URL that goes nowhere
-    server = start_server(str(checkpoint_dirs["qwen2_vl"]), tmp_path_factory.mktemp("fuzz") / "server.log",
-                          "--max-model-len", "160", "--num-kv-blocks", "64", "--media-fetch-timeout", "2")
-    try:
-        wait_healthy(server)
+    with running_server(str(checkpoint_dirs["qwen2_vl"]), tmp_path_factory.mktemp("fuzz") / "server.log",
+                        "--max-model-len", "160", "--num-kv-blocks", "64", "--media-fetch-timeout", "2") as server:
         yield server
-    finally:
-        stop_server(server)
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ import pytest
 
 from mmserve.demo import shapes
 from mmserve.entrypoints.openai.web_ui import WEB_UI_DIR
-from tests.e2e.conftest import start_server, stop_server, wait_healthy
+from tests.e2e.conftest import running_server
 
 CHROMIUM = Path("/usr/bin/chromium")
 # the closed network refuses Chromium's background connections; these flags stop it trying
@@ -41,13 +41,8 @@ NOT_AN_IMAGE = b"this is plain text, not a picture\n" * 4
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("logs") / "web-ui.log"
-    server = start_server(None, log)
-    try:
-        wait_healthy(server)
+    with running_server(None, tmp_path_factory.mktemp("logs") / "web-ui.log") as server:
         yield server
-    finally:
-        stop_server(server)
 
 
 @pytest.fixture(scope="module")
@@ -240,9 +235,7 @@ def test_keyboard_phone_width_drop_and_paste(server, browser):
 
 
 def test_api_key_field_when_the_server_requires_one(browser, tmp_path):
-    keyed = start_server(None, tmp_path / "api-key.log", api_key="sesame")
-    try:
-        wait_healthy(keyed)
+    with running_server(None, tmp_path / "api-key.log", api_key="sesame") as keyed:
         page = browser.new_page()
         console_errors: list[str] = []
         page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else None)
@@ -262,8 +255,6 @@ def test_api_key_field_when_the_server_requires_one(browser, tmp_path):
         _wait_done(page)
         assert all("status of 401" in text for text in console_errors), console_errors
         page.close()
-    finally:
-        stop_server(keyed)
 
 
 def test_usage_says_which_images_the_caches_served(server):
@@ -304,13 +295,9 @@ def test_page_is_self_contained_and_can_be_turned_off(server, tmp_path):
     assert (sample["question"], sample["answer"]) == (expected.question, expected.answer)
     assert sample["images"][0].startswith("data:image/png;base64,")
 
-    off = start_server(None, tmp_path / "no-web-ui.log", "--no-web-ui")
-    try:
-        wait_healthy(off)
+    with running_server(None, tmp_path / "no-web-ui.log", "--no-web-ui") as off:
         for route in ("/", "/web-ui/app.js", "/demo/sample"):
             response = httpx.get(off.url + route, timeout=5)
             assert response.status_code == 404, route
             assert response.json()["error"]["type"] == "not_found_error"
         assert httpx.get(off.url + "/v1/models", timeout=5).status_code == 200
-    finally:
-        stop_server(off)
