@@ -281,6 +281,7 @@ def test_usage_says_which_images_the_caches_served(server):
 
 
 def test_page_is_self_contained_and_can_be_turned_off(server, tmp_path):
+    assert f"chat in your browser: {server.url}/" in server.log()  # what `bash scripts/run.sh` shows
     page = httpx.get(server.url + "/", timeout=5)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     for name in ("app.js", "style.css"):
@@ -301,3 +302,4 @@ def test_page_is_self_contained_and_can_be_turned_off(server, tmp_path):
             assert response.status_code == 404, route
             assert response.json()["error"]["type"] == "not_found_error"
         assert httpx.get(off.url + "/v1/models", timeout=5).status_code == 200
+        assert "chat in your browser" not in off.log()
