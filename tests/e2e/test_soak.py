@@ -5,7 +5,7 @@ pictures (encoded under load, with a small encoder cache that must evict), clien
 that hang up after the first streamed chunk, and bad inputs. The server must never answer 5xx, every
 answer must be the ground truth, every bad input must get a 4xx, and afterwards the engine must be
 idle: no requests, every KV block free, no encoder-cache bytes referenced. RSS growth is reported but
-not checked here: a minute is warm-up (the 10-minute soak in the README is where it is judged).
+not checked here: a minute is warm-up (a 10-minute run of `benchmarks/soak.py` is where it is judged).
 `MMSERVE_SOAK_S` shortens or lengthens the run for local debugging.
 """
 
