@@ -69,9 +69,14 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
     num_encoder_cached_items: int = 0  # items whose output was in the encoder cache at first admission
+    num_prefix_cached_items: int = 0  # items wholly inside the prefix-cache hit at first admission
     num_preemptions: int = 0
     error: str | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks, in order
+    num_mm_items: int = field(init=False)  # items with embedding rows (the media the prompt carries)
+
+    def __post_init__(self) -> None:
+        self.num_mm_items = sum(1 for item in self.items if item.output_rows > 0)
 
     @property
     def num_prompt_tokens(self) -> int:

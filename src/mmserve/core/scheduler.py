@@ -195,9 +195,11 @@ class Scheduler:
         if self.kv.allocate_slots(request, num_new, hits) is None:
             return 0, False
         held = {k for k in self.encoder_cache.entries if self.encoder_cache.holds(request.request_id, k)}
-        # counted before reserving: an entry found ready, or being encoded for another request, is a hit
-        found = sum(1 for item in request.items if item.output_rows > 0
-                    and self.encoder_cache.state(item.content_hash) in (EntryState.READY, EntryState.PENDING))
+        # counted before reserving (once, at the first admission): an entry found ready, or being encoded for
+        # another request, is a hit
+        found = 0 if request.num_cached_tokens >= 0 else sum(
+            1 for item in request.items if item.output_rows > 0
+            and self.encoder_cache.state(item.content_hash) in (EntryState.READY, EntryState.PENDING))
         # every item is referenced, also those inside the prefix hit: a preempted request may need them
         if not self.items.try_reserve(request, 0):
             self.kv.free(request)
@@ -216,6 +218,8 @@ class Scheduler:
         if request.num_cached_tokens < 0:  # first admission: count the prompt once
             request.num_cached_tokens = num_hit
             request.num_encoder_cached_items = found
+            request.num_prefix_cached_items = sum(1 for item in request.items
+                                                  if item.output_rows > 0 and item.end <= num_hit)
             self.stats.prompt_tokens += request.num_prompt_tokens
         return max(0, end - num_hit), True
 

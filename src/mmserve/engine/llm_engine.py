@@ -302,13 +302,11 @@ class Engine:
         delta = tracked.detokenizer.take_delta(finished)
         completion = CompletionOutput(0, tracked.detokenizer.output_text, list(request.output_token_ids), finish,
                                       tracked.stop_reason if finish == "stop" else None)
-        num_cached_tokens = max(request.num_cached_tokens, 0)
-        items = [item for item in request.items if item.output_rows > 0]
         return RequestOutput(request.request_id, tracked.prompt, request.prompt_token_ids, [completion], finished,
-                             num_cached_tokens, tracked.metrics, error, delta,
-                             internal_error=tracked.internal_error, num_mm_items=len(items),
+                             max(request.num_cached_tokens, 0), tracked.metrics, error, delta,
+                             internal_error=tracked.internal_error, num_mm_items=request.num_mm_items,
                              num_encoder_cached_mm_items=request.num_encoder_cached_items,
-                             num_prefix_cached_mm_items=sum(1 for item in items if item.end <= num_cached_tokens))
+                             num_prefix_cached_mm_items=request.num_prefix_cached_items)
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         outputs = []
