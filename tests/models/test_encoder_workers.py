@@ -8,10 +8,12 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from mmserve import LLM, SamplingParams
 from mmserve.engine.llm_engine import DIE_ON_KEY_ENV
 from mmserve.runner.encoder_pool import PoolStats
+from mmserve.workers.spec import WorkerSpec, build_encoder
 from tests.models.helpers import image_part, random_image, text_part
 from tests.models.test_engine_parity import GREEDY, _workload, expected_tokens  # noqa: F401 (a fixture)
 
@@ -37,6 +39,29 @@ def test_workers_answer_like_inline_and_transformers(all_checkpoints, expected_t
         stats = llm.get_stats()
     assert _tokens(outputs) == expected_tokens(family)
     assert stats["encoder_workers_alive"] == 2 and stats["encoder_items_in_flight"] == 0
+
+
+def test_a_workers_encoder_takes_the_engines_cpu_kernels(all_checkpoints):
+    """A worker's encoder (`build_encoder`) gets the engine's CPU kernels (`prepare_for_cpu`: in
+    bfloat16 on a CPU without bfloat16 arithmetic, float32 products), so its rows are bitwise the
+    engine's own and an answer does not depend on where its images were encoded."""
+    model_dir = str(all_checkpoints["qwen2_vl"])
+    rng = np.random.default_rng(3)
+    conversation = [{"role": "user", "content": [image_part(random_image(rng, 150, 120)),
+                                                 image_part(random_image(rng, 90, 200)), text_part("Compare.")]}]
+    threads = torch.get_num_threads()
+    with LLM(model_dir, dtype="bfloat16") as llm:
+        processor = llm.engine.processor
+        chat = processor.render_chat(conversation)
+        payloads = [item.payload for item in processor.process(chat.prompt, images=chat.images).items]
+        with torch.inference_mode():
+            inline = [rows.clone() for rows in llm.engine.model.encode_items(payloads)]
+    try:
+        worker = build_encoder(WorkerSpec(model_dir, "bfloat16", "cpu", threads=threads))(payloads)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(worker) == len(inline) == 2
+    assert all(a.dtype == torch.bfloat16 and torch.equal(a, b) for a, b in zip(inline, worker))
 
 
 def _shared_image_requests(rng):

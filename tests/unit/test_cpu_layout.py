@@ -1,11 +1,24 @@
-"""`relayout_for_cpu`: float32 linear weights re-stored as transposed views of contiguous (in, out)
-tensors (the CPU gemm's fast layout), with the same products; other dtypes and devices untouched."""
+"""The CPU's weight layouts and matmul paths (`runner/cpu_layout.py`): float32 linear weights
+re-stored as transposed views of contiguous (in, out) tensors, the untied float32 LM head held by
+oneDNN in its blocked layout, and bfloat16 linear layers that multiply in float32 from 16 rows up on
+a CPU without bfloat16 arithmetic — each with the products a user depends on, and each left out
+where it does not apply."""
 
+import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from mmserve import LLM
-from mmserve.runner.cpu_layout import relayout_for_cpu
+from mmserve import LLM, SamplingParams
+from mmserve.runner import cpu_layout
+from mmserve.runner.cpu_layout import (
+    BFloat16ViaFloat32Linear,
+    PackedLinear,
+    pack_lm_head,
+    prepare_for_cpu,
+    relayout_for_cpu,
+    upcast_bfloat16_linears,
+)
 
 
 def _stack(dtype=torch.float32, device="cpu") -> nn.Sequential:
@@ -39,5 +52,101 @@ def test_the_engine_relayouts_its_float32_language_model_only(checkpoint_dirs):
         assert lm and all(m.weight.stride() == (1, m.weight.shape[0]) for m in lm)
         vision = [m for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.startswith("language_model")]
         assert vision and all(m.weight.is_contiguous() for m in vision)
+        assert isinstance(model.language_model.lm_head, PackedLinear)  # the untied head: oneDNN's layout
     with LLM(str(checkpoint_dirs["qwen2_vl"]), dtype="bfloat16") as llm:
         assert all(m.weight.is_contiguous() for m in llm.engine.model.modules() if isinstance(m, nn.Linear))
+
+
+class _Head(nn.Module):
+    def __init__(self, vocab=3000, hidden=48, tied=False, dtype=torch.float32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed_tokens = nn.Embedding(vocab, hidden, dtype=dtype)
+        self.lm_head = None if tied else nn.Linear(hidden, vocab, bias=False, dtype=dtype)
+
+
+def test_the_packed_head_gives_the_heads_logits_and_its_argmax():
+    lm = _Head()
+    weight = lm.lm_head.weight.detach().clone()
+    assert pack_lm_head(lm) and isinstance(lm.lm_head, PackedLinear)
+    for rows in (1, 2, 8, 32, 200):
+        hidden = torch.randn(rows, 48)
+        expected = F.linear(hidden, weight)
+        logits = lm.lm_head(hidden)
+        assert logits.shape == expected.shape
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-4)  # another summation order
+        assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+    assert torch.equal(lm.lm_head.weight, weight)  # a dense copy to read back
+    assert not pack_lm_head(lm)  # idempotent
+
+
+def test_tied_bfloat16_and_off_cpu_heads_are_not_packed():
+    for lm in (_Head(tied=True), _Head(dtype=torch.bfloat16)):
+        head = lm.lm_head
+        assert not pack_lm_head(lm) and lm.lm_head is head
+    meta = _Head()
+    meta.lm_head = nn.Linear(48, 3000, bias=False, device="meta")
+    assert not pack_lm_head(meta) and type(meta.lm_head) is nn.Linear
+
+
+def _bf16_linear(in_features=96, out_features=700, bias=True):
+    torch.manual_seed(1)
+    return nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_bfloat16_via_float32_is_a_bfloat16_gemm_with_float32_accumulation(bias, monkeypatch):
+    linear = _bf16_linear(bias=bias)
+    upcast = BFloat16ViaFloat32Linear.from_linear(linear)
+    monkeypatch.setattr(cpu_layout, "UPCAST_CHUNK_BYTES", 96 * 4 * 64)  # 64 weight rows per chunk: 11 chunks
+    b32 = None if linear.bias is None else linear.bias.float()
+    for shape in ((16, 96), (3, 40, 96), (300, 96)):
+        x = torch.randn(shape).to(torch.bfloat16)
+        expected = F.linear(x.float(), linear.weight.float(), b32).to(torch.bfloat16)
+        got = upcast(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (*shape[:-1], 700)
+        assert torch.equal(got, expected)
+    few = torch.randn(15, 96).to(torch.bfloat16)  # under 16 rows: the native bfloat16 kernel, untouched
+    assert torch.equal(upcast(few), linear(few))
+
+
+def test_upcast_layers_keep_their_parameters_names_and_state():
+    model = nn.Sequential(_bf16_linear(), nn.GELU(), nn.Sequential(_bf16_linear(700, 32, bias=False)))
+    keys = list(model.state_dict())
+    weights = [p for p in model.parameters()]
+    assert upcast_bfloat16_linears(model) == 2
+    assert isinstance(model[0], BFloat16ViaFloat32Linear) and isinstance(model[2][0], BFloat16ViaFloat32Linear)
+    assert isinstance(model[0], nn.Linear)
+    assert list(model.state_dict()) == keys
+    assert all(a is b for a, b in zip(model.parameters(), weights))  # shared, not copied
+    assert upcast_bfloat16_linears(model) == 0
+    assert upcast_bfloat16_linears(nn.Sequential(nn.Linear(4, 4))) == 0  # float32: not this path
+
+
+def test_the_upcast_is_only_for_cpus_without_bfloat16_arithmetic(monkeypatch):
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.vision = _bf16_linear()
+            self.language_model = _Head(dtype=torch.bfloat16)
+
+    monkeypatch.setattr(cpu_layout, "cpu_has_bfloat16_arithmetic", lambda: True)
+    native = prepare_for_cpu(Model())
+    assert native.upcast_bfloat16 == 0 and native.packed_heads == 0
+    monkeypatch.setattr(cpu_layout, "cpu_has_bfloat16_arithmetic", lambda: False)
+    model = Model()
+    emulated = prepare_for_cpu(model)
+    assert emulated.upcast_bfloat16 == 2  # the vision layer and the LM head
+    assert isinstance(model.language_model.lm_head, BFloat16ViaFloat32Linear)
+
+
+def test_a_bfloat16_engine_takes_the_path_its_cpu_needs(checkpoint_dirs):
+    expect_upcast = not cpu_layout.cpu_has_bfloat16_arithmetic()
+    with LLM(str(checkpoint_dirs["qwen2_vl"]), dtype="bfloat16") as llm:
+        linears = [m for m in llm.engine.model.modules() if isinstance(m, nn.Linear)]
+        assert linears and all(isinstance(m, BFloat16ViaFloat32Linear) == expect_upcast for m in linears)
+        assert llm.engine.cpu_preparation.upcast_bfloat16 == (len(linears) if expect_upcast else 0)
+        assert llm.engine.cpu_preparation.packed_heads == 0
+        (out,) = llm.generate(["Count to three:"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == 4
+        llm.check_integrity()

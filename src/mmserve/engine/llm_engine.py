@@ -39,7 +39,7 @@ from mmserve.models.loader import generation_eos_ids, load_model, parse_dtype, r
 from mmserve.models.registry import resolve
 from mmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mmserve.runner.attention import PagedAttentionBackend
-from mmserve.runner.cpu_layout import relayout_for_cpu
+from mmserve.runner.cpu_layout import prepare_for_cpu
 from mmserve.runner.encoder_pool import EncoderPool
 from mmserve.runner.encoder_runner import EncodeJob
 from mmserve.runner.kv_quant import kv_format
@@ -75,7 +75,7 @@ class Engine:
         self.dtype = parse_dtype(config.dtype)
         family = resolve(read_config(config.model))
         self.model = load_model(config.model, self.dtype, self.device)
-        relayout_for_cpu(self.model.language_model)  # float32 on the CPU: weights in the layout its gemm wants
+        self.cpu_preparation = prepare_for_cpu(self.model)  # layouts the CPU's kernels want
         self.processor = family.processor_class(Path(config.model), self.model.config, config.media)
         self.spec = family.build_spec(self.model.config, self.processor, config.media)
         spec = self.spec

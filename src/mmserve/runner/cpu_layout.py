@@ -1,28 +1,50 @@
-"""Weight layouts that suit the CPU's matmul kernels, chosen once after loading.
+"""Weight layouts and matmul paths that suit the CPU's kernels, chosen once after loading.
 
-Role: `F.linear(x, W)` with W stored (out, in) row-major, as checkpoints and `nn.Linear` have it,
-takes a slow path on the CPU in float32 when the batch is small: a decode step's LM head (32000 x
-320) streamed its weights at ~10 GB/s against the ~34 GB/s this machine reads, and inside a step
-(weights cold in cache) the layers' projections fared as badly. The same product with W's storage
-transposed — the (out, in) weight a view of a contiguous (in, out) tensor — takes the gemm path:
-3.1x faster for that head at batch 1 and 1.14x at batch 32 alone, with bitwise-identical results
-from batch 8 up (batch 1 differs in the last bits: another summation order). `relayout_for_cpu`
-re-stores the float32 weights of the language model's linear layers that way; modules and math are
-unchanged. A decode step of the 30M bench model went from 10.9/9.6 ms to 6.2/7.1 ms at batch 1 and
-from 28.7/23.8 ms to 21.2/21.7 ms at batch 32 (two alternating rounds), greedy tokens identical.
-Embeddings tied to the head are left as they are (a strided row gather would cost more than it
-saves), and so is bfloat16, whose kernels are the other way round (the transposed layout measured
-10x slower).
+Role: three measured changes to how linear layers run on the CPU; modules' math is unchanged.
+- float32, every linear layer of the language model (`relayout_for_cpu`): `F.linear(x, W)` with W
+  stored (out, in) row-major, as checkpoints and `nn.Linear` have it, takes a slow path when the batch
+  is small; the same product with W's storage transposed (a view of a contiguous (in, out) tensor)
+  takes the gemm path. A decode step of the 30M bench model went from 10.9/9.6 to 6.2/7.1 ms at batch
+  1 and from 28.7/23.8 to 21.2/21.7 ms at batch 32, greedy tokens identical. Bitwise equal from batch
+  8 up; batch 1 differs in the last bits (another summation order).
+- float32, the untied LM head (`pack_lm_head`): at decode batch sizes the head is the one product
+  that is compute-bound (32 rows x 320 x 32000 in the bench model), and oneDNN's linear on a weight
+  reordered once into its blocked layout does it at 5.2 ms against 9.0 ms (batch 32; 2.2 against
+  7.5 ms at batch 8, on par at batch 1 and in prefill). The batch-32 decode step went from
+  23.5/23.9 to 20.1/19.3 ms. The layers' projections are left on the gemm path: packed, they cost
+  ~0.9 ms more per batch-1 step (oneDNN's per-call overhead on small weights) and more in prefill.
+- bfloat16 on a CPU without bfloat16 arithmetic (`upcast_bfloat16_linears`): there PyTorch's
+  bfloat16 gemm is emulated and 4-6x slower than float32 from 32 rows up (145 against 31 ms for the
+  head at 128 rows). `BFloat16ViaFloat32Linear` keeps the bfloat16 weights and, for 16 rows or more,
+  multiplies in float32 a few MiB of weight rows at a time, rounding the result to bfloat16: the
+  contract of a bfloat16 gemm (bfloat16 operands, float32 accumulation, bfloat16 result), bitwise
+  equal to `F.linear(x.float(), W.float()).to(bfloat16)`. Under 16 rows the weight-bound native
+  kernel stays faster and is kept.
+Embeddings tied to the head are left as they are (the head then reads the embedding table).
 
 What it does not know: families, the engine, other devices (it does nothing off the CPU).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 MIN_OUT_FEATURES = 0  # every projection: the narrow ones gained too once their weights were cold in cache
+MIN_UPCAST_ROWS = 16  # below this many rows the native bfloat16 kernel (weight-bound) is faster
+UPCAST_CHUNK_BYTES = 4 << 20  # float32 weight rows converted per product: stays off mmap'd allocations
+
+
+@dataclass(frozen=True)
+class CpuPreparation:
+    """What `prepare_for_cpu` changed: counts of layers per change."""
+
+    relaid_out: int = 0
+    packed_heads: int = 0
+    upcast_bfloat16: int = 0
 
 
 def relayout_for_cpu(module: nn.Module, min_out_features: int = MIN_OUT_FEATURES) -> int:
@@ -40,3 +62,105 @@ def relayout_for_cpu(module: nn.Module, min_out_features: int = MIN_OUT_FEATURES
         weight.data = weight.data.t().contiguous().t()
         count += 1
     return count
+
+
+def onednn_linear_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+class PackedLinear(nn.Module):
+    """A float32 CPU linear layer whose weight oneDNN holds in its own blocked layout.
+
+    `weight` gives a dense (out, in) copy, for inspection only: the product never reads it."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        with torch.no_grad():
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().contiguous(), None)
+        self.bias = linear.bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.packed_weight.to_dense()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+
+def pack_lm_head(language_model: nn.Module) -> bool:
+    """Replace `language_model.lm_head`, an untied float32 CPU `nn.Linear`, by a `PackedLinear`.
+    Returns whether it did (False for a tied head, another dtype or device, or no oneDNN)."""
+    head = getattr(language_model, "lm_head", None)
+    if type(head) is not nn.Linear or head.weight.device.type != "cpu" or head.weight.dtype != torch.float32:
+        return False
+    if not onednn_linear_available():
+        return False
+    language_model.lm_head = PackedLinear(head)
+    return True
+
+
+class BFloat16ViaFloat32Linear(nn.Linear):
+    """A bfloat16 linear layer that multiplies in float32 when there are enough rows to pay for the
+    conversion (see the module docstring); the same parameters, names and state as `nn.Linear`."""
+
+    min_rows: int = MIN_UPCAST_ROWS
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> BFloat16ViaFloat32Linear:
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.in_features, layer.out_features = linear.in_features, linear.out_features
+        layer.weight, layer.bias = linear.weight, linear.bias  # shared: no copy
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(self.in_features, 1)
+        if x.dtype != torch.bfloat16 or rows < self.min_rows:
+            return F.linear(x, self.weight, self.bias)
+        return linear_via_float32(x, self.weight, self.bias)
+
+
+def linear_via_float32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x.float(), weight.float(), bias.float()).to(x.dtype)`, converting the weight a chunk
+    of rows at a time so no full float32 copy is ever made."""
+    x32 = x.reshape(-1, weight.shape[1]).float()
+    out = torch.empty(x32.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    chunk_rows = max(1, UPCAST_CHUNK_BYTES // (4 * max(weight.shape[1], 1)))
+    for start in range(0, weight.shape[0], chunk_rows):
+        stop = min(start + chunk_rows, weight.shape[0])
+        w32 = weight[start:stop].float()
+        if bias is None:
+            part = torch.mm(x32, w32.t())
+        else:
+            part = torch.addmm(bias[start:stop].float(), x32, w32.t())
+        out[:, start:stop] = part
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def cpu_has_bfloat16_arithmetic() -> bool:
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def upcast_bfloat16_linears(module: nn.Module) -> int:
+    """Replace every bfloat16 CPU `nn.Linear` under `module` by a `BFloat16ViaFloat32Linear` sharing its
+    parameters. Returns how many were replaced."""
+    count = 0
+    for name, child in list(module.named_children()):
+        if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16 and child.weight.device.type == "cpu":
+            setattr(module, name, BFloat16ViaFloat32Linear.from_linear(child))
+            count += 1
+        else:
+            count += upcast_bfloat16_linears(child)
+    return count
+
+
+def prepare_for_cpu(model: nn.Module) -> CpuPreparation:
+    """The one call after loading (the engine's model, or an encoder worker's without its language
+    model): the changes above that apply to this model and CPU. The vision side gets the same
+    bfloat16 path wherever it runs, so its outputs do not depend on where the encoder runs."""
+    language_model = getattr(model, "language_model", None)
+    packed = language_model is not None and pack_lm_head(language_model)
+    relaid = relayout_for_cpu(language_model) if language_model is not None else 0
+    upcast = 0 if cpu_has_bfloat16_arithmetic() else upcast_bfloat16_linears(model)
+    return CpuPreparation(relaid_out=relaid, packed_heads=int(packed), upcast_bfloat16=upcast)

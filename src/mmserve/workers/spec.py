@@ -34,10 +34,12 @@ class WorkerSpec:
 def build_encoder(spec: WorkerSpec) -> EncodeFn:
     """In a worker: load the family model, drop its language model, return its `encode_items`."""
     from mmserve.models.loader import load_model
+    from mmserve.runner.cpu_layout import prepare_for_cpu
 
     torch.set_num_threads(spec.threads)
     model = load_model(spec.model_dir, spec.dtype, spec.device)
     model.drop_language_model()
+    prepare_for_cpu(model)  # the engine's own encoder gets the same kernels: outputs match wherever it runs
 
     @torch.inference_mode()
     def encode(payloads: Sequence[object]) -> list[torch.Tensor]:
