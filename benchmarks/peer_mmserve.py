@@ -67,6 +67,7 @@ def run_mmserve(args: argparse.Namespace) -> dict:
            "versions": {"torch": torch.__version__}, "ld_preload": os.environ.get("LD_PRELOAD", "")}
     if args.mode == "batch":
         convs = [_messages(r, im) for r, im in zip(wl.requests, images)]
+        before = llm.get_stats()
         t_wall = time.time()
         started = time.perf_counter()
         outputs = llm.chat(convs, params, use_tqdm=False)
@@ -74,6 +75,8 @@ def run_mmserve(args: argparse.Namespace) -> dict:
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
         out.update(summarize_batch(t_wall, wall_s, tokens, [o.metrics.first_token_time for o in outputs],
                                    [o.metrics.finish_time for o in outputs]))
+        if args.dtype == "float32":  # the peak is float32's
+            out["floor"] = batch_floor(llm, args.model_dir, convs, outputs, before, llm.get_stats())
     else:
         records, tokens = [], []
         for req, im in zip(wl.requests, images):
@@ -89,6 +92,22 @@ def run_mmserve(args: argparse.Namespace) -> dict:
         out.update(summarize_one(records))
     out["tokens"] = tokens
     return out
+
+
+FLOOR_STATS = ("prompt_tokens_computed", "generation_tokens", "encoder_items_encoded", "encoder_tokens_encoded")
+
+
+def batch_floor(llm, model_dir: Path, convs: list[list[dict]], outputs: list, before: dict, after: dict) -> dict:
+    """The FLOP floor (`benchmarks/floor.py`) of the work the timed call did: the seconds no engine
+    doing the same matmuls and attention could beat at this machine's peak float32 matmul rate."""
+    from benchmarks.floor import compute_floor, matmul_peak_gflops
+
+    stats = {k: after[k] - before[k] for k in FLOOR_STATS}  # the warm-up call's work is not the call's
+    processed = [llm.engine.process_chat(c) for c in convs]
+    patches = {item.content_hash: item.encoder_tokens for p in processed for item in p.items}
+    work = {"item_patches": sorted(patches.values()),
+            "requests": [(len(o.prompt_token_ids), o.num_cached_tokens, len(o.outputs[0].token_ids)) for o in outputs]}
+    return compute_floor(model_dir, stats, work, matmul_peak_gflops())
 
 
 def run_reference(args: argparse.Namespace) -> dict:

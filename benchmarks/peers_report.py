@@ -23,6 +23,18 @@ def _fmt(value: float | None, spec: str = ".1f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _floor_check(mm: dict[str, Any], peer: dict[str, Any]) -> dict[str, Any]:
+    """Whether the target is within reach at all: the wall it asks for (the peer's wall / target)
+    against the FLOP floor of the work mmserve's call did (float32 only: the peak is float32's)."""
+    floor = mm.get("floor")
+    if not floor or not peer.get("tokens_per_s"):
+        return {}
+    needed_s = mm["output_tokens"] / (peer["tokens_per_s"] * SPEEDUP_TARGET)
+    return {"wall_needed_s": round(needed_s, 3), "floor_s": floor["floor_s"],
+            "peak_matmul_gflops": floor["peak_matmul_gflops"], "floor_gflop": floor["gflop"],
+            "mmserve_wall_s": round(mm["output_tokens"] / mm["tokens_per_s"], 3)}
+
+
 def targets(entries: dict[str, dict[str, Any]], status: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Each target: name, the measured value(s), met True/False, or None with why it was not measured."""
     out: list[dict[str, Any]] = []
@@ -46,6 +58,7 @@ def targets(entries: dict[str, dict[str, Any]], status: dict[str, str] | None = 
             t.update(met=None, why=why_mm or why_vl)
         else:
             t.update(ratio=round(mm / vl, 3), met=mm / vl >= SPEEDUP_TARGET)
+            t.update(_floor_check(entries[f"mmserve/{dtype}/batch"], entries[f"vllm/{dtype}/batch"]))
         out.append(t)
     mm, why_mm = get("mmserve/float32/one", "decode_tokens_per_s")
     ll, why_ll = get("llamacpp/float32/one", "decode_tokens_per_s")
@@ -166,6 +179,11 @@ def print_targets(results: dict[str, Any]) -> None:
             else:
                 detail = t.get("why", "")
             print(f"  [{name}] {t['name']}: {verdict} ({detail})")
+            if "floor_s" in t:
+                reach = "beyond the floor" if t["wall_needed_s"] < t["floor_s"] else "above the floor"
+                print(f"      the target asks for a {t['wall_needed_s']:.2f} s call; the FLOP floor of its work is "
+                      f"{t['floor_s']:.2f} s ({sum(t['floor_gflop'].values()):.0f} GFLOP at the measured "
+                      f"{t['peak_matmul_gflops']:.0f} GFLOP/s peak; {reach}); mmserve took {t['mmserve_wall_s']:.2f} s")
 
 
 def write_plot(results: dict[str, Any], path: Path) -> str:

@@ -1,8 +1,8 @@
-"""The CPU's weight layouts and matmul paths (`runner/cpu_layout.py`): float32 linear weights
-re-stored as transposed views of contiguous (in, out) tensors, the untied float32 LM head held by
-oneDNN in its blocked layout, and bfloat16 linear layers that multiply in float32 from 16 rows up on
-a CPU without bfloat16 arithmetic — each with the products a user depends on, and each left out
-where it does not apply."""
+"""The CPU's weight layouts and matmul paths (`runner/cpu_layout.py`): the language model's float32
+linear weights held by oneDNN in its blocked layout (without oneDNN, re-stored as transposed views
+of contiguous (in, out) tensors), and bfloat16 linear layers that multiply in float32 from 16 rows
+up on a CPU without bfloat16 arithmetic — each with the products a user depends on, and each left
+out where it does not apply."""
 
 import pytest
 import torch
@@ -14,7 +14,7 @@ from mmserve.runner import cpu_layout
 from mmserve.runner.cpu_layout import (
     BFloat16ViaFloat32Linear,
     PackedLinear,
-    pack_lm_head,
+    pack_language_model,
     prepare_for_cpu,
     relayout_for_cpu,
     upcast_bfloat16_linears,
@@ -45,48 +45,63 @@ def test_bfloat16_and_other_devices_are_left_alone():
         assert [layer.weight.stride() for layer in model] == strides
 
 
-def test_the_engine_relayouts_its_float32_language_model_only(checkpoint_dirs):
+def test_the_engine_packs_its_float32_language_model_and_leaves_the_vision_tower(checkpoint_dirs):
     with LLM(str(checkpoint_dirs["qwen2_vl"])) as llm:
         model = llm.engine.model
-        lm = [m for m in model.language_model.modules() if isinstance(m, nn.Linear)]
-        assert lm and all(m.weight.stride() == (1, m.weight.shape[0]) for m in lm)
+        packed = [m for m in model.language_model.modules() if isinstance(m, PackedLinear)]
+        assert not [m for m in model.language_model.modules() if isinstance(m, nn.Linear)]
+        assert isinstance(model.language_model.lm_head, PackedLinear)  # the untied head too
+        assert len(packed) == llm.engine.cpu_preparation.packed > 0
         vision = [m for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.startswith("language_model")]
-        assert vision and all(m.weight.is_contiguous() for m in vision)
-        assert isinstance(model.language_model.lm_head, PackedLinear)  # the untied head: oneDNN's layout
+        assert vision and all(m.weight.is_contiguous() for m in vision)  # long products: MKL's own layout
     with LLM(str(checkpoint_dirs["qwen2_vl"]), dtype="bfloat16") as llm:
         assert all(m.weight.is_contiguous() for m in llm.engine.model.modules() if isinstance(m, nn.Linear))
+        assert llm.engine.cpu_preparation.packed == 0
 
 
-class _Head(nn.Module):
+def test_without_onednn_the_engine_relayouts_instead(checkpoint_dirs, monkeypatch):
+    monkeypatch.setattr(cpu_layout, "onednn_linear_available", lambda: False)
+    with LLM(str(checkpoint_dirs["qwen2_vl"])) as llm:
+        lm = [m for m in llm.engine.model.language_model.modules() if isinstance(m, nn.Linear)]
+        assert lm and all(m.weight.stride() == (1, m.weight.shape[0]) for m in lm)
+        assert llm.engine.cpu_preparation.packed == 0 and llm.engine.cpu_preparation.relaid_out == len(lm)
+
+
+class _LM(nn.Module):
     def __init__(self, vocab=3000, hidden=48, tied=False, dtype=torch.float32):
         super().__init__()
         torch.manual_seed(0)
         self.embed_tokens = nn.Embedding(vocab, hidden, dtype=dtype)
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(hidden, 4 * hidden, dtype=dtype), nn.SiLU(),
+                                                   nn.Linear(4 * hidden, hidden, bias=False, dtype=dtype))])
         self.lm_head = None if tied else nn.Linear(hidden, vocab, bias=False, dtype=dtype)
 
 
-def test_the_packed_head_gives_the_heads_logits_and_its_argmax():
-    lm = _Head()
-    weight = lm.lm_head.weight.detach().clone()
-    assert pack_lm_head(lm) and isinstance(lm.lm_head, PackedLinear)
+def test_packed_layers_give_the_layers_products_and_the_heads_argmax():
+    lm = _LM()
+    reference = _LM()
+    assert pack_language_model(lm) == 3
+    assert isinstance(lm.lm_head, PackedLinear) and isinstance(lm.layers[0][0], PackedLinear)
+    assert torch.equal(lm.layers[0][0].bias, reference.layers[0][0].bias)  # the bias stays a parameter
     for rows in (1, 2, 8, 32, 200):
         hidden = torch.randn(rows, 48)
-        expected = F.linear(hidden, weight)
-        logits = lm.lm_head(hidden)
-        assert logits.shape == expected.shape
-        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-4)  # another summation order
-        assert torch.equal(logits.argmax(-1), expected.argmax(-1))
-    assert torch.equal(lm.lm_head.weight, weight)  # a dense copy to read back
-    assert not pack_lm_head(lm)  # idempotent
+        expected = reference.layers[0](hidden)
+        torch.testing.assert_close(lm.layers[0](hidden), expected, rtol=1e-5, atol=1e-4)  # another summation order
+        logits, expected_logits = lm.lm_head(expected), reference.lm_head(expected)
+        assert logits.shape == expected_logits.shape == (rows, 3000)
+        torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-4)
+        assert torch.equal(logits.argmax(-1), expected_logits.argmax(-1))
+    assert torch.equal(lm.lm_head.weight, reference.lm_head.weight)  # a dense copy to read back
+    assert pack_language_model(lm) == 0  # idempotent
 
 
-def test_tied_bfloat16_and_off_cpu_heads_are_not_packed():
-    for lm in (_Head(tied=True), _Head(dtype=torch.bfloat16)):
-        head = lm.lm_head
-        assert not pack_lm_head(lm) and lm.lm_head is head
-    meta = _Head()
-    meta.lm_head = nn.Linear(48, 3000, bias=False, device="meta")
-    assert not pack_lm_head(meta) and type(meta.lm_head) is nn.Linear
+def test_tied_bfloat16_and_off_cpu_layers_are_not_packed():
+    tied = _LM(tied=True)
+    assert pack_language_model(tied) == 2 and tied.lm_head is None  # the embedding table stays the head
+    half = _LM(dtype=torch.bfloat16)
+    assert pack_language_model(half) == 0 and type(half.lm_head) is nn.Linear
+    meta = nn.Sequential(nn.Linear(48, 3000, bias=False, device="meta"))
+    assert pack_language_model(meta) == 0 and type(meta[0]) is nn.Linear
 
 
 def _bf16_linear(in_features=96, out_features=700, bias=True):
@@ -128,15 +143,15 @@ def test_the_upcast_is_only_for_cpus_without_bfloat16_arithmetic(monkeypatch):
         def __init__(self):
             super().__init__()
             self.vision = _bf16_linear()
-            self.language_model = _Head(dtype=torch.bfloat16)
+            self.language_model = _LM(dtype=torch.bfloat16)
 
     monkeypatch.setattr(cpu_layout, "cpu_has_bfloat16_arithmetic", lambda: True)
     native = prepare_for_cpu(Model())
-    assert native.upcast_bfloat16 == 0 and native.packed_heads == 0
+    assert native.upcast_bfloat16 == 0 and native.packed == 0
     monkeypatch.setattr(cpu_layout, "cpu_has_bfloat16_arithmetic", lambda: False)
     model = Model()
     emulated = prepare_for_cpu(model)
-    assert emulated.upcast_bfloat16 == 2  # the vision layer and the LM head
+    assert emulated.upcast_bfloat16 == 4  # the vision layer, the LM's two and its head
     assert isinstance(model.language_model.lm_head, BFloat16ViaFloat32Linear)
 
 
@@ -146,7 +161,7 @@ def test_a_bfloat16_engine_takes_the_path_its_cpu_needs(checkpoint_dirs):
         linears = [m for m in llm.engine.model.modules() if isinstance(m, nn.Linear)]
         assert linears and all(isinstance(m, BFloat16ViaFloat32Linear) == expect_upcast for m in linears)
         assert llm.engine.cpu_preparation.upcast_bfloat16 == (len(linears) if expect_upcast else 0)
-        assert llm.engine.cpu_preparation.packed_heads == 0
+        assert llm.engine.cpu_preparation.packed == 0
         (out,) = llm.generate(["Count to three:"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
         assert len(out.outputs[0].token_ids) == 4
         llm.check_integrity()

@@ -1,25 +1,29 @@
 """Weight layouts and matmul paths that suit the CPU's kernels, chosen once after loading.
 
-Role: three measured changes to how linear layers run on the CPU; modules' math is unchanged.
-- float32, every linear layer of the language model (`relayout_for_cpu`): `F.linear(x, W)` with W
-  stored (out, in) row-major, as checkpoints and `nn.Linear` have it, takes a slow path when the batch
-  is small; the same product with W's storage transposed (a view of a contiguous (in, out) tensor)
-  takes the gemm path. A decode step of the 30M bench model went from 10.9/9.6 to 6.2/7.1 ms at batch
-  1 and from 28.7/23.8 to 21.2/21.7 ms at batch 32, greedy tokens identical. Bitwise equal from batch
-  8 up; batch 1 differs in the last bits (another summation order).
-- float32, the untied LM head (`pack_lm_head`): at decode batch sizes the head is the one product
-  that is compute-bound (32 rows x 320 x 32000 in the bench model), and oneDNN's linear on a weight
-  reordered once into its blocked layout does it at 5.2 ms against 9.0 ms (batch 32; 2.2 against
-  7.5 ms at batch 8, on par at batch 1 and in prefill). The batch-32 decode step went from
-  23.5/23.9 to 20.1/19.3 ms. The layers' projections are left on the gemm path: packed, they cost
-  ~0.9 ms more per batch-1 step (oneDNN's per-call overhead on small weights) and more in prefill.
+Role: measured changes to how linear layers run on the CPU; the modules' math is unchanged.
+- float32, the language model (`pack_language_model`): oneDNN's linear on weights reordered once
+  into its blocked layout. `F.linear` hands the weight to MKL's sgemm, which repacks it on every
+  call; at decode batch sizes that repacking is most of the product. The head of the 30M bench model
+  (32 rows x 320 x 32000) took 5.2 ms packed against 9.0 ms (2.2 against 7.5 ms at 8 rows). On the
+  engine, three alternating rounds each, head packed against every layer packed:
+  100m model, batch-32 decode step 66-70 -> 51-54 ms, the 32-request batch call 5.06-5.16 -> 4.74-
+  4.82 s, a batch-1 step 18.2-20.9 -> 17.0-19.1 ms; 30m model, batch call 1.105-1.135 -> 1.105-1.107
+  s, batch-1 step 7.0-7.1 -> 7.3 ms (oneDNN's ~15 us per call shows on its small weights). Products
+  differ from `F.linear`'s in the last bits (another summation order); greedy tokens stayed
+  transformers' in the parity suite and the peer benchmark. The vision tower is left on MKL: its
+  products are long (one row per patch), where packing measured slower (100m prefill steps
+  1.59/1.52 -> 1.68/1.60 s).
+- float32 without oneDNN (`relayout_for_cpu`): `F.linear(x, W)` with W stored (out, in) takes a slow
+  path at small batch; the same product with W's storage transposed (a view of a contiguous
+  (in, out) tensor) takes the gemm path: a 30M decode step 10.9/9.6 -> 6.2/7.1 ms at batch 1, bitwise
+  equal from batch 8 up.
 - bfloat16 on a CPU without bfloat16 arithmetic (`upcast_bfloat16_linears`): there PyTorch's
   bfloat16 gemm is emulated and 4-6x slower than float32 from 32 rows up (145 against 31 ms for the
   head at 128 rows). `BFloat16ViaFloat32Linear` keeps the bfloat16 weights and, for 16 rows or more,
   multiplies in float32 a few MiB of weight rows at a time, rounding the result to bfloat16: the
   contract of a bfloat16 gemm (bfloat16 operands, float32 accumulation, bfloat16 result), bitwise
   equal to `F.linear(x.float(), W.float()).to(bfloat16)`. Under 16 rows the weight-bound native
-  kernel stays faster and is kept.
+  kernel stays faster and is kept. Applied to the whole model, vision included.
 Embeddings tied to the head are left as they are (the head then reads the embedding table).
 
 What it does not know: families, the engine, other devices (it does nothing off the CPU).
@@ -42,8 +46,8 @@ UPCAST_CHUNK_BYTES = 4 << 20  # float32 weight rows converted per product: stays
 class CpuPreparation:
     """What `prepare_for_cpu` changed: counts of layers per change."""
 
+    packed: int = 0
     relaid_out: int = 0
-    packed_heads: int = 0
     upcast_bfloat16: int = 0
 
 
@@ -88,16 +92,19 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
-def pack_lm_head(language_model: nn.Module) -> bool:
-    """Replace `language_model.lm_head`, an untied float32 CPU `nn.Linear`, by a `PackedLinear`.
-    Returns whether it did (False for a tied head, another dtype or device, or no oneDNN)."""
-    head = getattr(language_model, "lm_head", None)
-    if type(head) is not nn.Linear or head.weight.device.type != "cpu" or head.weight.dtype != torch.float32:
-        return False
+def pack_language_model(module: nn.Module) -> int:
+    """Replace every float32 CPU `nn.Linear` under `module` (the untied LM head included) by a
+    `PackedLinear`. Returns how many were replaced (none without oneDNN)."""
     if not onednn_linear_available():
-        return False
-    language_model.lm_head = PackedLinear(head)
-    return True
+        return 0
+    count = 0
+    for name, child in list(module.named_children()):
+        if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype == torch.float32:
+            setattr(module, name, PackedLinear(child))
+            count += 1
+        else:
+            count += pack_language_model(child)
+    return count
 
 
 class BFloat16ViaFloat32Linear(nn.Linear):
@@ -160,7 +167,7 @@ def prepare_for_cpu(model: nn.Module) -> CpuPreparation:
     model): the changes above that apply to this model and CPU. The vision side gets the same
     bfloat16 path wherever it runs, so its outputs do not depend on where the encoder runs."""
     language_model = getattr(model, "language_model", None)
-    packed = language_model is not None and pack_lm_head(language_model)
-    relaid = relayout_for_cpu(language_model) if language_model is not None else 0
+    packed = pack_language_model(language_model) if language_model is not None else 0
+    relaid = relayout_for_cpu(language_model) if language_model is not None else 0  # what oneDNN did not take
     upcast = 0 if cpu_has_bfloat16_arithmetic() else upcast_bfloat16_linears(model)
-    return CpuPreparation(relaid_out=relaid, packed_heads=int(packed), upcast_bfloat16=upcast)
+    return CpuPreparation(packed=packed, relaid_out=relaid, upcast_bfloat16=upcast)
