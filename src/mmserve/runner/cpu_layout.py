@@ -31,6 +31,7 @@ What it does not know: families, the engine, other devices (it does nothing off 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -92,19 +93,23 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
+def _replace_linears(module: nn.Module, dtype: torch.dtype, make: Callable[[nn.Linear], nn.Module]) -> int:
+    """Replace every plain `nn.Linear` under `module` whose weight is `dtype` on the CPU by `make(it)`.
+    Returns how many were replaced."""
+    count = 0
+    for name, child in list(module.named_children()):
+        if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype == dtype:
+            setattr(module, name, make(child))
+            count += 1
+        else:
+            count += _replace_linears(child, dtype, make)
+    return count
+
+
 def pack_language_model(module: nn.Module) -> int:
     """Replace every float32 CPU `nn.Linear` under `module` (the untied LM head included) by a
     `PackedLinear`. Returns how many were replaced (none without oneDNN)."""
-    if not onednn_linear_available():
-        return 0
-    count = 0
-    for name, child in list(module.named_children()):
-        if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype == torch.float32:
-            setattr(module, name, PackedLinear(child))
-            count += 1
-        else:
-            count += pack_language_model(child)
-    return count
+    return _replace_linears(module, torch.float32, PackedLinear) if onednn_linear_available() else 0
 
 
 class BFloat16ViaFloat32Linear(nn.Linear):
@@ -152,14 +157,7 @@ def cpu_has_bfloat16_arithmetic() -> bool:
 def upcast_bfloat16_linears(module: nn.Module) -> int:
     """Replace every bfloat16 CPU `nn.Linear` under `module` by a `BFloat16ViaFloat32Linear` sharing its
     parameters. Returns how many were replaced."""
-    count = 0
-    for name, child in list(module.named_children()):
-        if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16 and child.weight.device.type == "cpu":
-            setattr(module, name, BFloat16ViaFloat32Linear.from_linear(child))
-            count += 1
-        else:
-            count += upcast_bfloat16_linears(child)
-    return count
+    return _replace_linears(module, torch.bfloat16, BFloat16ViaFloat32Linear.from_linear)
 
 
 def prepare_for_cpu(model: nn.Module) -> CpuPreparation:
