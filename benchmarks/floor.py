@@ -54,6 +54,15 @@ def matmul_peak_gflops(size: int = 1536, reps: int = 7) -> float:
     return 2 * size**3 / best / 1e9
 
 
+def attention_work(processed: list[Any], outputs: list[Any]) -> dict[str, Any]:
+    """`compute_floor`'s attention terms for one call: the patches of each distinct item of the
+    processed prompts, and per request its prompt length, prefix-cache hit and output length."""
+    item_patches = {item.content_hash: item.encoder_tokens for p in processed for item in p.items}
+    return {"item_patches": sorted(item_patches.values()),
+            "requests": [(len(o.prompt_token_ids), o.num_cached_tokens, len(o.outputs[0].token_ids))
+                         for o in outputs]}
+
+
 def compute_floor(model_dir: Path, stats: dict[str, int], attention_work: dict[str, Any],
                   peak_gflops: float) -> dict[str, Any]:
     """A lower bound on the wall of the work mmserve did, at the machine's peak matmul rate: weight-

@@ -50,7 +50,7 @@ from tests.fixtures.tiny_checkpoints import (  # noqa: E402
     reference_inputs,
 )
 
-from benchmarks.floor import compute_floor, matmul_peak_gflops  # noqa: E402
+from benchmarks.floor import attention_work, compute_floor, matmul_peak_gflops  # noqa: E402
 from benchmarks.hf_systems import (  # noqa: E402
     SystemResult,
     count_identical,
@@ -185,9 +185,6 @@ def run_mmserve(model_dir: Path, workload: Workload, output_tokens: int) -> Syst
     processed = [llm.engine.process_chat(c.messages) for c in convs]
     preprocess_s = time.perf_counter() - started
     prompt_lens = [p.num_tokens for p in processed]
-    # for the FLOP floor's attention terms: patches of each distinct item, and per request its prompt
-    # length, prefix-cache hit and output length
-    item_patches = {item.content_hash: item.encoder_tokens for p in processed for item in p.items}
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     keep = ("prompt_tokens", "prompt_tokens_computed", "prefix_cache_hit_tokens", "generation_tokens",
             "encoder_items_encoded", "encoder_tokens_encoded", "num_preemptions")
@@ -195,9 +192,7 @@ def run_mmserve(model_dir: Path, workload: Workload, output_tokens: int) -> Syst
              "stats": {k: stats[k] for k in keep if k in stats},
              "prompt_tokens": {"min": min(prompt_lens), "max": max(prompt_lens),
                                "mean": round(sum(prompt_lens) / len(prompt_lens), 1)},
-             "attention_work": {"item_patches": sorted(item_patches.values()),
-                                "requests": [(len(o.prompt_token_ids), o.num_cached_tokens, len(t))
-                                             for o, t in zip(outputs, tokens)]}}
+             "attention_work": attention_work(processed, outputs)}
     return SystemResult("mmserve", wall_s, sum(len(t) for t in tokens), tokens, extra)
 
 

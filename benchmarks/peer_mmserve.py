@@ -100,14 +100,11 @@ FLOOR_STATS = ("prompt_tokens_computed", "generation_tokens", "encoder_items_enc
 def batch_floor(llm, model_dir: Path, convs: list[list[dict]], outputs: list, before: dict, after: dict) -> dict:
     """The FLOP floor (`benchmarks/floor.py`) of the work the timed call did: the seconds no engine
     doing the same matmuls and attention could beat at this machine's peak float32 matmul rate."""
-    from benchmarks.floor import compute_floor, matmul_peak_gflops
+    from benchmarks.floor import attention_work, compute_floor, matmul_peak_gflops
 
     stats = {k: after[k] - before[k] for k in FLOOR_STATS}  # the warm-up call's work is not the call's
     processed = [llm.engine.process_chat(c) for c in convs]
-    patches = {item.content_hash: item.encoder_tokens for p in processed for item in p.items}
-    work = {"item_patches": sorted(patches.values()),
-            "requests": [(len(o.prompt_token_ids), o.num_cached_tokens, len(o.outputs[0].token_ids)) for o in outputs]}
-    return compute_floor(model_dir, stats, work, matmul_peak_gflops())
+    return compute_floor(model_dir, stats, attention_work(processed, outputs), matmul_peak_gflops())
 
 
 def run_reference(args: argparse.Namespace) -> dict:
