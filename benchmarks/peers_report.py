@@ -105,6 +105,10 @@ def print_card(card: dict[str, Any], results: dict[str, Any]) -> None:
                            if e.get("ld_preload")})
         for label, libs in preloads:
             print(f"            {label} preloads {libs}")
+        engine_args = sorted({(e["mode"], ", ".join(f"{k}={v!r}" for k, v in e["engine_args"].items()))
+                              for e in res["results"].values() if e.get("engine_args")})
+        for mode, args in engine_args:
+            print(f"            mmserve {mode}: LLM(model, {args})")
         for note in res["notes"]:
             print(f"            {note}")
     print(f"workload  : {card['requests']} requests, one synthetic image each ({w['image_side_px']['min']}-"

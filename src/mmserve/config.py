@@ -103,6 +103,9 @@ class GraphConfig:
     encoder_graph_memory_bytes: int = DEFAULT_ENCODER_GRAPH_MEMORY_BYTES
     enable_decode_cuda_graphs: bool | None = None
     decode_graph_batch_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs
+    # CPU: compile the padded decode step with TorchInductor (turns decode graphs on; costs ~20-40 s at
+    # start-up, as vLLM-CPU's compile does). Off: the CPU runs every step eagerly
+    compile_cpu_decode: bool = False
 
     def __post_init__(self) -> None:
         if self.encoder_graph_memory_bytes <= 0:
@@ -119,6 +122,8 @@ class GraphConfig:
 
     def decode_graphs_on(self, device_type: str) -> bool:
         on = self.enable_decode_cuda_graphs
+        if self.compile_cpu_decode and device_type == "cpu":
+            return on is not False
         return device_type == "cuda" if on is None else on
 
 
@@ -133,6 +138,11 @@ class EngineConfig:
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     media: MediaLimits = field(default_factory=MediaLimits)
     graphs: GraphConfig = field(default_factory=GraphConfig)
+
+    def __post_init__(self) -> None:
+        if self.graphs.compile_cpu_decode and self.cache.kv_cache_dtype == "fp8_e4m3":
+            # TorchInductor (torch 2.13) cannot lower the float8 quantization on the CPU
+            raise ValueError("compile_cpu_decode does not support kv_cache_dtype='fp8_e4m3'; use 'int8' or 'auto'")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:

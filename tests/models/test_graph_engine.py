@@ -51,10 +51,12 @@ def test_graphs_default_off_on_the_cpu(model_dir):
     assert llm.engine.runner.encoder_graphs is None and llm.engine.runner.decode_graphs is None
 
 
-def test_decode_padding_writes_only_the_scratch_block(model_dir):
+@pytest.mark.parametrize("compiled", [False, True], ids=["replay", "compiled"])
+def test_decode_padding_writes_only_the_scratch_block(model_dir, compiled):
     """Three decodes padded to a batch of four: the step's K/V writes land on the three sequences' new
-    slots and on the scratch block, nowhere else."""
-    llm = LLM(str(model_dir), **GRAPH_ARGS, **ENGINE_ARGS)
+    slots and on the scratch block, nowhere else — also when the CPU compiles the step (its cache write
+    is an operator that mutates the cache in place, not a copy the compiler makes)."""
+    llm = LLM(str(model_dir), **GRAPH_ARGS, **ENGINE_ARGS, compile_cpu_decode=compiled)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
     for i, text in enumerate(("Hi.", "Count to five.", "Why?")):

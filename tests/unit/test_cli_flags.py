@@ -22,12 +22,13 @@ def test_unset_flags_keep_the_config_defaults():
 def test_graph_flags_reach_the_graph_config():
     kwargs = _parse("--decode-graph-batch-sizes", "1,2,4", "--encoder-graph-buckets", "1024x2,4096x8x3",
                     "--no-enable-encoder-cuda-graphs", "--enable-decode-cuda-graphs",
-                    "--encoder-graph-memory-bytes", "1GiB", "--encoder-cache-bytes", "64MiB")
+                    "--encoder-graph-memory-bytes", "1GiB", "--encoder-cache-bytes", "64MiB", "--compile-cpu-decode")
     config = EngineConfig.from_kwargs("m", **kwargs)
     assert config.graphs.decode_graph_batch_sizes == (1, 2, 4)
     assert config.graphs.encoder_graph_buckets == ((1024, 2), (4096, 8, 3))
     assert config.graphs.enable_encoder_cuda_graphs is False and config.graphs.enable_decode_cuda_graphs is True
     assert config.graphs.encoder_graph_memory_bytes == 1024**3
+    assert config.graphs.compile_cpu_decode is True and config.graphs.decode_graphs_on("cpu")
     assert config.encoder.encoder_cache_bytes == 64 * 1024**2
 
 

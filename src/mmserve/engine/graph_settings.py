@@ -49,8 +49,11 @@ def resolve_runner_graphs(config: EngineConfig, *, encoder_tokens_per_step: int,
         sizes = graphs.decode_graph_batch_sizes or decode_batch_sizes(max_num_seqs)
         block_size = config.cache.block_size
         decode = DecodeGraphSettings(tuple(sorted(set(sizes))), decode_block_widths(-(-max_model_len // block_size)),
-                                     scratch_block=num_kv_blocks, num_position_rows=num_position_rows)
-    if device_type != "cuda" and (encoder or decode):
+                                     scratch_block=num_kv_blocks, num_position_rows=num_position_rows,
+                                     compile=graphs.compile_cpu_decode and device_type == "cpu")
+    if decode is not None and decode.compile:
+        logger.info("decode steps: compiled for the CPU (batch sizes %s)", decode.batch_sizes)
+    if device_type != "cuda" and (encoder or (decode and not decode.compile)):
         logger.info("graphs on %s: the graph path runs with a replay-equivalent (for tests; no speed-up)",
                     device_type)
     return RunnerGraphs(encoder, decode)

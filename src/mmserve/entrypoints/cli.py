@@ -32,7 +32,7 @@ from mmserve.errors import InvalidInputError, ModelLoadError
 from mmserve.inputs.media import MediaLimits
 
 ENGINE_ARG_GROUPS = (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("encoder budgets", EncoderConfig),
-                     ("media limits", MediaLimits), ("captured graphs (CUDA)", GraphConfig))
+                     ("media limits", MediaLimits), ("captured graphs (CUDA), compiled decode (CPU)", GraphConfig))
 SIZE_SUFFIXES = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
 EPILOG = """examples:
   mmserve serve ./my-qwen2-vl --port 8000 --max-num-seqs 32

@@ -8,6 +8,11 @@ padding row decodes token 0 at position 0 over the scratch block, writing its K/
 slot, which no request owns — so padding never touches a real sequence's cache. Prefill, mixed
 steps and batches beyond the largest bucket run eagerly (vLLM and SGLang do the same).
 
+On the CPU, with `compile` set, the step is compiled by TorchInductor instead (the CPU's counterpart
+of a graph: one fused C++ program instead of a few hundred eager ops and their Python). One compiled
+function serves every bucket: the batch and block-table width are marked dynamic, so it compiles
+once for batch 1 and once for the rest, not once per bucket (runner/cpu_compile.py).
+
 What it does not know: requests, sampling, scheduling, any family (the model is a `FamilyModel`).
 """
 
@@ -21,6 +26,7 @@ import torch
 
 from mmserve.models.spec import FamilyModel
 from mmserve.runner.attention import DecodeGroup, PagedAttentionBackend, PagedAttentionMetadata
+from mmserve.runner.cpu_compile import frozen_compile
 from mmserve.runner.graph_buckets import DecodeBucket, plan_decode_batch
 from mmserve.runner.graph_capture import CapturedGraph, StaticBuffers, capture_graph, new_graph_pool
 
@@ -37,6 +43,7 @@ class DecodeGraphSettings:
     # batch x width x block_size keys a graph may gather per layer: the padded decode attention gathers them
     # all, and a capture reserves that much for its temporaries; wider batches run eagerly
     max_keys: int = 1 << 17
+    compile: bool = False  # CPU: torch.compile the step (otherwise the CPU runs a replay-equivalent, for tests)
 
 
 @dataclass
@@ -64,13 +71,18 @@ class DecodeGraphRunner:
         self.graphs: dict[DecodeBucket, _DecodeGraph] = {}
         self.stats = DecodeGraphStats()
         self.pool = new_graph_pool(device)
+        self._step = self._forward
+        if settings.compile:
+            if device.type != "cpu":
+                raise ValueError("compiled decode steps are for the CPU; CUDA captures graphs")
+            self._step = frozen_compile(self._forward)
 
     @torch.inference_mode()
     def capture_all(self) -> DecodeGraphStats:
         for bucket in reversed(self.buckets):  # largest first: smaller graphs reuse its pool memory
             buffers = StaticBuffers(self._static_inputs(bucket))
             self._load(buffers, bucket, _DecodeArrays.padding(self.settings))
-            graph = capture_graph(lambda b=buffers: self._forward(b), self.device, self.pool)
+            graph = capture_graph(lambda b=buffers: self._step(b), self.device, self.pool)
             buffers.record()
             self.graphs[bucket] = _DecodeGraph(buffers, graph)
             self.stats.captured.append(bucket)
@@ -79,7 +91,7 @@ class DecodeGraphRunner:
 
     def _static_inputs(self, bucket: DecodeBucket) -> dict[str, torch.Tensor]:
         b, dev, i64 = bucket.batch_size, self.device, torch.int64
-        return {
+        tensors = {
             "input_ids": torch.zeros(b, dtype=i64, device=dev),
             "positions": torch.zeros(self.settings.num_position_rows, b, dtype=i64, device=dev),
             "slot_mapping": torch.zeros(b, dtype=i64, device=dev),
@@ -89,16 +101,19 @@ class DecodeGraphRunner:
             "token_index": torch.arange(b, dtype=i64, device=dev),
             "key_positions": torch.arange(bucket.num_blocks * self.block_size, dtype=i64, device=dev)[None, :],
         }
+        if self.settings.compile:
+            _mark_dynamic(tensors)
+        return tensors
 
     def _forward(self, buffers: StaticBuffers) -> torch.Tensor:
         """Graph-safe: reads only the static buffers. Returns (batch, vocab) logits."""
-        b = buffers["input_ids"].shape[0]
         group = DecodeGroup(buffers["block_table"], buffers["key_positions"], buffers["query_positions"],
                             buffers["token_index"])
-        # every row a decode of one token: the backend's prefill loop is empty, its one decode group padded
-        meta = PagedAttentionMetadata(query_lens=[1] * b, context_lens=[1] * b, spans=[],
-                                      slot_mapping=buffers["slot_mapping"], prefill_block_tables=[None] * b,
-                                      decode_rows=list(range(b)), decode_groups=[group])
+        # every row a decode of one token, all in the one padded decode group: the backend's per-sequence
+        # lists stay empty (its prefill loop has nothing to do), so nothing here depends on the batch size
+        # in Python and a compiled step serves every batch size
+        meta = PagedAttentionMetadata(query_lens=[], context_lens=[], spans=[], slot_mapping=buffers["slot_mapping"],
+                                      decode_groups=[group])
         embeds = self.model.embed(buffers["input_ids"])
         hidden = self.model(embeds, buffers["positions"], self.attention, meta, None)
         return self.model.compute_logits(hidden)
@@ -122,6 +137,20 @@ class DecodeGraphRunner:
         entry.graph.replay()
         self.stats.num_replays += 1
         return entry.graph.output[:len(arrays.input_ids)].clone()  # out before the next replay overwrites it
+
+
+# the dims of the static inputs that vary between buckets: (batch) and (block-table width)
+_DYNAMIC_DIMS = {"input_ids": (0,), "positions": (1,), "slot_mapping": (0,), "block_table": (0, 1),
+                 "query_positions": (0,), "token_index": (0,), "key_positions": (1,)}
+
+
+def _mark_dynamic(tensors: dict[str, torch.Tensor]) -> None:
+    """Mark the bucket-dependent dims dynamic so one compile serves all buckets. A dim of size 1 is left
+    static: the compiler specializes sizes 0 and 1, so batch 1 gets a compile of its own."""
+    for name, dims in _DYNAMIC_DIMS.items():
+        for dim in dims:
+            if tensors[name].shape[dim] > 1:
+                torch._dynamo.mark_dynamic(tensors[name], dim)
 
 
 def _decode_only(builder: BatchBuilder) -> bool:

@@ -8,6 +8,10 @@ back in the compute dtype (dequantized on the way out: only those blocks, never 
 copy of the cache).
 
 What it does not know: attention, masks, sequences, requests — only slots and block ids.
+
+Under `torch.compile` (the CPU's compiled decode step, runner/decode_graphs.py) the slot writes go
+through `mmserve::write_slots`, an operator that declares it mutates the cache: traced as a plain
+`index_copy_`, the compiler functionalizes it into a copy of the whole layer's cache per write.
 """
 
 from __future__ import annotations
@@ -15,6 +19,22 @@ from __future__ import annotations
 import torch
 
 from mmserve.runner.kv_quant import SCALE_DTYPE, KVFormat, dequantize, fp8_decode_table, quantize
+
+
+@torch.library.custom_op("mmserve::write_slots", mutates_args=("flat",))
+def write_slots(flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """flat[slots[i]] = rows[i], in place, copied as bytes (index_copy_ has no float8 kernel on the CPU,
+    and the bits are what we store): the cache write a compiled step keeps in place."""
+    flat.view(torch.uint8).index_copy_(0, slots, rows.view(torch.uint8))
+
+
+def _write_rows(flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    if torch.compiler.is_compiling():  # the byte views stay inside the operator, out of the compiler's sight
+        write_slots(flat, slots, rows)
+    elif flat.dtype == torch.float8_e4m3fn:  # eager: the direct call, without the operator's dispatch
+        flat.view(torch.uint8).index_copy_(0, slots, rows.view(torch.uint8))
+    else:
+        flat.index_copy_(0, slots, rows)
 
 
 class PagedKVStorage:
@@ -42,12 +62,11 @@ class PagedKVStorage:
         for store, scales, x in ((self.key, self.key_scale, k), (self.value, self.value_scale, v)):
             flat = store[layer_idx].flatten(0, 1)
             if not self.fmt.quantized:
-                flat.index_copy_(0, slot_mapping, x.to(self.fmt.element_dtype))
+                _write_rows(flat, slot_mapping, x.to(self.fmt.element_dtype))
                 continue
             codes, scale = quantize(x, self.fmt)
-            # copied as bytes: index_copy_ has no float8 kernel on the CPU, and the bits are what we store
-            flat.view(torch.uint8).index_copy_(0, slot_mapping, codes.view(torch.uint8))
-            scales[layer_idx].flatten(0, 1).index_copy_(0, slot_mapping, scale)
+            _write_rows(flat, slot_mapping, codes)
+            _write_rows(scales[layer_idx].flatten(0, 1), slot_mapping, scale)
 
     def gather(self, layer_idx: int, block_ids: torch.Tensor,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

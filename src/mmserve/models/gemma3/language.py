@@ -88,12 +88,14 @@ class Gemma3TextModel(nn.Module):
         self.local_rotary = rotary_table(cfg.head_dim, cfg.local_rope)
         self.global_rotary = rotary_table(cfg.head_dim, cfg.global_rope)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # the normalizer rounded to the weights' dtype, as transformers does (in bfloat16 sqrt(3072) becomes
+        # 55.5); rounded here, once per dtype, then a plain scalar: the product is the same, no tensor is
+        # shipped, and a compiled step reads a constant (no `.item()` in it)
+        self.embed_scales = {dtype: torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype).item()
+                             for dtype in (torch.float32, torch.bfloat16, torch.float16)}
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        # the normalizer rounded to the weights' dtype, as transformers does (in bfloat16 sqrt(3072) becomes
-        # 55.5); rounded on the CPU, then a plain scalar: the product is the same and no tensor is shipped
-        scale = torch.tensor(self.cfg.hidden_size ** 0.5, dtype=self.embed_tokens.weight.dtype).item()
-        return self.embed_tokens(input_ids) * scale
+        return self.embed_tokens(input_ids) * self.embed_scales[self.embed_tokens.weight.dtype]
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
                 meta: AttentionMetadata, extra_streams: torch.Tensor | None = None) -> torch.Tensor:
