@@ -28,7 +28,13 @@ from mmserve.models.spec import FamilyModel
 from mmserve.runner.attention import DecodeGroup, PagedAttentionBackend, PagedAttentionMetadata
 from mmserve.runner.cpu_compile import frozen_compile
 from mmserve.runner.graph_buckets import DecodeBucket, plan_decode_batch
-from mmserve.runner.graph_capture import CapturedGraph, StaticBuffers, capture_graph, new_graph_pool
+from mmserve.runner.graph_capture import (
+    CapturedGraph,
+    CompiledStep,
+    StaticBuffers,
+    capture_graph,
+    new_graph_pool,
+)
 
 if TYPE_CHECKING:
     from mmserve.runner.batch import BatchBuilder
@@ -49,7 +55,7 @@ class DecodeGraphSettings:
 @dataclass
 class _DecodeGraph:
     buffers: StaticBuffers
-    graph: CapturedGraph
+    graph: CapturedGraph | CompiledStep
 
 
 @dataclass
@@ -82,7 +88,10 @@ class DecodeGraphRunner:
         for bucket in reversed(self.buckets):  # largest first: smaller graphs reuse its pool memory
             buffers = StaticBuffers(self._static_inputs(bucket))
             self._load(buffers, bucket, _DecodeArrays.padding(self.settings))
-            graph = capture_graph(lambda b=buffers: self._step(b), self.device, self.pool)
+            if self.settings.compile:
+                graph = CompiledStep(lambda b=buffers: self._step(b))
+            else:
+                graph = capture_graph(lambda b=buffers: self._step(b), self.device, self.pool)
             buffers.record()
             self.graphs[bucket] = _DecodeGraph(buffers, graph)
             self.stats.captured.append(bucket)
@@ -136,7 +145,9 @@ class DecodeGraphRunner:
         entry.buffers.assert_unmoved()
         entry.graph.replay()
         self.stats.num_replays += 1
-        return entry.graph.output[:len(arrays.input_ids)].clone()  # out before the next replay overwrites it
+        logits = entry.graph.output[:len(arrays.input_ids)]
+        # a static output is copied out before the next replay overwrites it; a compiled step's is its own
+        return logits if isinstance(entry.graph, CompiledStep) else logits.clone()
 
 
 # the dims of the static inputs that vary between buckets: (batch) and (block-table width)

@@ -10,6 +10,7 @@ Role: the mechanics every graph runner shares.
   `fn` again on the same buffers at every replay and writes the result into the same output tensor —
   the same contract (static inputs in, static output overwritten), so padding, slicing and
   copy-out are tested on the CPU against the eager model.
+- `CompiledStep`: the CPU's compiled counterpart, same replay-then-read-output contract, a fresh output.
 - `GraphMemoryMeter`: device memory taken by captures (CUDA: reserved bytes; the CPU: not measured).
 
 What it does not know: buckets, models, what the buffers mean.
@@ -79,6 +80,19 @@ class ReplayEquivalent:
 
     def replay(self) -> None:
         self.output.copy_(self.fn())
+
+
+class CompiledStep:
+    """The CPU's compiled step over static buffers (runner/cpu_compile.py): `replay()` runs it and binds
+    `output` to the fresh result. Unlike a graph's, the output is not a static tensor: nothing reads it
+    at a fixed address, so it is neither copied into one nor copied out again."""
+
+    def __init__(self, fn: GraphFn) -> None:
+        self.fn = fn
+        self.output = fn()
+
+    def replay(self) -> None:
+        self.output = self.fn()
 
 
 class CudaGraph:

@@ -21,20 +21,24 @@ import torch
 from mmserve.runner.kv_quant import SCALE_DTYPE, KVFormat, dequantize, fp8_decode_table, quantize
 
 
-@torch.library.custom_op("mmserve::write_slots", mutates_args=("flat",))
-def write_slots(flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """flat[slots[i]] = rows[i], in place, copied as bytes (index_copy_ has no float8 kernel on the CPU,
-    and the bits are what we store): the cache write a compiled step keeps in place."""
-    flat.view(torch.uint8).index_copy_(0, slots, rows.view(torch.uint8))
+@torch.library.custom_op("mmserve::write_slots", mutates_args=("flats",))
+def write_slots(flats: list[torch.Tensor], slots: torch.Tensor, rows: list[torch.Tensor]) -> None:
+    """flats[j][slots[i]] = rows[j][i], in place, copied as bytes (index_copy_ has no float8 kernel on the
+    CPU, and the bits are what we store): the cache writes a compiled step keeps in place, one call for
+    a layer's keys and values (and their scales)."""
+    for flat, part in zip(flats, rows):
+        flat.view(torch.uint8).index_copy_(0, slots, part.view(torch.uint8))
 
 
-def _write_rows(flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+def _write_rows(flats: list[torch.Tensor], slots: torch.Tensor, rows: list[torch.Tensor]) -> None:
     if torch.compiler.is_compiling():  # the byte views stay inside the operator, out of the compiler's sight
-        write_slots(flat, slots, rows)
-    elif flat.dtype == torch.float8_e4m3fn:  # eager: the direct call, without the operator's dispatch
-        flat.view(torch.uint8).index_copy_(0, slots, rows.view(torch.uint8))
-    else:
-        flat.index_copy_(0, slots, rows)
+        write_slots(flats, slots, rows)
+        return
+    for flat, part in zip(flats, rows):  # eager: the direct calls, without the operator's dispatch
+        if flat.dtype == torch.float8_e4m3fn:
+            flat.view(torch.uint8).index_copy_(0, slots, part.view(torch.uint8))
+        else:
+            flat.index_copy_(0, slots, part)
 
 
 class PagedKVStorage:
@@ -59,14 +63,17 @@ class PagedKVStorage:
 
     def write(self, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v (num_tokens, kv_heads, head_dim) at flat slots (block * block_size + offset)."""
+        flats, rows = [], []
         for store, scales, x in ((self.key, self.key_scale, k), (self.value, self.value_scale, v)):
-            flat = store[layer_idx].flatten(0, 1)
+            flats.append(store[layer_idx].flatten(0, 1))
             if not self.fmt.quantized:
-                _write_rows(flat, slot_mapping, x.to(self.fmt.element_dtype))
+                rows.append(x.to(self.fmt.element_dtype))
                 continue
             codes, scale = quantize(x, self.fmt)
-            _write_rows(flat, slot_mapping, codes)
-            _write_rows(scales[layer_idx].flatten(0, 1), slot_mapping, scale)
+            rows.append(codes)
+            flats.append(scales[layer_idx].flatten(0, 1))
+            rows.append(scale)
+        _write_rows(flats, slot_mapping, rows)
 
     def gather(self, layer_idx: int, block_ids: torch.Tensor,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
