@@ -103,7 +103,7 @@ class GraphConfig:
     encoder_graph_memory_bytes: int = DEFAULT_ENCODER_GRAPH_MEMORY_BYTES
     enable_decode_cuda_graphs: bool | None = None
     decode_graph_batch_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs
-    # CPU: compile the padded decode step with TorchInductor (turns decode graphs on; costs ~20-40 s at
+    # CPU: compile the padded decode step with TorchInductor (turns decode graphs on; costs ~20-60 s at
     # start-up, as vLLM-CPU's compile does). Off: the CPU runs every step eagerly
     compile_cpu_decode: bool = False
 
