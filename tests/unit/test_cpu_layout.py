@@ -1,6 +1,6 @@
 """The CPU's weight layouts and matmul paths (`runner/cpu_layout.py`): the language model's float32
-linear weights held by oneDNN in its blocked layout (without oneDNN, re-stored as transposed views
-of contiguous (in, out) tensors), and bfloat16 linear layers that multiply in float32 from 16 rows
+linear weights in mmserve's panel kernel's layout (`runner/cpu_gemm.py`), else held by oneDNN in its
+blocked layout (without either, re-stored as transposed views of contiguous (in, out) tensors), and bfloat16 linear layers that multiply in float32 from 16 rows
 up on a CPU without bfloat16 arithmetic — each with the products a user depends on, and each left
 out where it does not apply."""
 
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve import LLM, SamplingParams
-from mmserve.runner import cpu_layout
+from mmserve.runner import cpu_gemm, cpu_layout
 from mmserve.runner.cpu_layout import (
     BFloat16ViaFloat32Linear,
     PackedLinear,
@@ -45,12 +45,22 @@ def test_bfloat16_and_other_devices_are_left_alone():
         assert [layer.weight.stride() for layer in model] == strides
 
 
+def _packed_type() -> type:
+    return cpu_gemm.PanelLinear if cpu_gemm.available() else PackedLinear
+
+
+@pytest.fixture
+def onednn_only(monkeypatch):
+    """pack_language_model as on a machine where mmserve's kernel does not run."""
+    monkeypatch.setattr(cpu_gemm, "kernel", lambda: None)
+
+
 def test_the_engine_packs_its_float32_language_model_and_leaves_the_vision_tower(checkpoint_dirs):
     with LLM(str(checkpoint_dirs["qwen2_vl"])) as llm:
         model = llm.engine.model
-        packed = [m for m in model.language_model.modules() if isinstance(m, PackedLinear)]
+        packed = [m for m in model.language_model.modules() if isinstance(m, _packed_type())]
         assert not [m for m in model.language_model.modules() if isinstance(m, nn.Linear)]
-        assert isinstance(model.language_model.lm_head, PackedLinear)  # the untied head too
+        assert isinstance(model.language_model.lm_head, _packed_type())  # the untied head too
         assert len(packed) == llm.engine.cpu_preparation.packed > 0
         vision = [m for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.startswith("language_model")]
         assert vision and all(m.weight.is_contiguous() for m in vision)  # long products: MKL's own layout
@@ -59,7 +69,7 @@ def test_the_engine_packs_its_float32_language_model_and_leaves_the_vision_tower
         assert llm.engine.cpu_preparation.packed == 0
 
 
-def test_without_onednn_the_engine_relayouts_instead(checkpoint_dirs, monkeypatch):
+def test_without_onednn_the_engine_relayouts_instead(checkpoint_dirs, monkeypatch, onednn_only):
     monkeypatch.setattr(cpu_layout, "onednn_linear_available", lambda: False)
     with LLM(str(checkpoint_dirs["qwen2_vl"])) as llm:
         lm = [m for m in llm.engine.model.language_model.modules() if isinstance(m, nn.Linear)]
@@ -77,11 +87,17 @@ class _LM(nn.Module):
         self.lm_head = None if tied else nn.Linear(hidden, vocab, bias=False, dtype=dtype)
 
 
-def test_packed_layers_give_the_layers_products_and_the_heads_argmax():
+@pytest.mark.parametrize("kernel", ["panel", "onednn"])
+def test_packed_layers_give_the_layers_products_and_the_heads_argmax(kernel, request):
+    if kernel == "onednn":
+        request.getfixturevalue("onednn_only")
+    elif not cpu_gemm.available():
+        pytest.skip("mmserve's CPU kernel does not run here (no AVX2 or no C++ compiler)")
+    packed_type = cpu_gemm.PanelLinear if kernel == "panel" else PackedLinear
     lm = _LM()
     reference = _LM()
     assert pack_language_model(lm) == 3
-    assert isinstance(lm.lm_head, PackedLinear) and isinstance(lm.layers[0][0], PackedLinear)
+    assert isinstance(lm.lm_head, packed_type) and isinstance(lm.layers[0][0], packed_type)
     assert torch.equal(lm.layers[0][0].bias, reference.layers[0][0].bias)  # the bias stays a parameter
     for rows in (0, 1, 2, 8, 32, 200):  # 0: a step that samples nothing
         hidden = torch.randn(rows, 48)

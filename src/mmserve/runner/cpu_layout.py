@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmserve.runner import cpu_gemm
+
 MIN_OUT_FEATURES = 0  # every projection: the narrow ones gained too once their weights were cold in cache
 MIN_UPCAST_ROWS = 16  # below this many rows the native bfloat16 kernel (weight-bound) is faster
 UPCAST_CHUNK_BYTES = 4 << 20  # float32 weight rows converted per product: stays off mmap'd allocations
@@ -108,7 +110,11 @@ def _replace_linears(module: nn.Module, dtype: torch.dtype, make: Callable[[nn.L
 
 def pack_language_model(module: nn.Module) -> int:
     """Replace every float32 CPU `nn.Linear` under `module` (the untied LM head included) by a
-    `PackedLinear`. Returns how many were replaced (none without oneDNN)."""
+    `cpu_gemm.PanelLinear` where mmserve's kernel runs, else by a `PackedLinear`. Returns how many were
+    replaced (none with neither)."""
+    lib = cpu_gemm.kernel()
+    if lib is not None:
+        return _replace_linears(module, torch.float32, lambda linear: cpu_gemm.PanelLinear(linear, lib))
     return _replace_linears(module, torch.float32, PackedLinear) if onednn_linear_available() else 0
 
 
