@@ -129,17 +129,24 @@ def available() -> bool:
     return kernel() is not None
 
 
-@torch.library.custom_op("mmserve::panel_linear", mutates_args=())
-def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """The product as an operator, for compiled steps."""
+def _panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     lib = kernel()
     assert lib is not None, "mmserve::panel_linear runs only where the kernel was built"
     return lib.linear(x, panels, bias, out_features)
 
 
-@panel_linear.register_fake
-def _(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def _panel_linear_fake(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
+                       out_features: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
+
+
+# The product as an operator, for compiled steps. Defined on a `torch.library.Library` with a CPU kernel
+# rather than with `torch.library.custom_op`, whose wrapper measured 25 us a call against 18 (41 calls
+# a step on the 100m model); the library lives as long as the module.
+_LIBRARY = torch.library.Library("mmserve", "FRAGMENT")
+_LIBRARY.define("panel_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor")
+_LIBRARY.impl("panel_linear", _panel_linear, "CPU")
+torch.library.register_fake("mmserve::panel_linear", _panel_linear_fake, lib=_LIBRARY)
 
 
 class PanelLinear(nn.Module):
@@ -162,5 +169,5 @@ class PanelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return panel_linear(x, self.panels, self.bias, self.out_features)
+            return torch.ops.mmserve.panel_linear(x, self.panels, self.bias, self.out_features)
         return self._lib.linear(x, self.panels, self.bias, self.out_features)
