@@ -1,8 +1,9 @@
 """Weight layouts and matmul paths that suit the CPU's kernels, chosen once after loading.
 
 Role: measured changes to how linear layers run on the CPU; the modules' math is unchanged.
-- float32, the language model (`pack_language_model`): oneDNN's linear on weights reordered once
-  into its blocked layout. `F.linear` hands the weight to MKL's sgemm, which repacks it on every
+- float32, the language model (`pack_language_model`): mmserve's own kernel (`cpu_gemm.PanelLinear`,
+  measured there against the oneDNN path below) wherever it can be built. Else oneDNN's linear on
+  weights reordered once into its blocked layout. `F.linear` hands the weight to MKL's sgemm, which repacks it on every
   call; at decode batch sizes that repacking is most of the product. The head of the 30M bench model
   (32 rows x 320 x 32000) took 5.2 ms packed against 9.0 ms (2.2 against 7.5 ms at 8 rows). On the
   engine, three alternating rounds each, head packed against every layer packed:
