@@ -14,7 +14,8 @@ Measured on the 2-core AVX2 bench machine against oneDNN's linear on its own pac
 Under `torch.compile` the product is the operator `mmserve::panel_linear` (opaque to the compiler);
 eager calls go to the library directly.
 
-What it does not know: models, the engine, other dtypes or devices (`available()` is False there).
+What it does not know: models, the engine, other dtypes or devices (`cpu_layout` hands it float32 CPU
+layers only; `available()` says whether this machine can run it at all).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ SOURCE = Path(__file__).parent / "kernels" / "panel_gemm.cpp"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 CACHE_ENV = "MMSERVE_CACHE_DIR"  # where built kernels are kept; default: $XDG_CACHE_HOME/mmserve or ~/.cache/mmserve
 DISABLE_ENV = "MMSERVE_CPU_GEMM"  # "0": never build or use the kernel (oneDNN's linear then)
+PANEL_COLUMNS = 16  # output columns per panel: kernels/panel_gemm.cpp's kCols
 
 
 def cache_dir() -> Path:
@@ -163,9 +165,8 @@ class PanelLinear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        cols = 16  # kernels/panel_gemm.cpp's kCols
         n, k = self.out_features, self.in_features
-        return self.panels.view(-1, k, cols).permute(0, 2, 1).reshape(-1, k)[:n].contiguous()
+        return self.panels.view(-1, k, PANEL_COLUMNS).permute(0, 2, 1).reshape(-1, k)[:n].contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
