@@ -5,9 +5,10 @@ bidirectional inside a sequence's spans; sliding-window layers keep only their w
 Role: each layer call writes the step's new keys/values at their slots, then attends:
 - a prefill with no cached context attends over its own k/v directly;
 - a prefill chunk after a cached prefix gathers its context blocks (bottom-right aligned mask);
-- the step's decodes are bucketed by context length, each bucket one padded batch over its
-  gathered blocks, with the query heads of a kv head folded into the query axis (GQA without
-  repeating K/V). A bucket's key mask is built once per step per window size.
+- the step's decodes are bucketed by context length. On the CPU with a float32 cache each bucket is
+  one call of mmserve's decode kernel (`cpu_attention`), which reads the blocks in place; otherwise
+  each bucket is one padded batch over its gathered blocks, with the query heads of a kv head folded
+  into the query axis (GQA without repeating K/V), its key mask built once per step per window size.
 Slot indices, block tables and lengths are built on the CPU by the runner (`PagedAttentionMetadata`).
 
 What it does not know: requests, scheduling, sampling, models, the storage dtype.
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from mmserve.models.layers.attention import FULL, AttentionMetadata, LayerAttention, dense_attention
+from mmserve.runner import cpu_attention
 from mmserve.runner.kv_storage import PagedKVStorage
 
 
@@ -56,6 +58,8 @@ class PagedAttentionBackend:
     def __init__(self, storage: PagedKVStorage) -> None:
         self.storage = storage
         self.block_size = storage.block_size
+        # decided once here, not per call: a compiled step then traces only the path taken
+        self._decode_kernel = not storage.fmt.quantized and cpu_attention.available()
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: PagedAttentionMetadata, layer: LayerAttention = FULL) -> torch.Tensor:
@@ -80,6 +84,12 @@ class PagedAttentionBackend:
         return out
 
     def _decode(self, layer_idx: int, q: torch.Tensor, group: DecodeGroup, layer: LayerAttention) -> torch.Tensor:
+        key_layer = self.storage.key[layer_idx]
+        if self._decode_kernel and cpu_attention.supports(q, key_layer):
+            scale = layer.scale if layer.scale is not None else q.shape[-1] ** -0.5
+            return cpu_attention.paged_decode_attention(q[group.token_index], key_layer, self.storage.value[layer_idx],
+                                                        group.block_table, group.query_positions.view(-1), scale,
+                                                        layer.sliding_window)
         # (num, max_blocks * block_size, kv_heads, head_dim) -> (num, kv_heads, keys, head_dim)
         num = group.block_table.shape[0]
         keys, values = self.storage.gather(layer_idx, group.block_table.reshape(-1), q.dtype)

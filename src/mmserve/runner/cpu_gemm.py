@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "kernels" / "panel_gemm.cpp"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 CACHE_ENV = "MMSERVE_CACHE_DIR"  # where built kernels are kept; default: $XDG_CACHE_HOME/mmserve or ~/.cache/mmserve
-DISABLE_ENV = "MMSERVE_CPU_GEMM"  # "0": never build or use the kernel (oneDNN's linear then)
+DISABLE_ENV = "MMSERVE_CPU_GEMM"  # "0": never build or use mmserve's CPU kernels (oneDNN's linear, SDPA then)
 PANEL_COLUMNS = 16  # output columns per panel: kernels/panel_gemm.cpp's kCols
 
 
@@ -57,21 +57,41 @@ def _cpu_supports_kernel() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-def build(compiler: str, target_dir: Path) -> Path:
-    """Compile the kernel into `target_dir` (a file named by the hash of source, flags and compiler);
-    an existing build is reused. Concurrent builders each write a temporary file and rename it."""
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(FLAGS).encode() + compiler.encode()).hexdigest()[:16]
-    target = target_dir / f"panel_gemm-{key}.so"
+def build(compiler: str, target_dir: Path, source: Path = SOURCE) -> Path:
+    """Compile `source` (a file of `kernels/`) into `target_dir`, as a file named by the hash of source,
+    flags and compiler; an existing build is reused. Concurrent builders each write a temporary file and
+    rename it."""
+    code = source.read_bytes()
+    key = hashlib.sha256(code + " ".join(FLAGS).encode() + compiler.encode()).hexdigest()[:16]
+    target = target_dir / f"{source.stem}-{key}.so"
     if target.exists():
         return target
     target_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target_dir) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True,
+        subprocess.run([compiler, *FLAGS, str(source), "-o", str(built)], check=True, capture_output=True,
                        timeout=300)
         os.replace(built, target)
     return target
+
+
+def built_library(source: Path, fallback: str) -> Path | None:
+    """The built library of `source`, or None where mmserve's CPU kernels cannot run (no AVX2/FMA, no
+    compiler, switched off by `MMSERVE_CPU_GEMM=0`, a failed build: logged, naming `fallback`, what runs
+    instead)."""
+    if os.environ.get(DISABLE_ENV, "1") == "0" or not _cpu_supports_kernel():
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        logger.info("no C++ compiler found: %s", fallback)
+        return None
+    try:
+        return build(compiler, cache_dir() / "kernels", source)
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        logger.warning("building %s failed (%s%s); %s", source.name, exc,
+                       (": " + detail.decode(errors="replace")[-500:]) if detail else "", fallback)
+        return None
 
 
 class PanelKernel:
@@ -110,21 +130,9 @@ class PanelKernel:
 
 @functools.cache  # one build and one load per process: the library is immutable once loaded
 def kernel() -> PanelKernel | None:
-    """The kernel, or None where it cannot run (no AVX2/FMA, no compiler, switched off, a failed build:
-    logged once); callers then keep oneDNN's linear."""
-    if os.environ.get(DISABLE_ENV, "1") == "0" or not _cpu_supports_kernel():
-        return None
-    compiler = _compiler()
-    if compiler is None:
-        logger.info("no C++ compiler found: the language model's float32 linears stay on oneDNN")
-        return None
-    try:
-        return PanelKernel(build(compiler, cache_dir() / "kernels"))
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", b"") or b""
-        logger.warning("building the CPU matmul kernel failed (%s%s); the language model's float32 linears stay "
-                       "on oneDNN", exc, (": " + detail.decode(errors="replace")[-500:]) if detail else "")
-        return None
+    """The kernel, or None where it cannot run (`built_library`); callers then keep oneDNN's linear."""
+    path = built_library(SOURCE, "the language model's float32 linears stay on oneDNN")
+    return None if path is None else PanelKernel(path)
 
 
 def available() -> bool:
