@@ -1,6 +1,7 @@
 """The paged attention backend against a dense reference written from the mask rule alone: causal,
 causal with bidirectional spans, sliding window (alone and with spans), chunked prefill over a
-cached prefix, prefills and decodes mixed in one step, grouped-query and plain multi-head."""
+cached prefix, prefills and decodes mixed in one step, grouped-query and plain multi-head; on SDPA and,
+where it runs, on mmserve's CPU attention kernel (the whole step in one call when it has no spans)."""
 
 import numpy as np
 import pytest
@@ -8,6 +9,7 @@ import torch
 
 from mmserve.inputs.items import PromptPositions
 from mmserve.models.layers.attention import AttentionMetadata, ContiguousKVCache, LayerAttention
+from mmserve.runner import cpu_attention
 from mmserve.runner.attention import PagedAttentionBackend
 from mmserve.runner.batch import BatchBuilder
 from mmserve.runner.kv_quant import kv_format
@@ -53,10 +55,18 @@ SEQUENCES = [
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 2)])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("with_spans", [True, False])
-def test_paged_backend_equals_dense_reference(heads, kv_heads, window, with_spans):
+@pytest.mark.parametrize("cpu_kernel", [True, False])
+def test_paged_backend_equals_dense_reference(heads, kv_heads, window, with_spans, cpu_kernel, monkeypatch):
+    if cpu_kernel and not cpu_attention.available():
+        pytest.skip("mmserve's CPU kernels do not run here")
+    if not cpu_kernel:
+        monkeypatch.setattr(cpu_attention, "available", lambda: False)
     torch.manual_seed(0)
     storage = PagedKVStorage(1, 64, BLOCK, kv_heads, HEAD_DIM, kv_format("auto", torch.float32))
     backend = PagedAttentionBackend(storage)
+    kernel_calls = []
+    original = cpu_attention.paged_attention
+    monkeypatch.setattr(cpu_attention, "paged_attention", lambda *a, **kw: kernel_calls.append(1) or original(*a, **kw))
     layer = LayerAttention(sliding_window=window, scale=0.3)
     free = list(np.random.default_rng(0).permutation(64))  # blocks scattered over the pool
     states, tensors, expected = [], [], []
@@ -83,7 +93,11 @@ def test_paged_backend_equals_dense_reference(heads, kv_heads, window, with_span
         q = torch.cat([tensors[index[s.request_id]][0][sl] for s, sl in rows])
         k = torch.cat([tensors[index[s.request_id]][1][sl] for s, sl in rows])
         v = torch.cat([tensors[index[s.request_id]][2][sl] for s, sl in rows])
+        kernel_calls.clear()
         out = backend.forward(0, q, k, v, batch.attn, layer)
+        # the kernel attends a step without spans in one call, a step with spans per decode bucket
+        whole_step = cpu_kernel and not any(batch.attn.spans)
+        assert len(kernel_calls) == (1 if whole_step else len(batch.attn.decode_groups) if cpu_kernel else 0)
         offset = 0
         for state, sl in rows:
             n = sl.stop - sl.start

@@ -1,4 +1,4 @@
-"""mmserve's float32 CPU decode attention (`runner/cpu_attention.py`, `runner/kernels/paged_decode.cpp`):
+"""mmserve's float32 CPU decode attention (`runner/cpu_attention.py`, `runner/kernels/paged_attention.cpp`):
 a float64 reference from the mask rule for every head size and group the kernel handles (windows,
 a query at position 0, keys ending inside a block), each sequence's result independent of the batch,
 the same numbers compiled as eager, the paged backend's decode path on the kernel against its SDPA
@@ -51,7 +51,7 @@ def _reference(q, key, value, table, positions, scale, window):
 def test_matches_the_mask_rule(heads, kv_heads, head_dim, window):
     q, key, value, table, positions = _case(5, heads, kv_heads, head_dim, width=6)
     scale = head_dim ** -0.5
-    got = cpu_attention.paged_decode_attention(q, key, value, table, positions, scale, window)
+    got = cpu_attention.paged_attention(q, key, value, table, positions, scale, window)
     assert got.shape == (5, heads * head_dim) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), _reference(q, key, value, table, positions, scale, window),
                                rtol=1e-5, atol=1e-5)
@@ -59,9 +59,9 @@ def test_matches_the_mask_rule(heads, kv_heads, head_dim, window):
 
 def test_a_sequence_result_does_not_depend_on_its_batch():
     q, key, value, table, positions = _case(8, 10, 2, 64, width=5)
-    batched = cpu_attention.paged_decode_attention(q, key, value, table, positions, 0.125, None)
+    batched = cpu_attention.paged_attention(q, key, value, table, positions, 0.125, None)
     for i in range(8):
-        alone = cpu_attention.paged_decode_attention(q[i:i + 1], key, value, table[i:i + 1], positions[i:i + 1],
+        alone = cpu_attention.paged_attention(q[i:i + 1], key, value, table[i:i + 1], positions[i:i + 1],
                                                      0.125, None)
         assert torch.equal(alone[0], batched[i])
 
@@ -70,10 +70,10 @@ def test_compiled_equals_eager():
     q, key, value, table, positions = _case(4, 4, 2, 32, width=3)
     torch._dynamo.reset()
     compiled = torch.compile(
-        lambda q, t, p: cpu_attention.paged_decode_attention(q * 2, key, value, t, p, 0.2, None) + 1,
+        lambda q, t, p: cpu_attention.paged_attention(q * 2, key, value, t, p, 0.2, None) + 1,
         fullgraph=True, dynamic=True)
     for n in (2, 4):
-        eager = cpu_attention.paged_decode_attention(q[:n] * 2, key, value, table[:n], positions[:n], 0.2, None) + 1
+        eager = cpu_attention.paged_attention(q[:n] * 2, key, value, table[:n], positions[:n], 0.2, None) + 1
         assert torch.equal(compiled(q[:n], table[:n], positions[:n]), eager)
 
 
@@ -94,8 +94,8 @@ def test_the_backend_decodes_on_the_kernel_like_on_sdpa(window, monkeypatch):
     layer = LayerAttention(sliding_window=window, scale=0.1)
     assert PagedAttentionBackend(storage)._decode_kernel
     calls = []
-    original = cpu_attention.paged_decode_attention
-    monkeypatch.setattr(cpu_attention, "paged_decode_attention", lambda *a: calls.append(1) or original(*a))
+    original = cpu_attention.paged_attention
+    monkeypatch.setattr(cpu_attention, "paged_attention", lambda *a: calls.append(1) or original(*a))
     on_kernel = _backend_decode(storage, q, table, positions, layer)
     assert calls  # the kernel ran
     monkeypatch.setattr(cpu_attention, "available", lambda: False)
@@ -112,3 +112,16 @@ def test_what_the_kernel_leaves_to_sdpa():
     assert not cpu_attention.supports(torch.zeros(3, 4, 64), key.transpose(0, 1))
     quantized = PagedKVStorage(1, NUM_BLOCKS, BLOCK_SIZE, 2, 64, kv_format("int8", torch.float32))
     assert not PagedAttentionBackend(quantized)._decode_kernel
+
+
+def test_queries_share_their_sequence_table_row():
+    """A prefill chunk's tokens: several queries on one table row, each at its own position."""
+    q, key, value, table, _ = _case(3, 4, 2, 16, width=4)
+    rows = torch.tensor([0, 0, 0, 2, 2, 1])
+    positions = torch.tensor([4, 5, 6, 30, 31, 17])
+    queries = torch.randn(6, 4, 16)
+    got = cpu_attention.paged_attention(queries, key, value, table, positions, 0.25, None, rows=rows)
+    expanded = cpu_attention.paged_attention(queries, key, value, table[rows], positions, 0.25, None)
+    assert torch.equal(got, expanded)
+    torch.testing.assert_close(got.double(), _reference(queries, key, value, table[rows], positions, 0.25, None),
+                               rtol=1e-5, atol=1e-5)

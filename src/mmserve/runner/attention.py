@@ -5,10 +5,13 @@ bidirectional inside a sequence's spans; sliding-window layers keep only their w
 Role: each layer call writes the step's new keys/values at their slots, then attends:
 - a prefill with no cached context attends over its own k/v directly;
 - a prefill chunk after a cached prefix gathers its context blocks (bottom-right aligned mask);
-- the step's decodes are bucketed by context length. On the CPU with a float32 cache each bucket is
-  one call of mmserve's decode kernel (`cpu_attention`), which reads the blocks in place; otherwise
-  each bucket is one padded batch over its gathered blocks, with the query heads of a kv head folded
-  into the query axis (GQA without repeating K/V), its key mask built once per step per window size.
+- the step's decodes are bucketed by context length, each bucket one padded batch over its
+  gathered blocks, with the query heads of a kv head folded into the query axis (GQA without
+  repeating K/V), its key mask built once per step per window size.
+On the CPU with a float32 cache, mmserve's kernel (`cpu_attention`) reads the blocks in place instead:
+one call a layer for the whole step, every new token a query at its own position, when the step has
+no bidirectional spans (the builder then fills `token_tables`); one call per decode bucket otherwise
+(and in a compiled decode step).
 Slot indices, block tables and lengths are built on the CPU by the runner (`PagedAttentionMetadata`).
 
 What it does not know: requests, scheduling, sampling, models, the storage dtype.
@@ -49,6 +52,12 @@ class DecodeGroup:
 @dataclass(kw_only=True)
 class PagedAttentionMetadata(AttentionMetadata):
     slot_mapping: torch.Tensor  # (num_tokens,) int64: flat cache slot of every new token
+    # every new token as a query over its sequence's blocks, for the CPU kernel (None: the step has
+    # bidirectional spans, or is not on the CPU): (sequences, width) block tables padded with block 0,
+    # the table row of each token, the position of each token
+    token_tables: torch.Tensor | None = None
+    token_rows: torch.Tensor | None = None
+    token_positions: torch.Tensor | None = None
     prefill_block_tables: list[torch.Tensor | None] = field(default_factory=list)  # per sequence with context
     decode_rows: list[int] = field(default_factory=list)  # indices (into query_lens) of the decode sequences
     decode_groups: list[DecodeGroup] = field(default_factory=list)  # the decodes, bucketed by length
@@ -65,6 +74,12 @@ class PagedAttentionBackend:
                 meta: PagedAttentionMetadata, layer: LayerAttention = FULL) -> torch.Tensor:
         """q: (num_tokens, heads, head_dim); k, v: (num_tokens, kv_heads, head_dim) -> (num_tokens, heads*head_dim)."""
         self.storage.write(layer_idx, meta.slot_mapping, k, v)
+        key_layer = self.storage.key[layer_idx]
+        if meta.token_tables is not None and self._decode_kernel and cpu_attention.supports(q, key_layer):
+            # the whole step, prefill chunks and decodes alike, one query row at a time in one call
+            return cpu_attention.paged_attention(q, key_layer, self.storage.value[layer_idx], meta.token_tables,
+                                                 meta.token_positions, self._scale(q, layer), layer.sliding_window,
+                                                 rows=meta.token_rows)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         start = 0
         decode_set = set(meta.decode_rows)
@@ -83,13 +98,16 @@ class PagedAttentionBackend:
             out[group.token_index] = self._decode(layer_idx, q, group, layer)
         return out
 
+    @staticmethod
+    def _scale(q: torch.Tensor, layer: LayerAttention) -> float:
+        return layer.scale if layer.scale is not None else q.shape[-1] ** -0.5
+
     def _decode(self, layer_idx: int, q: torch.Tensor, group: DecodeGroup, layer: LayerAttention) -> torch.Tensor:
         key_layer = self.storage.key[layer_idx]
         if self._decode_kernel and cpu_attention.supports(q, key_layer):
-            scale = layer.scale if layer.scale is not None else q.shape[-1] ** -0.5
-            return cpu_attention.paged_decode_attention(q[group.token_index], key_layer, self.storage.value[layer_idx],
-                                                        group.block_table, group.query_positions.view(-1), scale,
-                                                        layer.sliding_window)
+            return cpu_attention.paged_attention(q[group.token_index], key_layer, self.storage.value[layer_idx],
+                                                 group.block_table, group.query_positions.view(-1),
+                                                 self._scale(q, layer), layer.sliding_window)
         # (num, max_blocks * block_size, kv_heads, head_dim) -> (num, kv_heads, keys, head_dim)
         num = group.block_table.shape[0]
         keys, values = self.storage.gather(layer_idx, group.block_table.reshape(-1), q.dtype)

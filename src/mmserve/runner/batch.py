@@ -51,6 +51,8 @@ class BatchBuilder:
         self.prefill_tables: list[list[int] | None] = []
         self.decode_rows: list[int] = []
         self.decode_tables: list[list[int]] = []
+        self.tables: list[list[int]] = []  # every sequence's blocks up to its last new token
+        self.token_positions: list[np.ndarray] = []
         self.fusion: list[tuple[torch.Tensor, np.ndarray]] = []
         self.sample_index: list[int] = []
         self.sample_rows: list[RunnerRequest] = []
@@ -75,6 +77,8 @@ class BatchBuilder:
         self.spans.append(tuple(s for s in spans if s[0] < end and s[1] > start)
                           if spans and start < state.num_prompt_tokens else ())  # decodes lie in no span
         num_blocks = -(-end // self.block_size)
+        self.tables.append(state.block_ids[:num_blocks])
+        self.token_positions.append(idx)
         if num == 1 and start > 0:
             self.decode_rows.append(row)
             self.decode_tables.append(state.block_ids[:num_blocks])
@@ -119,6 +123,19 @@ class BatchBuilder:
                                    self._to_device(query_positions), self._to_device(index)))
         return out
 
+    def _token_queries(self) -> dict[str, torch.Tensor]:
+        """Every new token as a query over its sequence's blocks (PagedAttentionMetadata.token_tables):
+        for the CPU's attention kernel, on steps without bidirectional spans."""
+        if self.device.type != "cpu" or any(self.spans) or not self.tables:
+            return {}
+        width = max(len(t) for t in self.tables)
+        tables = np.zeros((len(self.tables), width), dtype=np.int64)
+        for row, blocks in enumerate(self.tables):
+            tables[row, :len(blocks)] = blocks
+        rows = np.repeat(np.arange(len(self.tables), dtype=np.int64), self.query_lens)
+        return {"token_tables": torch.from_numpy(tables), "token_rows": torch.from_numpy(rows),
+                "token_positions": torch.from_numpy(np.concatenate(self.token_positions))}
+
     def build(self) -> Batch:
         dev = self._to_device
         attn = PagedAttentionMetadata(
@@ -127,7 +144,7 @@ class BatchBuilder:
             slot_mapping=dev(np.concatenate(self.slots)),
             prefill_block_tables=[None if t is None else dev(np.asarray(t, dtype=np.int64))
                                   for t in self.prefill_tables],
-            decode_rows=self.decode_rows, decode_groups=self._decode_groups(),
+            decode_rows=self.decode_rows, decode_groups=self._decode_groups(), **self._token_queries(),
         )
         fusion = [(rows, dev(positions)) for rows, positions in self.fusion]
         return Batch(dev(np.concatenate(self.ids)), dev(np.concatenate(self.pos, axis=1)), attn, fusion,

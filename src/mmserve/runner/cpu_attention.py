@@ -1,17 +1,19 @@
-"""mmserve's float32 CPU decode attention over the paged KV cache: `kernels/paged_decode.cpp`.
+"""mmserve's float32 CPU attention over the paged KV cache, a query at a time: `kernels/paged_attention.cpp`.
 
 Role: load the kernel (built and cached like the matmul kernel, by `cpu_gemm.built_library`) and run
-it as the operator `mmserve::paged_decode_attention`: each decode query attends over its sequence's
-keys where they lie in the cache, through its block table. The paged backend's decode path otherwise
-gathers every sequence's blocks into a padded copy and runs SDPA with a key mask; at decode batch
-sizes the copy and the kernel's per-call work cost more than the arithmetic (the 100m model's
-batch-32 step: SDPA 3.5 ms and the block gathers ~1.7 ms of a ~39 ms step).
+it as the operator `mmserve::paged_attention`: each query (a decode, or a token of a prefill chunk)
+attends over its sequence's keys where they lie in the cache, through its block table. The paged
+backend otherwise gathers every decode's blocks into a padded copy and runs SDPA with a key mask, and
+attends each prefill chunk with its own SDPA call (its cached context gathered, its mask built);
+at these sizes the copies and the per-call work cost more than the arithmetic (the 100m model's
+batch-32 decode step: SDPA 3.5 ms and the block gathers ~1.7 ms of a ~39 ms step).
 
 The values differ from SDPA's in the last bits (another exp, another order of summation) and do not
 depend on which sequences share a step.
 
-What it does not know: requests, scheduling, models, quantized or half-precision caches (the backend
-calls it for float32 caches on the CPU only; `available()` says whether this machine can run it).
+What it does not know: requests, scheduling, models, bidirectional spans (a step with any is attended
+the other way), quantized or half-precision caches (the backend calls it for float32 caches on the
+CPU only; `available()` says whether this machine can run it).
 """
 
 from __future__ import annotations
@@ -24,32 +26,34 @@ import torch
 
 from mmserve.runner.cpu_gemm import built_library
 
-SOURCE = Path(__file__).parent / "kernels" / "paged_decode.cpp"
+SOURCE = Path(__file__).parent / "kernels" / "paged_attention.cpp"
 HEAD_DIM_MULTIPLE = 8  # the kernel reads a head in 8-float registers
 
 
 class DecodeKernel:
-    """The loaded library (shapes checked by `paged_decode_attention`)."""
+    """The loaded library (shapes checked by `paged_attention`)."""
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        lib.mm_paged_decode_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr,
+        lib.mm_paged_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr,
                                                   ctypes.c_float, i64, ptr, ctypes.c_int]
-        lib.mm_paged_decode_attention.restype = None
+        lib.mm_paged_attention.restype = None
         self.path = path
         self._lib = lib
 
     def attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_table: torch.Tensor,
-               positions: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+               rows: torch.Tensor | None, positions: torch.Tensor, scale: float, window: int) -> torch.Tensor:
         n, heads, head_dim = q.shape
         _, block_size, kv_heads, _ = key.shape
         q, table, positions = q.contiguous(), block_table.contiguous(), positions.contiguous()
+        rows = None if rows is None else rows.contiguous()
         out = torch.empty(n, heads * head_dim, dtype=torch.float32)
         if n:
-            self._lib.mm_paged_decode_attention(
+            self._lib.mm_paged_attention(
                 q.data_ptr(), n, heads, kv_heads, head_dim, key.data_ptr(), value.data_ptr(), block_size,
-                table.data_ptr(), table.shape[1], positions.data_ptr(), scale, window, out.data_ptr(),
+                table.data_ptr(), table.shape[1], None if rows is None else rows.data_ptr(), positions.data_ptr(),
+                scale, window, out.data_ptr(),
                 torch.get_num_threads())
         return out
 
@@ -72,29 +76,32 @@ def supports(q: torch.Tensor, key: torch.Tensor) -> bool:
 
 
 def _attend(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_table: torch.Tensor,
-            positions: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+            rows: torch.Tensor | None, positions: torch.Tensor, scale: float, window: int) -> torch.Tensor:
     lib = kernel()
-    assert lib is not None, "mmserve::paged_decode_attention runs only where the kernel was built"
-    return lib.attend(q, key, value, block_table, positions, scale, window)
+    assert lib is not None, "mmserve::paged_attention runs only where the kernel was built"
+    return lib.attend(q, key, value, block_table, rows, positions, scale, window)
 
 
 def _attend_fake(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_table: torch.Tensor,
-                 positions: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+                 rows: torch.Tensor | None, positions: torch.Tensor, scale: float, window: int) -> torch.Tensor:
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
 # An operator, so a compiled decode step calls it as one opaque node (defined on a `torch.library.Library`
 # for the same reason as `mmserve::panel_linear`: less per-call work than `custom_op`'s wrapper).
 _LIBRARY = torch.library.Library("mmserve", "FRAGMENT")
-_LIBRARY.define("paged_decode_attention(Tensor q, Tensor key, Tensor value, Tensor block_table, Tensor positions, "
-                "float scale, int window) -> Tensor")
-_LIBRARY.impl("paged_decode_attention", _attend, "CPU")
-torch.library.register_fake("mmserve::paged_decode_attention", _attend_fake, lib=_LIBRARY)
+_LIBRARY.define("paged_attention(Tensor q, Tensor key, Tensor value, Tensor block_table, Tensor? rows, "
+                "Tensor positions, float scale, int window) -> Tensor")
+_LIBRARY.impl("paged_attention", _attend, "CPU")
+torch.library.register_fake("mmserve::paged_attention", _attend_fake, lib=_LIBRARY)
 
 
-def paged_decode_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_table: torch.Tensor,
-                           positions: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
-    """q (n, heads, head_dim) of n decodes; key/value one layer's (blocks, block_size, kv_heads, head_dim)
-    cache; block_table (n, width) int64; positions (n,) int64, each query's position (it sees keys at
-    positions <= it, and with a window w only those > position - w). Returns (n, heads * head_dim)."""
-    return torch.ops.mmserve.paged_decode_attention(q, key, value, block_table, positions, scale, window or 0)
+def paged_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_table: torch.Tensor,
+                    positions: torch.Tensor, scale: float, window: int | None,
+                    rows: torch.Tensor | None = None) -> torch.Tensor:
+    """n queries, each over its sequence's keys up to its own position: q (n, heads, head_dim); key/value
+    one layer's (blocks, block_size, kv_heads, head_dim) cache; block_table (sequences, width) int64;
+    rows (n,) int64, the table row of each query (None: query i uses row i); positions (n,) int64, each
+    query's position (it sees keys at positions <= it, and with a window w only those > position - w).
+    Returns (n, heads * head_dim)."""
+    return torch.ops.mmserve.paged_attention(q, key, value, block_table, rows, positions, scale, window or 0)

@@ -1,7 +1,8 @@
-// mmserve's float32 CPU attention for decoding tokens over the paged KV cache (runner/cpu_attention.py
-// builds it). Each decode query attends over its sequence's keys where they lie, block by block
-// through its block table: nothing is gathered into a padded copy first, which cost more than the
-// attention itself at decode batch sizes.
+// mmserve's float32 CPU attention over the paged KV cache (runner/cpu_attention.py builds it), one query
+// row at a time: a step's decodes, and the tokens of its prefill chunks, each a query at its own
+// position. Each query attends over its sequence's keys where they lie, block by block through its
+// block table: nothing is gathered into a padded copy first, which cost more than the attention
+// itself at decode batch sizes.
 //
 // out[i, h] = softmax(scale * q[i, h] . K_i^T) V_i over the keys j of sequence i that its query at
 // position pos[i] sees: j <= pos[i] and, with a window w > 0, j > pos[i] - w. Key j of sequence i is
@@ -127,12 +128,13 @@ void weighted_values(const float* p, float total, int64_t D, const float* const*
 extern "C" {
 
 // q (n, heads, D) contiguous; key/value: one layer's cache (num_blocks, block_size, kv_heads, D) contiguous;
-// table (n, width) block ids; pos (n,) each query's position; window <= 0: none; out (n, heads * D).
+// table (sequences, width) block ids; seq (n,) the table row of each query, or null: query i uses row i;
+// pos (n,) each query's position; window <= 0: none; out (n, heads * D).
 // D must be a multiple of 8 (the Python side checks).
-void mm_paged_decode_attention(const float* q, int64_t n, int64_t heads, int64_t kv_heads, int64_t D,
+void mm_paged_attention(const float* q, int64_t n, int64_t heads, int64_t kv_heads, int64_t D,
                                const float* key, const float* value, int64_t block_size, const int64_t* table,
-                               int64_t width, const int64_t* pos, float scale, int64_t window, float* out,
-                               int threads) {
+                               int64_t width, const int64_t* seq, const int64_t* pos, float scale, int64_t window,
+                               float* out, int threads) {
   const int64_t group = heads / kv_heads;
   const int64_t row_stride = kv_heads * D, block_stride = block_size * row_stride;
 #pragma omp parallel num_threads(threads)
@@ -142,6 +144,7 @@ void mm_paged_decode_attention(const float* q, int64_t n, int64_t heads, int64_t
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < n * kv_heads; task++) {
       const int64_t i = task / kv_heads, h = task % kv_heads;
+      const int64_t* blocks = table + (seq ? seq[i] : i) * width;
       const int64_t first = window > 0 && pos[i] - window + 1 > 0 ? pos[i] - window + 1 : 0;
       const int64_t keys = pos[i] + 1 - first;
       key_rows.resize(keys);
@@ -149,7 +152,7 @@ void mm_paged_decode_attention(const float* q, int64_t n, int64_t heads, int64_t
       scores.resize(group * keys);
       for (int64_t j = 0; j < keys; j++) {
         const int64_t t = first + j;
-        const int64_t offset = table[i * width + t / block_size] * block_stride + (t % block_size) * row_stride + h * D;
+        const int64_t offset = blocks[t / block_size] * block_stride + (t % block_size) * row_stride + h * D;
         key_rows[j] = key + offset;
         value_rows[j] = value + offset;
       }
