@@ -9,6 +9,7 @@ import torch
 
 from mmserve.inputs.items import PromptPositions
 from mmserve.models.layers.attention import AttentionMetadata, ContiguousKVCache, LayerAttention
+from mmserve.runner import batch as batch_module
 from mmserve.runner import cpu_attention
 from mmserve.runner.attention import PagedAttentionBackend
 from mmserve.runner.batch import BatchBuilder
@@ -55,12 +56,15 @@ SEQUENCES = [
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 2)])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("with_spans", [True, False])
-@pytest.mark.parametrize("cpu_kernel", [True, False])
-def test_paged_backend_equals_dense_reference(heads, kv_heads, window, with_spans, cpu_kernel, monkeypatch):
+@pytest.mark.parametrize("kernel", ["whole steps", "decodes only", "off"])
+def test_paged_backend_equals_dense_reference(heads, kv_heads, window, with_spans, kernel, monkeypatch):
+    cpu_kernel = kernel != "off"
     if cpu_kernel and not cpu_attention.available():
         pytest.skip("mmserve's CPU kernels do not run here")
     if not cpu_kernel:
         monkeypatch.setattr(cpu_attention, "available", lambda: False)
+    if kernel == "decodes only":  # every prefill chunk counts as long: only decode-only steps go whole
+        monkeypatch.setattr(batch_module, "TOKEN_KERNEL_MAX_PREFILL_KEYS", 0)
     torch.manual_seed(0)
     storage = PagedKVStorage(1, 64, BLOCK, kv_heads, HEAD_DIM, kv_format("auto", torch.float32))
     backend = PagedAttentionBackend(storage)
@@ -95,8 +99,11 @@ def test_paged_backend_equals_dense_reference(heads, kv_heads, window, with_span
         v = torch.cat([tensors[index[s.request_id]][2][sl] for s, sl in rows])
         kernel_calls.clear()
         out = backend.forward(0, q, k, v, batch.attn, layer)
-        # the kernel attends a step without spans in one call, a step with spans per decode bucket
-        whole_step = cpu_kernel and not any(batch.attn.spans)
+        # the kernel attends a step without spans or long prefill chunks in one call, others per decode bucket
+        step_fits = not any(batch.attn.spans) and builder.max_prefill_keys <= (
+            0 if kernel == "decodes only" else batch_module.TOKEN_KERNEL_MAX_PREFILL_KEYS)
+        assert (batch.attn.token_tables is not None) == step_fits
+        whole_step = cpu_kernel and step_fits
         assert len(kernel_calls) == (1 if whole_step else len(batch.attn.decode_groups) if cpu_kernel else 0)
         offset = 0
         for state, sl in rows:
