@@ -1,16 +1,18 @@
 """Where one engine step's time goes: a profile of decode steps at batch sizes 1 and 32.
 
 Run: python benchmarks/step_profile.py [--model 30m|100m|tiny|DIR] [--dtype float32] [--batches 1,32]
+     [--compile-cpu-decode]
 
 Role: the measured reason behind the speed targets of `benchmarks/peers.py`. For each batch size it
 starts B requests of the peers workload's shape (one 160-192 px image, a short question), lets
 their prefills pass, then times `--steps` pure decode steps with `LLMEngine.step()` and splits each
 step's wall time into:
-- matmuls: the self time of aten::mm / aten::addmm / oneDNN linear (the weights' work: a floor a
-  peer with the same kernels shares);
-- attention: the SDPA kernels;
-- other ops: every other ATen op of the step (norms, rotary, KV writes and gathers, indexing,
-  sampling) — a compiled or hand-fused step removes most of these;
+- matmuls: the self time of aten::mm / aten::addmm / oneDNN linear / mmserve's panel kernel (the
+  weights' work: a floor a peer with the same kernels shares);
+- attention: the SDPA kernels, mmserve's paged attention kernel;
+- other ops: every other op of the step (norms, rotary, KV writes and gathers, indexing, sampling;
+  with `--compile-cpu-decode`, the compiled program's own fused loops) — a compiled or hand-fused
+  step removes most of these;
 - Python: the rest of the step's wall time (scheduler, batch building, runner bookkeeping, outputs).
 Self times come from torch.profiler over the timed steps; the shares are of the profiled wall time.
 Prints a card, a table and one JSON line last.
@@ -33,8 +35,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::matmul")
-ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math")
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::matmul",
+              "mmserve::panel_linear")
+ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
+                 "mmserve::paged_attention")
+# profiler events that are kernels' own time: ATen, oneDNN/MKL, mmserve's operators, and a compiled step's
+# program (its fused loops; the operators it calls are counted as themselves)
+OP_PREFIXES = ("aten::", "mkldnn::", "mkl::", "mmserve::", "## Call CompiledFxGraph")
 
 
 def _requests(batch: int, seed: int) -> list[list[dict[str, Any]]]:
@@ -70,7 +77,7 @@ def profile_batch(llm: Any, batch: int, steps: int, seed: int) -> dict[str, floa
     llm.check_integrity()
     totals = {"matmuls": 0.0, "attention": 0.0, "other_ops": 0.0}
     for event in prof.key_averages():
-        if not event.key.startswith(("aten::", "mkldnn::", "mkl::")):
+        if not event.key.startswith(OP_PREFIXES):
             continue
         seconds = event.self_cpu_time_total / 1e6
         kind = "matmuls" if event.key in MATMUL_OPS else "attention" if event.key in ATTENTION_OPS else "other_ops"
@@ -78,7 +85,7 @@ def profile_batch(llm: Any, batch: int, steps: int, seed: int) -> dict[str, floa
     wall = sum(walls)
     ops = sum(totals.values())
     top = sorted(((e.key, e.self_cpu_time_total / 1e3 / steps, e.count // steps) for e in prof.key_averages()
-                  if e.key.startswith(("aten::", "mkldnn::", "mkl::"))), key=lambda t: -t[1])[:12]
+                  if e.key.startswith(OP_PREFIXES)), key=lambda t: -t[1])[:12]
     per_step = {k: v / steps * 1e3 for k, v in totals.items()}
     per_step["python"] = max(0.0, (wall - ops) / steps * 1e3)
     return {"batch": batch, "steps": steps, "step_ms_profiled": wall / steps * 1e3,
@@ -94,19 +101,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile-cpu-decode", action="store_true",
+                        help="profile the compiled decode step (what benchmarks/peers.py runs)")
     args = parser.parse_args(argv)
     from benchmarks.offline_report import machine_info
     from benchmarks.peers import ensure_model
     from mmserve import LLM
 
     model_dir = Path(args.model) if Path(args.model).is_dir() else ensure_model(args.model)
-    llm = LLM(str(model_dir), dtype=args.dtype)
+    llm = LLM(str(model_dir), dtype=args.dtype, compile_cpu_decode=args.compile_cpu_decode)
     llm.chat(_requests(1, args.seed + 1)[0], use_tqdm=False)  # warm-up
     rows = [profile_batch(llm, int(b), args.steps, args.seed) for b in args.batches.split(",")]
     machine = machine_info(torch.get_num_threads())
     print("== mmserve decode step profile ==")
     print(f"machine : {machine['usable_cpus']} CPUs, torch {machine['torch']}, {torch.get_num_threads()} threads")
-    print(f"model   : {model_dir} ({args.dtype}); {args.steps} decode steps per batch size, profiled")
+    print(f"model   : {model_dir} ({args.dtype}, compile_cpu_decode={args.compile_cpu_decode}); "
+          f"{args.steps} decode steps per batch size, profiled")
     print("split   : matmuls / attention = self time of those kernels; other ops = every other ATen op; "
           "python = the rest of the step's wall time")
     print(f"{'batch':>5} {'step ms':>8} {'tok/s':>7} | {'matmuls':>8} {'attention':>9} {'other ops':>9} "
@@ -121,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     import json
 
     print(json.dumps({"bench": "step_profile", "machine": machine, "model_dir": str(model_dir), "dtype": args.dtype,
-                      "rows": rows}, separators=(",", ":")))
+                      "compile_cpu_decode": args.compile_cpu_decode, "rows": rows}, separators=(",", ":")))
 
 
 if __name__ == "__main__":

@@ -107,3 +107,13 @@ def test_switched_off_or_unbuildable_means_onednn(fresh_kernel, monkeypatch, tmp
     model = nn.Sequential(_linear(16, 8, bias=True))
     assert pack_language_model(model) == (1 if onednn_linear_available() else 0)
     assert type(model[0]) is (PackedLinear if onednn_linear_available() else nn.Linear)
+
+
+def test_a_profile_names_the_eager_product():
+    """Eager calls go to the library directly, not through the operator: a profile still names them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    panel = cpu_gemm.PanelLinear(_linear(32, 24, bias=True), cpu_gemm.kernel())
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        panel(torch.randn(3, 32))
+    assert [e.count for e in prof.key_averages() if e.key == "mmserve::panel_linear"] == [1]
