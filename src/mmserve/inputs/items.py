@@ -48,6 +48,8 @@ class PromptPositions:
 
     def columns(self, start: int, end: int, num_prompt_tokens: int) -> np.ndarray:
         """(num_rows, end - start) positions of tokens [start, end)."""
+        if end == start + 1 and start >= num_prompt_tokens:  # one generated token: the decode step's case
+            return np.full((self.num_rows, 1), start + self.decode_delta, dtype=np.int64)
         if self.table is None and self.decode_delta == 0:
             row = np.arange(start, end, dtype=np.int64)
             return np.broadcast_to(row, (self.num_rows, row.size))

@@ -74,9 +74,14 @@ class BatchBuilder:
         offset = self.num_tokens
         self.ids.append(np.asarray(state.token_ids[start:end], dtype=np.int64))
         self.pos.append(state.position_columns(start, end))
-        blocks = np.asarray(state.block_ids, dtype=np.int64)
+        num_blocks = -(-end // self.block_size)
         idx = np.arange(start, end, dtype=np.int64)
-        self.slots.append(blocks[idx // self.block_size] * self.block_size + idx % self.block_size)
+        if num == 1:  # a decode, most rows of most steps: its one slot without array indexing
+            self.slots.append(np.array([state.block_ids[start // self.block_size] * self.block_size
+                                        + start % self.block_size], dtype=np.int64))
+        else:
+            blocks = np.asarray(state.block_ids[:num_blocks], dtype=np.int64)
+            self.slots.append(blocks[idx // self.block_size] * self.block_size + idx % self.block_size)
         row = len(self.query_lens)
         self.query_lens.append(num)
         self.context_lens.append(start)
@@ -84,7 +89,6 @@ class BatchBuilder:
         spans = state.prompt.attention_spans
         self.spans.append(tuple(s for s in spans if s[0] < end and s[1] > start)
                           if spans and start < state.num_prompt_tokens else ())  # decodes lie in no span
-        num_blocks = -(-end // self.block_size)
         self.tables.append(state.block_ids[:num_blocks])
         self.token_positions.append(idx)
         if num == 1 and start > 0:
