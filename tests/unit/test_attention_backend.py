@@ -1,7 +1,8 @@
 """The paged attention backend against a dense reference written from the mask rule alone: causal,
 causal with bidirectional spans, sliding window (alone and with spans), chunked prefill over a
 cached prefix, prefills and decodes mixed in one step, grouped-query and plain multi-head; on SDPA and,
-where it runs, on mmserve's CPU attention kernel (the whole step in one call when it has no spans)."""
+where it runs, on mmserve's CPU attention kernel (decodes and short span-free prompts in one call a step,
+beside SDPA for the other prefill chunks)."""
 
 import numpy as np
 import pytest
@@ -56,15 +57,15 @@ SEQUENCES = [
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 2)])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("with_spans", [True, False])
-@pytest.mark.parametrize("kernel", ["whole steps", "decodes only", "off"])
+@pytest.mark.parametrize("kernel", ["decodes and short prompts", "decodes only", "off"])
 def test_paged_backend_equals_dense_reference(heads, kv_heads, window, with_spans, kernel, monkeypatch):
     cpu_kernel = kernel != "off"
     if cpu_kernel and not cpu_attention.available():
         pytest.skip("mmserve's CPU kernels do not run here")
     if not cpu_kernel:
         monkeypatch.setattr(cpu_attention, "available", lambda: False)
-    if kernel == "decodes only":  # every prefill chunk counts as long: only decode-only steps go whole
-        monkeypatch.setattr(batch_module, "TOKEN_KERNEL_MAX_PREFILL_KEYS", 0)
+    if kernel == "decodes only":  # every prompt counts as long: its prefill chunks go to SDPA
+        monkeypatch.setattr(batch_module, "TOKEN_KERNEL_MAX_PROMPT_TOKENS", 0)
     torch.manual_seed(0)
     storage = PagedKVStorage(1, 64, BLOCK, kv_heads, HEAD_DIM, kv_format("auto", torch.float32))
     backend = PagedAttentionBackend(storage)
@@ -99,12 +100,13 @@ def test_paged_backend_equals_dense_reference(heads, kv_heads, window, with_span
         v = torch.cat([tensors[index[s.request_id]][2][sl] for s, sl in rows])
         kernel_calls.clear()
         out = backend.forward(0, q, k, v, batch.attn, layer)
-        # the kernel attends a step without spans or long prefill chunks in one call, others per decode bucket
-        step_fits = not any(batch.attn.spans) and builder.max_prefill_keys <= (
-            0 if kernel == "decodes only" else batch_module.TOKEN_KERNEL_MAX_PREFILL_KEYS)
-        assert (batch.attn.token_tables is not None) == step_fits
-        whole_step = cpu_kernel and step_fits
-        assert len(kernel_calls) == (1 if whole_step else len(batch.attn.decode_groups) if cpu_kernel else 0)
+        # per request: decodes, and the prefill chunks of short prompts without spans, are the kernel's
+        # (one call for the step); the other chunks go to SDPA in the same step
+        kernel_rows = [sl.stop - sl.start == 1 and sl.start > 0 or (
+            not state.prompt.attention_spans and kernel != "decodes only") for state, sl in rows]
+        assert batch.attn.kernel_sequences == (kernel_rows if any(kernel_rows) else [])
+        assert (batch.attn.token_tables is not None) == any(kernel_rows)
+        assert len(kernel_calls) == (1 if cpu_kernel and any(kernel_rows) else 0)
         offset = 0
         for state, sl in rows:
             n = sl.stop - sl.start

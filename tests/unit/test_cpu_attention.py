@@ -1,4 +1,4 @@
-"""mmserve's float32 CPU decode attention (`runner/cpu_attention.py`, `runner/kernels/paged_attention.cpp`):
+"""mmserve's float32 CPU attention over the paged cache (`runner/cpu_attention.py`, `kernels/paged_attention.cpp`):
 a float64 reference from the mask rule for every head size and group the kernel handles (windows,
 a query at position 0, keys ending inside a block), each sequence's result independent of the batch,
 the same numbers compiled as eager, the paged backend's decode path on the kernel against its SDPA
@@ -92,7 +92,7 @@ def test_the_backend_decodes_on_the_kernel_like_on_sdpa(window, monkeypatch):
     storage.key[0].copy_(key)
     storage.value[0].copy_(value)
     layer = LayerAttention(sliding_window=window, scale=0.1)
-    assert PagedAttentionBackend(storage)._decode_kernel
+    assert PagedAttentionBackend(storage)._cpu_kernel
     calls = []
     original = cpu_attention.paged_attention
     monkeypatch.setattr(cpu_attention, "paged_attention", lambda *a: calls.append(1) or original(*a))
@@ -111,7 +111,16 @@ def test_what_the_kernel_leaves_to_sdpa():
     assert not cpu_attention.supports(torch.zeros(3, 4, 60), torch.zeros(NUM_BLOCKS, BLOCK_SIZE, 2, 60))
     assert not cpu_attention.supports(torch.zeros(3, 4, 64), key.transpose(0, 1))
     quantized = PagedKVStorage(1, NUM_BLOCKS, BLOCK_SIZE, 2, 64, kv_format("int8", torch.float32))
-    assert not PagedAttentionBackend(quantized)._decode_kernel
+    assert not PagedAttentionBackend(quantized)._cpu_kernel
+    half = PagedKVStorage(1, NUM_BLOCKS, BLOCK_SIZE, 2, 64, kv_format("auto", torch.bfloat16))
+    assert not PagedAttentionBackend(half)._cpu_kernel
+    q, key, value, table, positions = _case(2, 4, 2, 16, width=2)
+    with pytest.raises(ValueError, match="int64"):
+        cpu_attention.paged_attention(q, key, value, table.int(), positions, 0.25, None)
+    with pytest.raises(ValueError, match="multiple of"):
+        cpu_attention.paged_attention(q[..., :12], key[..., :12], value[..., :12], table, positions, 0.25, None)
+    with pytest.raises(ValueError, match="caches of one shape"):
+        cpu_attention.paged_attention(q, key, value[:, :8], table, positions, 0.25, None)
 
 
 def test_queries_share_their_sequence_table_row():

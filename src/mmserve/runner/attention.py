@@ -8,13 +8,16 @@ Role: each layer call writes the step's new keys/values at their slots, then att
 - the step's decodes are bucketed by context length, each bucket one padded batch over its
   gathered blocks, with the query heads of a kv head folded into the query axis (GQA without
   repeating K/V), its key mask built once per step per window size.
-On the CPU with a float32 cache, mmserve's kernel (`cpu_attention`) reads the blocks in place instead:
-one call a layer for the whole step, every new token a query at its own position, when the step has
-no bidirectional spans (the builder then fills `token_tables`); one call per decode bucket otherwise
-(and in a compiled decode step).
+On the CPU with a float32 cache, mmserve's kernel (`cpu_attention`) reads the blocks in place instead,
+each token a query at its own position: one call a layer for the step's decodes and the prefill chunks
+of requests whose prompts have no bidirectional spans and at most `TOKEN_KERNEL_MAX_PROMPT_TOKENS`
+tokens (decided per request, so a token's path does not depend on its batch or its chunking; the
+builder fills `token_tables`); the other prefill chunks as above; in a compiled decode step, one call
+per decode bucket.
 Slot indices, block tables and lengths are built on the CPU by the runner (`PagedAttentionMetadata`).
 
-What it does not know: requests, scheduling, sampling, models, the storage dtype.
+What it does not know: requests, scheduling, sampling, models; the storage format beyond whether the
+CPU kernel reads it (float32, not quantized).
 """
 
 from __future__ import annotations
@@ -52,12 +55,14 @@ class DecodeGroup:
 @dataclass(kw_only=True)
 class PagedAttentionMetadata(AttentionMetadata):
     slot_mapping: torch.Tensor  # (num_tokens,) int64: flat cache slot of every new token
-    # every new token as a query over its sequence's blocks, for the CPU kernel (None: the step has
-    # bidirectional spans, or is not on the CPU): (sequences, width) block tables padded with block 0,
-    # the table row of each token, the position of each token
+    # the tokens the CPU kernel attends, each a query over its sequence's blocks (None: not on the CPU, or
+    # no such token): (kernel sequences, width) block tables padded with block 0; the table row, the
+    # position and the batch index of each such token (index None: every token of the step)
     token_tables: torch.Tensor | None = None
     token_rows: torch.Tensor | None = None
     token_positions: torch.Tensor | None = None
+    token_index: torch.Tensor | None = None
+    kernel_sequences: list[bool] = field(default_factory=list)  # per sequence: are its tokens the kernel's?
     prefill_block_tables: list[torch.Tensor | None] = field(default_factory=list)  # per sequence with context
     decode_rows: list[int] = field(default_factory=list)  # indices (into query_lens) of the decode sequences
     decode_groups: list[DecodeGroup] = field(default_factory=list)  # the decodes, bucketed by length
@@ -67,25 +72,32 @@ class PagedAttentionBackend:
     def __init__(self, storage: PagedKVStorage) -> None:
         self.storage = storage
         self.block_size = storage.block_size
-        # decided once here, not per call: a compiled step then traces only the path taken
-        self._decode_kernel = not storage.fmt.quantized and cpu_attention.available()
+        # decided once here, not per call: a compiled step then traces only the path taken (and a CUDA or
+        # half-precision engine never builds the kernel)
+        self._cpu_kernel = (storage.key.device.type == "cpu" and storage.key.dtype == torch.float32
+                            and not storage.fmt.quantized and cpu_attention.available())
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: PagedAttentionMetadata, layer: LayerAttention = FULL) -> torch.Tensor:
         """q: (num_tokens, heads, head_dim); k, v: (num_tokens, kv_heads, head_dim) -> (num_tokens, heads*head_dim)."""
         self.storage.write(layer_idx, meta.slot_mapping, k, v)
         key_layer = self.storage.key[layer_idx]
-        if meta.token_tables is not None and self._decode_kernel and cpu_attention.supports(q, key_layer):
-            # the whole step, prefill chunks and decodes alike, one query row at a time in one call
-            return cpu_attention.paged_attention(q, key_layer, self.storage.value[layer_idx], meta.token_tables,
-                                                 meta.token_positions, self._scale(q, layer), layer.sliding_window,
-                                                 rows=meta.token_rows)
+        kernel = meta.token_tables is not None and self._cpu_kernel and cpu_attention.supports(q, key_layer)
+        if kernel:  # the step's decodes and short prefill chunks, one query row at a time in one call
+            attended = cpu_attention.paged_attention(
+                q if meta.token_index is None else q[meta.token_index], key_layer, self.storage.value[layer_idx],
+                meta.token_tables, meta.token_positions, self._scale(q, layer), layer.sliding_window,
+                rows=meta.token_rows)
+            if meta.token_index is None:
+                return attended
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        if kernel:
+            out[meta.token_index] = attended
         start = 0
         decode_set = set(meta.decode_rows)
         for i, (q_len, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
             end = start + q_len
-            if i not in decode_set:
+            if i not in decode_set and not (kernel and meta.kernel_sequences[i]):
                 table = meta.prefill_block_tables[i]
                 if table is None:  # no cached context: attend over this step's own keys
                     keys, values = k[start:end], v[start:end]
@@ -94,8 +106,9 @@ class PagedAttentionBackend:
                     keys, values = keys.flatten(0, 1)[:ctx + q_len], values.flatten(0, 1)[:ctx + q_len]
                 out[start:end] = dense_attention(q[start:end], keys, values, ctx, meta.spans_of(i), layer)
             start = end
-        for group in meta.decode_groups:
-            out[group.token_index] = self._decode(layer_idx, q, group, layer)
+        if not kernel:  # (with the kernel, the decodes were among its rows)
+            for group in meta.decode_groups:
+                out[group.token_index] = self._decode(layer_idx, q, group, layer)
         return out
 
     @staticmethod
@@ -104,7 +117,7 @@ class PagedAttentionBackend:
 
     def _decode(self, layer_idx: int, q: torch.Tensor, group: DecodeGroup, layer: LayerAttention) -> torch.Tensor:
         key_layer = self.storage.key[layer_idx]
-        if self._decode_kernel and cpu_attention.supports(q, key_layer):
+        if self._cpu_kernel and cpu_attention.supports(q, key_layer):
             return cpu_attention.paged_attention(q[group.token_index], key_layer, self.storage.value[layer_idx],
                                                  group.block_table, group.query_positions.view(-1),
                                                  self._scale(q, layer), layer.sliding_window)

@@ -12,7 +12,7 @@ What it does not know: the model, the sampler, scheduling.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -26,13 +26,15 @@ if TYPE_CHECKING:
 # A decode joins a length bucket while its block count is at least this share of the bucket's
 # longest: bounds the padded (wasted) keys per bucket to 1 - this share.
 DECODE_BUCKET_FILL = 0.75
-# The CPU attention kernel takes a whole step only while each prefill chunk's keys (its context and
-# itself) are at most this many: it reads every key once per query, where SDPA's flash kernel reuses
-# a block of keys across a block of queries. Measured here, one sequence (10 query / 2 kv heads of
-# 64): the kernel 0.84x SDPA's time at 128 keys, 1.1x at 512, 2.3x at 2048; with 12 / 12 heads 1.4x
-# at 128. Below it, one call for the whole step saves more than that (no per-chunk gathers, masks
-# and calls). Decodes take the kernel at any length (reading each key once is all a decode does).
-TOKEN_KERNEL_MAX_PREFILL_KEYS = 256
+# The CPU attention kernel attends a request's prefill chunks while its prompt has at most this many
+# tokens (and no bidirectional spans): it reads every key once per query, where SDPA's flash kernel
+# reuses a block of keys across a block of queries. Measured here, one sequence (10 query / 2 kv heads
+# of 64): the kernel 0.84x SDPA's time at 128 keys, 1.1x at 512, 2.3x at 2048; with 12 / 12 heads 1.4x
+# at 128. Below it, one call for the step saves more than that (no per-chunk gathers, masks and calls).
+# Decided per request, by its prompt, so a token's path depends neither on the requests sharing its
+# step nor on how its prompt is chunked. Decodes take the kernel at any length (reading each key once
+# is all a decode does).
+TOKEN_KERNEL_MAX_PROMPT_TOKENS = 256
 
 
 @dataclass
@@ -60,7 +62,7 @@ class BatchBuilder:
         self.decode_tables: list[list[int]] = []
         self.tables: list[list[int]] = []  # every sequence's blocks up to its last new token
         self.token_positions: list[np.ndarray] = []
-        self.max_prefill_keys = 0  # the most keys a prefill chunk of the step attends over
+        self.kernel_sequences: list[bool] = []  # per sequence: does the CPU kernel attend its tokens?
         self.fusion: list[tuple[torch.Tensor, np.ndarray]] = []
         self.sample_index: list[int] = []
         self.sample_rows: list[RunnerRequest] = []
@@ -89,15 +91,18 @@ class BatchBuilder:
         spans = state.prompt.attention_spans
         self.spans.append(tuple(s for s in spans if s[0] < end and s[1] > start)
                           if spans and start < state.num_prompt_tokens else ())  # decodes lie in no span
-        self.tables.append(state.block_ids[:num_blocks])
-        self.token_positions.append(idx)
         if num == 1 and start > 0:
             self.decode_rows.append(row)
             self.decode_tables.append(state.block_ids[:num_blocks])
             self.prefill_tables.append(None)
+            self.kernel_sequences.append(True)
         else:
             self.prefill_tables.append(state.block_ids[:num_blocks] if start > 0 else None)
-            self.max_prefill_keys = max(self.max_prefill_keys, end)
+            self.kernel_sequences.append(not state.prompt.attention_spans
+                                         and state.num_prompt_tokens <= TOKEN_KERNEL_MAX_PROMPT_TOKENS)
+        if self.kernel_sequences[-1]:
+            self.tables.append(state.block_ids[:num_blocks])
+            self.token_positions.append(idx)
         for rows, piece in zip(gather_chunk_rows(pieces, item_outputs), pieces):
             self.fusion.append((rows, piece.token_positions + offset))
         if end == len(state.token_ids):  # the chunk reaches the last known token: sample the next
@@ -136,19 +141,26 @@ class BatchBuilder:
                                    self._to_device(query_positions), self._to_device(index)))
         return out
 
-    def _token_queries(self) -> dict[str, torch.Tensor]:
-        """Every new token as a query over its sequence's blocks (PagedAttentionMetadata.token_tables):
-        for the CPU's attention kernel, on steps without bidirectional spans or long prefill chunks."""
-        if (self.device.type != "cpu" or any(self.spans) or not self.tables
-                or self.max_prefill_keys > TOKEN_KERNEL_MAX_PREFILL_KEYS):
+    def _token_queries(self) -> dict[str, Any]:
+        """The tokens of the kernel's sequences as queries over their blocks (PagedAttentionMetadata.token_*),
+        for the CPU's attention kernel."""
+        if self.device.type != "cpu" or not self.tables:
             return {}
         width = max(len(t) for t in self.tables)
         tables = np.zeros((len(self.tables), width), dtype=np.int64)
         for row, blocks in enumerate(self.tables):
             tables[row, :len(blocks)] = blocks
-        rows = np.repeat(np.arange(len(self.tables), dtype=np.int64), self.query_lens)
-        return {"token_tables": torch.from_numpy(tables), "token_rows": torch.from_numpy(rows),
-                "token_positions": torch.from_numpy(np.concatenate(self.token_positions))}
+        lens = [n for n, kernel in zip(self.query_lens, self.kernel_sequences) if kernel]
+        out = {"token_tables": torch.from_numpy(tables),
+               "token_rows": torch.from_numpy(np.repeat(np.arange(len(self.tables), dtype=np.int64), lens)),
+               "token_positions": torch.from_numpy(np.concatenate(self.token_positions)),
+               "kernel_sequences": self.kernel_sequences}
+        if not all(self.kernel_sequences):
+            starts = np.cumsum([0] + self.query_lens[:-1])
+            out["token_index"] = torch.from_numpy(np.concatenate(
+                [np.arange(s, s + n, dtype=np.int64) for s, n, kernel in
+                 zip(starts, self.query_lens, self.kernel_sequences) if kernel]))
+        return out
 
     def build(self) -> Batch:
         dev = self._to_device

@@ -30,8 +30,8 @@ SOURCE = Path(__file__).parent / "kernels" / "paged_attention.cpp"
 HEAD_DIM_MULTIPLE = 8  # the kernel reads a head in 8-float registers
 
 
-class DecodeKernel:
-    """The loaded library (shapes checked by `paged_attention`)."""
+class AttentionKernel:
+    """The loaded library; `attend` checks what the kernel's pointers assume."""
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
@@ -46,6 +46,12 @@ class DecodeKernel:
                rows: torch.Tensor | None, positions: torch.Tensor, scale: float, window: int) -> torch.Tensor:
         n, heads, head_dim = q.shape
         _, block_size, kv_heads, _ = key.shape
+        if not supports(q, key) or value.shape != key.shape or value.dtype != key.dtype or not value.is_contiguous():
+            raise ValueError(f"paged_attention: q {tuple(q.shape)} {q.dtype}, key {tuple(key.shape)} {key.dtype}, "
+                             f"value {tuple(value.shape)} {value.dtype}: float32, contiguous caches of one shape, "
+                             f"whole kv groups and a head size that is a multiple of {HEAD_DIM_MULTIPLE} expected")
+        if any(t is not None and t.dtype != torch.int64 for t in (block_table, rows, positions)):
+            raise ValueError("paged_attention: block table, rows and positions must be int64")
         q, table, positions = q.contiguous(), block_table.contiguous(), positions.contiguous()
         rows = None if rows is None else rows.contiguous()
         out = torch.empty(n, heads * head_dim, dtype=torch.float32)
@@ -59,9 +65,9 @@ class DecodeKernel:
 
 
 @functools.cache  # one build and one load per process: the library is immutable once loaded
-def kernel() -> DecodeKernel | None:
-    path = built_library(SOURCE, "decode attention stays on SDPA over gathered blocks")
-    return None if path is None else DecodeKernel(path)
+def kernel() -> AttentionKernel | None:
+    path = built_library(SOURCE, "attention over the paged cache stays on SDPA")
+    return None if path is None else AttentionKernel(path)
 
 
 def available() -> bool:

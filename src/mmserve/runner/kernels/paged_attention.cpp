@@ -19,7 +19,8 @@
 namespace {
 
 // exp on 8 floats: Cephes' expf (range reduction by ln 2, degree-5 polynomial), about 1 ulp; the
-// softmax's arguments are <= 0, and ones below -87 give 0 as expf does
+// softmax's arguments are <= 0, and ones below -87.3 give 0 (expf would give subnormals down to
+// -103.9: nothing a sum of at least 1 can see)
 inline __m256 exp8(__m256 x) {
   const __m256 lo = _mm256_set1_ps(-87.33654f);
   const __m256 is_tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
@@ -96,7 +97,7 @@ float softmax_numerators(float* s, int64_t keys) {
   return sum;
 }
 
-// out[d] = sum_j p[j] v_j[d] / total, D a multiple of 8 up to 256
+// out[d] = sum_j p[j] v_j[d] / total, D a multiple of 8
 void weighted_values(const float* p, float total, int64_t D, const float* const* value_rows, int64_t keys,
                      float* out) {
   const __m256 inv = _mm256_set1_ps(1.0f / total);
@@ -130,7 +131,8 @@ extern "C" {
 // q (n, heads, D) contiguous; key/value: one layer's cache (num_blocks, block_size, kv_heads, D) contiguous;
 // table (sequences, width) block ids; seq (n,) the table row of each query, or null: query i uses row i;
 // pos (n,) each query's position; window <= 0: none; out (n, heads * D).
-// D must be a multiple of 8 (the Python side checks).
+// D must be a multiple of 8, positions >= 0 and within the table's blocks (cpu_attention.py checks the
+// shapes and dtypes; the positions are the engine's own).
 void mm_paged_attention(const float* q, int64_t n, int64_t heads, int64_t kv_heads, int64_t D,
                                const float* key, const float* value, int64_t block_size, const int64_t* table,
                                int64_t width, const int64_t* seq, const int64_t* pos, float scale, int64_t window,

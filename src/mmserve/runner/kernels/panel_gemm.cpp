@@ -95,6 +95,7 @@ void mm_pack_panels(const float* w, float* panels, int64_t N, int64_t K) {
 // y (M, N), row stride ldy = x (M, K), row stride ldx, @ W^T + bias (bias may be null).
 void mm_panel_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const float* panels, int64_t N,
                    const float* bias, float* y, int64_t ldy, int threads) {
+  if (M <= 0) return;
   const int64_t count = (N + kCols - 1) / kCols;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t p = 0; p < count; p++) {
