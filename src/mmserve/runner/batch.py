@@ -60,7 +60,8 @@ class BatchBuilder:
         self.prefill_tables: list[list[int] | None] = []
         self.decode_rows: list[int] = []
         self.decode_tables: list[list[int]] = []
-        self.tables: list[list[int]] = []  # every sequence's blocks up to its last new token
+        # the CPU attention kernel's sequences (`kernel_sequences`): blocks up to the last new token, positions
+        self.tables: list[list[int]] = []
         self.token_positions: list[np.ndarray] = []
         self.kernel_sequences: list[bool] = []  # per sequence: does the CPU kernel attend its tokens?
         self.fusion: list[tuple[torch.Tensor, np.ndarray]] = []

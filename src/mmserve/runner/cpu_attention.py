@@ -1,6 +1,6 @@
 """mmserve's float32 CPU attention over the paged KV cache, a query at a time: `kernels/paged_attention.cpp`.
 
-Role: load the kernel (built and cached like the matmul kernel, by `cpu_gemm.built_library`) and run
+Role: load the kernel (built and cached like the matmul kernel, by `cpu_gemm.cached_library`) and run
 it as the operator `mmserve::paged_attention`: each query (a decode, or a token of a prefill chunk)
 attends over its sequence's keys where they lie in the cache, through its block table. The paged
 backend otherwise gathers every decode's blocks into a padded copy and runs SDPA with a key mask, and
@@ -11,20 +11,19 @@ batch-32 decode step: SDPA 3.5 ms and the block gathers ~1.7 ms of a ~39 ms step
 The values differ from SDPA's in the last bits (another exp, another order of summation) and do not
 depend on which sequences share a step.
 
-What it does not know: requests, scheduling, models, bidirectional spans (a step with any is attended
-the other way), quantized or half-precision caches (the backend calls it for float32 caches on the
-CPU only; `available()` says whether this machine can run it).
+What it does not know: requests, scheduling, models, bidirectional spans (the batch builder gives it
+no token of a prompt that has any), quantized or half-precision caches (the backend calls it for
+float32 caches on the CPU only; `available()` says whether this machine can run it).
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
 
-from mmserve.runner.cpu_gemm import built_library
+from mmserve.runner.cpu_gemm import cached_library
 
 SOURCE = Path(__file__).parent / "kernels" / "paged_attention.cpp"
 HEAD_DIM_MULTIPLE = 8  # the kernel reads a head in 8-float registers
@@ -37,7 +36,7 @@ class AttentionKernel:
         lib = ctypes.CDLL(str(path))
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.mm_paged_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr,
-                                                  ctypes.c_float, i64, ptr, ctypes.c_int]
+                                           ctypes.c_float, i64, ptr, ctypes.c_int]
         lib.mm_paged_attention.restype = None
         self.path = path
         self._lib = lib
@@ -59,15 +58,11 @@ class AttentionKernel:
             self._lib.mm_paged_attention(
                 q.data_ptr(), n, heads, kv_heads, head_dim, key.data_ptr(), value.data_ptr(), block_size,
                 table.data_ptr(), table.shape[1], None if rows is None else rows.data_ptr(), positions.data_ptr(),
-                scale, window, out.data_ptr(),
-                torch.get_num_threads())
+                scale, window, out.data_ptr(), torch.get_num_threads())
         return out
 
 
-@functools.cache  # one build and one load per process: the library is immutable once loaded
-def kernel() -> AttentionKernel | None:
-    path = built_library(SOURCE, "attention over the paged cache stays on SDPA")
-    return None if path is None else AttentionKernel(path)
+kernel = cached_library(SOURCE, "attention over the paged cache stays on SDPA", AttentionKernel)
 
 
 def available() -> bool:

@@ -3,7 +3,9 @@
 Role: build the kernel once per machine (the C++ compiler that TorchInductor uses, flags for AVX2 and
 FMA, OpenMP from the library PyTorch already loaded), cache the shared library under the user's
 cache directory keyed by the source and the flags, load it with ctypes, and run linear layers on
-weights re-stored once in its panel layout (`kernels/panel_gemm.cpp` says why it is faster).
+weights re-stored once in its panel layout (`kernels/panel_gemm.cpp` says why it is faster). The
+building, caching and loading (`build`, `built_library`, `cached_library`) serve every kernel of
+`kernels/`; `cpu_attention` loads its own the same way.
 
 Measured on the 2-core AVX2 bench machine against oneDNN's linear on its own packed weights (what
 `cpu_layout.PackedLinear` runs), median of 30 calls: the 100m model's head (32 rows x 640 x 32000)
@@ -28,7 +30,9 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -94,6 +98,20 @@ def built_library(source: Path, fallback: str) -> Path | None:
         return None
 
 
+Loaded = TypeVar("Loaded")
+
+
+def cached_library(source: Path, fallback: str, load: Callable[[Path], Loaded]) -> Callable[[], Loaded | None]:
+    """A function returning `load(built library of source)`, or None where it cannot run (`built_library`):
+    one build and one load per process, the library being immutable once loaded (`cache_clear()` on the
+    function makes it decide anew, for tests)."""
+    @functools.cache
+    def loaded() -> Loaded | None:
+        path = built_library(source, fallback)
+        return None if path is None else load(path)
+    return loaded
+
+
 class PanelKernel:
     """The loaded library: packing and the product, on raw pointers (shapes checked by the callers)."""
 
@@ -128,11 +146,8 @@ class PanelKernel:
         return out.view(*x.shape[:-1], out_features)
 
 
-@functools.cache  # one build and one load per process: the library is immutable once loaded
-def kernel() -> PanelKernel | None:
-    """The kernel, or None where it cannot run (`built_library`); callers then keep oneDNN's linear."""
-    path = built_library(SOURCE, "the language model's float32 linears stay on oneDNN")
-    return None if path is None else PanelKernel(path)
+# the kernel, or None where it cannot run; callers then keep oneDNN's linear
+kernel = cached_library(SOURCE, "the language model's float32 linears stay on oneDNN", PanelKernel)
 
 
 def available() -> bool:
