@@ -394,7 +394,7 @@ def parse_args(argv: list[str] | None) -> Settings:
 def main(argv: list[str] | None = None) -> None:
     settings = parse_args(argv)
     run_started = time.perf_counter()
-    from benchmarks.offline import ensure_checkpoint, parameter_count
+    from benchmarks.checkpoints import ensure_checkpoint, parameter_count
     from benchmarks.offline_report import machine_info
 
     source = ensure_checkpoint(settings.model) if settings.model in ("tiny", "100m") else Path(settings.model)

@@ -43,7 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python benchmarks/encoder_cache.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.offline import DTYPE, _kv_cache_bytes, ensure_checkpoint, machine_info  # noqa: E402
+from benchmarks.checkpoints import ensure_checkpoint, greedy, kv_cache_bytes  # noqa: E402
+from benchmarks.offline_report import DTYPE, machine_info  # noqa: E402
 from benchmarks.workload import Workload, build_workload, synthetic_image  # noqa: E402
 
 TTFT_SIDE = 448
@@ -65,13 +66,7 @@ def _median(xs: list[float]) -> float:
 def _engine_args(model_dir: Path, prefix_caching: bool) -> dict[str, Any]:
     """offline.py's mmserve config (room for all 64 requests at once), prefix caching as asked."""
     return dict(max_num_seqs=NUM_REQUESTS, max_num_batched_tokens=2048, enable_prefix_caching=prefix_caching,
-                dtype=DTYPE, kv_cache_bytes=_kv_cache_bytes(model_dir, NUM_REQUESTS, OUTPUT_TOKENS))
-
-
-def _greedy(num_tokens: int):
-    from mmserve import SamplingParams
-
-    return SamplingParams(temperature=0, max_tokens=num_tokens, min_tokens=num_tokens)
+                dtype=DTYPE, kv_cache_bytes=kv_cache_bytes(model_dir, NUM_REQUESTS, OUTPUT_TOKENS))
 
 
 # ---- (a) time to first token ---------------------------------------------------------------------
@@ -97,15 +92,15 @@ def _one_ttft(llm: Any, encoder_walls: list[float], rid: str, image: Any, questi
     engine = llm.engine
     messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
                                              {"type": "text", "text": question}]}]
-    encoded_before, walls_before = engine.runner.encoder.num_items_encoded, len(encoder_walls)
+    encoded_before, walls_before = engine.get_stats()["encoder_items_encoded"], len(encoder_walls)
     started = time.perf_counter()
-    engine.add_request(rid, engine.process_chat(messages), _greedy(1))
+    engine.add_request(rid, engine.process_chat(messages), greedy(1))
     submitted = time.perf_counter()
     forward_s, steps = 0.0, 0
     while True:
         outputs = engine.step()
         steps += 1
-        forward_s += engine.runner.last_step.forward_s
+        forward_s += engine.inspect().last_step.forward_s
         if any(o.request_id == rid and o.outputs[0].token_ids for o in outputs):
             break
     ttft = time.perf_counter() - started
@@ -113,7 +108,7 @@ def _one_ttft(llm: Any, encoder_walls: list[float], rid: str, image: Any, questi
         engine.step()
     return {"ttft_s": ttft, "process_s": submitted - started, "encode_s": sum(encoder_walls[walls_before:]),
             "forward_s": forward_s, "steps": steps,
-            "items_encoded": engine.runner.encoder.num_items_encoded - encoded_before}
+            "items_encoded": engine.get_stats()["encoder_items_encoded"] - encoded_before}
 
 
 def measure_ttft(llms: dict[str, Any], reps: int) -> dict[str, Any]:
@@ -172,7 +167,7 @@ def _generate_run(model_dir: Path, workload: Workload, unique_uuids: bool, prefi
     encoder_walls = _timed_encoder(llm)
     prompts = prompt_dicts(llm, workload, unique_uuids)
     started = time.perf_counter()
-    outputs = llm.generate(prompts, _greedy(OUTPUT_TOKENS), use_tqdm=False)
+    outputs = llm.generate(prompts, greedy(OUTPUT_TOKENS), use_tqdm=False)
     wall_s = time.perf_counter() - started
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     stats = llm.get_stats()
@@ -223,7 +218,7 @@ def measure_throughput(model_dir: Path, workload: Workload, rounds: int, prefix_
 def measure_hashing(llm: Any, reps: int) -> dict[str, Any]:
     """Interleaved per rep: hash_item(img), the processor's full key, and preprocess_image(img)."""
     from mmserve.inputs.hashing import hash_item
-    from mmserve.models.qwen2_vl.image_processor import ImageProcessorConfig, Qwen2VLImageProcessor
+    from mmserve.models.vision.qwen_image_processor import ImageProcessorConfig, Qwen2VLImageProcessor
 
     processor = llm.engine.processor
     cfg = processor.image_processor.cfg
@@ -278,7 +273,7 @@ def run(model: str = "100m", quick: bool = False, seed: int = 0, rounds: int | N
     workload = build_workload(NUM_REQUESTS, seed=seed)
     _log(f"(b) throughput on {model}: warm-up ...")
     warm = LLM(str(model_dir), **_engine_args(model_dir, True))
-    warm.generate(prompt_dicts(warm, workload, False)[:2], _greedy(4), use_tqdm=False)
+    warm.generate(prompt_dicts(warm, workload, False)[:2], greedy(4), use_tqdm=False)
     del warm
     throughput = {"default": measure_throughput(model_dir, workload, reps["rounds"], True)}
     if not quick:

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python benchmarks/gpu_check.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.offline import ensure_checkpoint  # noqa: E402
+from benchmarks.checkpoints import ensure_checkpoint, greedy  # noqa: E402
 from benchmarks.workload import build_workload, synthetic_image  # noqa: E402
 
 NO_CUDA_EXIT = 2
@@ -67,18 +67,12 @@ def _engine_args(args: argparse.Namespace, graphs: bool) -> dict[str, Any]:
     return out
 
 
-def _greedy(tokens: int):
-    from mmserve import SamplingParams
-
-    return SamplingParams(temperature=0, max_tokens=tokens, min_tokens=tokens)
-
-
 def run_offline(llm, args: argparse.Namespace) -> tuple[list[list[int]], float]:
     """Greedy tokens of the workload and output tokens per second."""
     convs = [c.messages for c in build_workload(args.num_requests, seed=0).conversations]
-    llm.chat(convs[:2], _greedy(4), use_tqdm=False)  # warm: first kernels, allocator
+    llm.chat(convs[:2], greedy(4), use_tqdm=False)  # warm: first kernels, allocator
     started = time.perf_counter()
-    outputs = llm.chat(convs, _greedy(args.output_tokens), use_tqdm=False)
+    outputs = llm.chat(convs, greedy(args.output_tokens), use_tqdm=False)
     wall_s = time.perf_counter() - started
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     return tokens, sum(len(t) for t in tokens) / wall_s
@@ -114,8 +108,8 @@ def decode_step_latency(llm, batch: int, args: argparse.Namespace) -> float:
     for i in range(batch):
         chat = [{"role": "user", "content": [{"type": "text", "text": f"Count to {i + 10}, please."}]}]
         engine.add_request(f"decode-{batch}-{i}", engine.process_chat(chat), params)
-    requests = engine.runner.requests
-    while len(requests) < batch or any(r.num_computed_tokens < r.num_prompt_tokens for r in requests.values()):
+    while len(requests := engine.inspect().runner_requests) < batch or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in requests.values()):
         engine.step()
     seconds = _median_s(engine.step, args.device, args.repeats)
     engine.abort_request([f"decode-{batch}-{i}" for i in range(batch)])
@@ -180,11 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     results["encoder"] = encoder_latency(eager, graphed, args)
     results["decode"] = {b: {"eager_s": decode_step_latency(eager, b, args),
                              "graphs_s": decode_step_latency(graphed, b, args)} for b in DECODE_BATCHES}
-    runner = graphed.engine.runner
+    graphs = graphed.engine.inspect().graphs
     results["graph_stats"] = {
-        "encoder_buckets_captured": len(runner.encoder_graphs.stats.captured) if runner.encoder_graphs else 0,
-        "encoder_capture_bytes": runner.encoder_graphs.stats.capture_bytes if runner.encoder_graphs else 0,
-        "decode_graphs_captured": len(runner.decode_graphs.stats.captured) if runner.decode_graphs else 0}
+        "encoder_buckets_captured": len(graphs.encoder.captured) if graphs.encoder else 0,
+        "encoder_capture_bytes": graphs.encoder.capture_bytes if graphs.encoder else 0,
+        "decode_graphs_captured": len(graphs.decode.captured) if graphs.decode else 0}
     print_table(card, results)
     print(json.dumps({"bench": "gpu_check", "card": card, "run_s": round(time.perf_counter() - started, 1),
                       **results}))

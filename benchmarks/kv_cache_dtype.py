@@ -51,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python benchmarks/kv_cache_dtype.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.checkpoints import ensure_checkpoint, greedy, kv_cache_bytes, parameter_count  # noqa: E402
 from benchmarks.kv_cache_report import print_card, print_tables  # noqa: E402
 from benchmarks.kv_scaling import (  # noqa: E402
     AGREEMENT_DTYPE,
@@ -63,7 +64,6 @@ from benchmarks.kv_scaling import (  # noqa: E402
     _sig,
     measure_scaling,
 )
-from benchmarks.offline import _greedy, _kv_cache_bytes, ensure_checkpoint, parameter_count  # noqa: E402
 from benchmarks.offline_report import machine_info  # noqa: E402
 from benchmarks.workload import Workload, build_workload  # noqa: E402
 
@@ -157,7 +157,7 @@ def run_engine(llm: Any, workload: Workload, output_tokens: int) -> list[list[in
     engine = llm.engine
     ids = [f"conv-{i}" for i in range(len(workload.conversations))]
     for rid, conv in zip(ids, workload.conversations):
-        engine.add_request(rid, engine.process_chat(conv.messages), _greedy(output_tokens))
+        engine.add_request(rid, engine.process_chat(conv.messages), greedy(output_tokens))
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         tokens.update((o.request_id, list(o.outputs[0].token_ids)) for o in engine.step() if o.finished)
@@ -172,7 +172,7 @@ def _agreement_engine_args(workload: Workload, model_dir: Path, output_tokens: i
     """offline.py's mmserve config: room for every request at once (in auto's bytes), nothing preempted."""
     num = len(workload.conversations)
     return dict(dtype=AGREEMENT_DTYPE, max_num_seqs=num, max_num_batched_tokens=2048, enable_prefix_caching=True,
-                kv_cache_bytes=_kv_cache_bytes(model_dir, num, output_tokens))
+                kv_cache_bytes=kv_cache_bytes(model_dir, num, output_tokens))
 
 
 def run_reference(model_dir: Path, workload: Workload, output_tokens: int) -> tuple[list[list[int]], dict]:
@@ -252,7 +252,7 @@ def measure_agreement(model_dir: Path, workload: Workload, output_tokens: int) -
 def time_kv_storage(llm: Any) -> dict[str, float]:
     """Seconds this LLM spends in its KV storage's write (quantize) and gather (dequantize): where a
     quantized format's extra cost would show. Two clock reads per layer call."""
-    storage, spent = llm.engine.kv_storage, {"write": 0.0, "gather": 0.0}
+    storage, spent = llm.engine.inspect().kv_storage, {"write": 0.0, "gather": 0.0}
 
     def timed(name: str, inner: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any) -> Any:
@@ -272,7 +272,7 @@ def timed_chat(model_dir: Path, workload: Workload, output_tokens: int, kv_dtype
     llm = _fresh_llm(model_dir, kv_cache_dtype=kv_dtype, **_agreement_engine_args(workload, model_dir, output_tokens))
     kv_s = time_kv_storage(llm)
     cpu_started, started = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-    outputs = llm.chat([c.messages for c in workload.conversations], _greedy(output_tokens), use_tqdm=False)
+    outputs = llm.chat([c.messages for c in workload.conversations], greedy(output_tokens), use_tqdm=False)
     wall_s = time.perf_counter() - started
     cpu = resource.getrusage(resource.RUSAGE_SELF)
     tokens = [list(o.outputs[0].token_ids) for o in outputs]

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.offline import _greedy
+from benchmarks.checkpoints import greedy
 from benchmarks.workload import build_workload
 
 KV_DTYPES = ("auto", "int8", "fp8_e4m3")
@@ -44,7 +44,7 @@ def _fresh_llm(model_dir: Path, **engine_args: Any) -> Any:
 def capture_kv(model_dir: Path, conversations: list[list[dict[str, Any]]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, the float32 K and V (tokens, kv_heads, head_dim) the prefill of `conversations` writes."""
     llm = _fresh_llm(model_dir, dtype="float32", enable_prefix_caching=False)
-    storage = llm.engine.kv_storage
+    storage = llm.engine.inspect().kv_storage
     inner, seen = storage.write, {}
 
     def write(layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -54,7 +54,7 @@ def capture_kv(model_dir: Path, conversations: list[list[dict[str, Any]]]) -> li
         inner(layer_idx, slot_mapping, k, v)
 
     storage.write = write  # instance attribute: this LLM only
-    llm.chat(conversations, _greedy(1), use_tqdm=False)
+    llm.chat(conversations, greedy(1), use_tqdm=False)
     return [(torch.cat(ks), torch.cat(vs)) for _, (ks, vs) in sorted(seen.items())]
 
 

@@ -21,15 +21,13 @@ the other families transformers is fed mmserve's processed token ids and pixels 
 asserts the two processors agree), so no end-to-end preprocessing ratio is printed for them.
 
 What it does not know: mmserve internals beyond the public offline API, `Engine.step` and
-`ModelRunner.last_step`.
+`Engine.inspect().last_step`.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import math
 import os
 import sys
 import time
@@ -43,13 +41,15 @@ if str(ROOT) not in sys.path:  # run as `python benchmarks/offline.py` from anyw
     sys.path.insert(0, str(ROOT))
 
 from tests.fixtures.families import FAMILIES  # noqa: E402
-from tests.fixtures.tiny_checkpoints import (  # noqa: E402
-    QWEN_SPECIAL_TOKENS,
-    build_checkpoint,
-    build_tokenizer,
-    reference_inputs,
-)
+from tests.fixtures.tiny_checkpoints import reference_inputs  # noqa: E402
 
+from benchmarks.checkpoints import (  # noqa: E402
+    MODEL_DIRS,
+    ensure_checkpoint,
+    greedy,
+    kv_cache_bytes,
+    parameter_count,
+)
 from benchmarks.floor import attention_work, compute_floor, matmul_peak_gflops  # noqa: E402
 from benchmarks.hf_systems import (  # noqa: E402
     SystemResult,
@@ -68,98 +68,11 @@ from benchmarks.offline_report import (  # noqa: E402
 )
 from benchmarks.workload import LONG_SYSTEM_PROMPT, Workload, build_workload  # noqa: E402
 
-BENCH_DIR = ROOT / ".bench"
-CONFIG_100M = ROOT / "benchmarks" / "configs" / "bench_100m_qwen2_vl.json"
-# the 100m checkpoint's folder names its config's digest, so a changed config never reuses a stale build
-MODEL_DIRS = {"tiny": BENCH_DIR / "tiny-qwen2-vl",
-              "100m": BENCH_DIR / f"bench-100m-qwen2-vl-{hashlib.sha256(CONFIG_100M.read_bytes()).hexdigest()[:8]}",
-              **{name: BENCH_DIR / f"tiny-{name.replace('_', '-')}" for name in FAMILIES if name != "qwen2_vl"}}
 QWEN2_VL_MODELS = ("tiny", "100m")  # transformers' own Qwen2-VL processor makes their reference inputs
 QUICK_SUBSET = 16
 OVERHEAD_BATCH = 32
 OVERHEAD_STEPS = 10
 DEFAULT_REPEATS = {"100m": 1}  # the 100m round takes ~5 minutes; tiny models: 3
-
-
-# ---- checkpoints ----------------------------------------------------------------------------------
-def _randomize_scaled(model: torch.nn.Module, seed: int) -> None:
-    """Random weights scaled by fan-in (like `_randomize`, but sized for a 768-wide, 12-layer model) so
-    activations neither vanish nor explode and greedy text is varied rather than one repeated token."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            if name.endswith("norm.weight") or "norm" in name.split(".")[-2]:
-                param.copy_(1.0 + 0.1 * noise)
-            elif param.ndim == 1:  # biases
-                param.copy_(0.02 * noise)
-            elif "embed_tokens" in name:
-                param.copy_(noise)
-            else:
-                gain = 4.0 if "lm_head" in name else 1.0  # logits with std ~4: clear greedy margins
-                param.copy_(noise * gain / param[0].numel() ** 0.5)
-
-
-def build_100m_checkpoint(out_dir: Path, config_path: Path = CONFIG_100M, seed: int = 0) -> Path:
-    """Write the ~100M random Qwen2-VL described by `config_path` (token ids from our tokenizer)."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(out_dir)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
-    raw = json.loads(config_path.read_text())
-    raw.pop("model_type", None)
-    text = dict(raw.pop("text_config"), bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-                pad_token_id=ids["<|endoftext|>"])
-    config = Qwen2VLConfig(text_config=text, vision_config=raw.pop("vision_config"),
-                           image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-                           vision_start_token_id=ids["<|vision_start|>"],
-                           vision_end_token_id=ids["<|vision_end|>"], **raw)
-    torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config)
-    _randomize_scaled(model, seed)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 256).save_pretrained(out_dir)
-    generation = {"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]]}
-    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    return out_dir
-
-
-def ensure_checkpoint(name: str) -> Path:
-    out_dir = MODEL_DIRS[name]
-    if (out_dir / "model.safetensors").is_file() and (out_dir / "preprocessor_config.json").is_file():
-        return out_dir
-    print(f"building {name} checkpoint in {out_dir} ...", file=sys.stderr)
-    if name == "tiny":
-        return build_checkpoint(out_dir, family="qwen2_vl", seed=0)
-    if name == "100m":
-        return build_100m_checkpoint(out_dir)
-    return FAMILIES[name].build(out_dir, 0)
-
-
-def parameter_count(model_dir: Path) -> int:
-    from safetensors import safe_open
-
-    total = 0
-    for file in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            total += sum(math.prod(f.get_slice(key).get_shape()) for key in f.keys())
-    return total
-
-
-def _greedy(output_tokens: int):
-    from mmserve import SamplingParams
-
-    return SamplingParams(temperature=0, max_tokens=output_tokens, min_tokens=output_tokens)
-
-
-def _kv_cache_bytes(model_dir: Path, num_requests: int, output_tokens: int) -> int:
-    """Room for every request at once (prompts are < 1200 tokens here), so nothing is preempted."""
-    text = json.loads((model_dir / "config.json").read_text())["text_config"]
-    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
-    per_token_bytes = 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * head_dim * 4
-    return max(num_requests * (1200 + output_tokens) * per_token_bytes, 64 * 1024 * 1024)
 
 
 # ---- systems -------------------------------------------------------------------------------------
@@ -170,15 +83,15 @@ def run_mmserve(model_dir: Path, workload: Workload, output_tokens: int) -> Syst
 
     convs = workload.conversations
     engine_args = dict(max_num_seqs=len(convs), max_num_batched_tokens=2048, enable_prefix_caching=True,
-                       dtype=DTYPE, kv_cache_bytes=_kv_cache_bytes(model_dir, len(convs), output_tokens))
+                       dtype=DTYPE, kv_cache_bytes=kv_cache_bytes(model_dir, len(convs), output_tokens))
     warm = LLM(str(model_dir), **engine_args)
-    warm.chat([c.messages for c in convs[:2]], _greedy(4), use_tqdm=False)
+    warm.chat([c.messages for c in convs[:2]], greedy(4), use_tqdm=False)
     del warm
     started = time.perf_counter()
     llm = LLM(str(model_dir), **engine_args)
     load_s = time.perf_counter() - started
     started = time.perf_counter()
-    outputs = llm.chat([c.messages for c in convs], _greedy(output_tokens), use_tqdm=False)
+    outputs = llm.chat([c.messages for c in convs], greedy(output_tokens), use_tqdm=False)
     wall_s = time.perf_counter() - started
     stats = llm.get_stats()
     started = time.perf_counter()  # the share of the wall that is input processing, measured apart
@@ -326,7 +239,7 @@ def measure_overhead(model_dir: Path, batch: int = OVERHEAD_BATCH, steps: int = 
     ids = [f"overhead-{i}" for i in range(batch)]
     for i, rid in enumerate(ids):
         text = QUESTIONS[i % len(QUESTIONS)] + f" Request {i}."
-        engine.add_request(rid, engine.process_chat([{"role": "user", "content": text}]), _greedy(steps + 16))
+        engine.add_request(rid, engine.process_chat([{"role": "user", "content": text}]), greedy(steps + 16))
     decoding: set[str] = set()
     while len(decoding) < batch:  # prefill until every request has its first token
         decoding.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
@@ -337,7 +250,7 @@ def measure_overhead(model_dir: Path, batch: int = OVERHEAD_BATCH, steps: int = 
         started = time.perf_counter()
         engine.step()
         walls.append(time.perf_counter() - started)
-        last = engine.runner.last_step
+        last = engine.inspect().last_step
         assert last.num_tokens == batch, f"expected a pure decode step of {batch} tokens, got {last.num_tokens}"
         forwards.append(last.forward_s)
         runner_totals.append(last.total_s)

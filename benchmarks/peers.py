@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python benchmarks/peers.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.offline import BENCH_DIR, build_100m_checkpoint, ensure_checkpoint, parameter_count  # noqa: E402
+from benchmarks.checkpoints import BENCH_DIR, build_100m_checkpoint, ensure_checkpoint, parameter_count  # noqa: E402
 from benchmarks.offline_report import machine_info  # noqa: E402
 from benchmarks.peers_common import WORKLOAD_FILE  # noqa: E402
 from benchmarks.peers_report import json_line, print_card, print_table, print_targets, targets, write_plot  # noqa: E402

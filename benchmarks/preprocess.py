@@ -23,7 +23,7 @@ import PIL
 import torch
 from PIL import Image
 
-from mmserve.models.qwen2_vl.image_processor import ImageProcessorConfig, Qwen2VLImageProcessor
+from mmserve.models.vision.qwen_image_processor import ImageProcessorConfig, Qwen2VLImageProcessor
 
 SIZES = [(1280, 720), (4000, 3000)]
 

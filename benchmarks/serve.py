@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
         if url is None:
             model_dir = None
             if args.server_model == "tiny":
-                from benchmarks.offline import ensure_checkpoint
+                from benchmarks.checkpoints import ensure_checkpoint
 
                 model_dir = ensure_checkpoint("tiny")
             elif args.server_model != "demo":

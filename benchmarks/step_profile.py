@@ -62,8 +62,8 @@ def profile_batch(llm: Any, batch: int, steps: int, seed: int) -> dict[str, floa
     params = SamplingParams(temperature=0, max_tokens=steps + 8, min_tokens=steps + 8, ignore_eos=True)
     for i, conv in enumerate(_requests(batch, seed)):
         engine.add_request(f"p{batch}-{i}", engine.process_chat(conv), params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()) \
-            or engine.scheduler.waiting:
+    while len(requests := engine.inspect().runner_requests) < batch or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in requests.values()):
         engine.step()
     engine.step()  # the first all-decode step
     walls = []

@@ -170,7 +170,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     run_started = time.perf_counter()
-    from benchmarks.offline import ensure_checkpoint, parameter_count
+    from benchmarks.checkpoints import ensure_checkpoint, parameter_count
     from benchmarks.offline_report import machine_info
     from mmserve.demo.video import moving_shapes
 

@@ -23,8 +23,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
+from tests.fixtures.conversations import parity_workload  # noqa: E402
 from tests.fixtures.families import FAMILIES  # noqa: E402
-from tests.models.test_engine_parity import _workload  # noqa: E402
 
 from mmserve import LLM, SamplingParams  # noqa: E402
 
@@ -32,7 +32,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, min_tokens=10)
 
 
 def tokens(llm: LLM) -> list[list[int]]:
-    outputs = llm.chat(_workload(), GREEDY, use_tqdm=False)
+    outputs = llm.chat(parity_workload(), GREEDY, use_tqdm=False)
     llm.check_integrity()
     return [list(o.outputs[0].token_ids) for o in outputs]
 

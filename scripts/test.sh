@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
-# Set everything up, then run the whole test suite.
+# Set everything up, then run the whole test suite (what CI runs). `--fast`: the unit tier only, without
+# what is marked slow (under a minute; no browser needed). Other arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup.sh
+if [ "${1:-}" = "--fast" ]; then
+  shift
+  .venv/bin/python -m ruff check src tests benchmarks scripts
+  exec .venv/bin/python -m pytest tests/unit -m "not slow" -q "$@"
+fi
 # the web chat's browser test drives Debian's chromium (Playwright's own browser download cannot reach
 # its host here): installed here, not in setup.sh, which run.sh shares; checked on every run, since the
 # venv's stamp says nothing about the system

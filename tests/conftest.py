@@ -1,15 +1,33 @@
 """Shared fixtures: tiny random checkpoints of every family, each built once per test session on
 first use. `family` / `model_dir` run a test over the Qwen2-VL families (whose prompts and
 references those tests spell out); `served_family` / `served_model_dir` run it over every family
-the engine serves."""
+the engine serves.
+
+Tiers: a test is marked by its folder, `unit` (tests/unit: no weights, fake runner outputs), `models`
+(tests/models: tiny checkpoints against transformers, engines in process, encoder workers) or `e2e`
+(tests/e2e: the real server as a subprocess, the `openai` client, the browser); `slow` is marked by
+hand on what runs long or is timed. `bash scripts/test.sh --fast` runs `unit and not slow`.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from tests.fixtures.families import FAMILIES as SERVED_FAMILIES
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+TIERS = ("unit", "models", "e2e")  # the folders under tests/, each its tier's marker
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    root = Path(__file__).parent
+    for item in items:
+        folder = Path(item.fspath).relative_to(root).parts[0]
+        if folder not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: tests live in one of tests/{{{','.join(TIERS)}}}/")
+        item.add_marker(folder)
 
 
 class _Checkpoints:

@@ -93,7 +93,7 @@ DEFAULT_ENCODER_GRAPH_MEMORY_BYTES = 2 * 1024**3  # device memory encoder graph 
 
 @dataclass(frozen=True)
 class GraphConfig:
-    """Captured graphs (runner/encoder_graphs.py, runner/decode_graphs.py). `None` switches: on when the
+    """Captured graphs (runner/graphs/encoder_graphs.py, runner/graphs/decode_graphs.py). `None` switches: on when the
     device is CUDA, off on the CPU; True on the CPU runs the graph path with a replay-equivalent (the
     same bucketing and static buffers, no speed-up: for tests)."""
 

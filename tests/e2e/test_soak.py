@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from benchmarks.soak import KINDS, SoakConfig, run_soak
 
 DURATION_S = float(os.environ.get("MMSERVE_SOAK_S", "60"))
@@ -21,6 +22,7 @@ DURATION_S = float(os.environ.get("MMSERVE_SOAK_S", "60"))
 ENCODER_CACHE_BYTES = 512 * 1024
 
 
+@pytest.mark.slow
 def test_soak_32_clients_no_5xx_no_wrong_answers_idle_after(tmp_path):
     log = tmp_path / "soak-server.log"
     # an encoder cache far smaller than the default, so fresh pictures push the pool's out and they are

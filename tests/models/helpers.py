@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from mmserve.inputs.items import ProcessedPrompt
 from mmserve.inputs.media import MediaLimits
@@ -14,6 +12,7 @@ from mmserve.models.layers.attention import ContiguousKVCache
 from mmserve.models.loader import load_model, read_config
 from mmserve.models.registry import resolve
 from mmserve.models.spec import FamilySpec
+from tests.fixtures.conversations import image_part, random_image, text_part, user  # noqa: F401 (re-exported)
 
 
 def load_processor(model_dir):
@@ -61,27 +60,6 @@ def full_logits(model, prompt: ProcessedPrompt, spec: FamilySpec) -> torch.Tenso
     embeds, extra = prefill_inputs(model, prompt, device)
     hidden = model(embeds, prompt_positions(prompt, 0, n, device), cache, prefill_metadata(prompt, spec), extra)
     return model.compute_logits(hidden)
-
-
-def random_image(rng: np.random.Generator, width: int, height: int, mode: str = "RGB") -> Image.Image:
-    channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
-    # smooth gradient plus noise: resampling differences would show
-    yy, xx = np.mgrid[0:height, 0:width]
-    base = ((xx * 255 // max(width - 1, 1)) + (yy * 255 // max(height - 1, 1))) // 2
-    arr = (base[..., None] + rng.integers(-40, 40, (height, width, channels))).clip(0, 255).astype(np.uint8)
-    return Image.fromarray(arr[..., 0] if channels == 1 else arr, mode)
-
-
-def user(*parts):
-    return [{"role": "user", "content": list(parts)}]
-
-
-def image_part(img):
-    return {"type": "image_pil", "image_pil": img}
-
-
-def text_part(text):
-    return {"type": "text", "text": text}
 
 
 REFERENCE_IMAGE_PART = {"type": "image"}

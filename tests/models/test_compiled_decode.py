@@ -1,4 +1,4 @@
-"""The CPU's compiled decode step (`compile_cpu_decode`, runner/decode_graphs.py, runner/cpu_compile.py):
+"""The CPU's compiled decode step (`compile_cpu_decode`, runner/graphs/decode_graphs.py, runner/cpu/compile.py):
 the same greedy tokens as the eager engine for every family (several compiled engines in one process,
 each with its own weights), in bfloat16 and over an int8 KV cache; one compile for batch 1 and one for
 every other bucket; a float8 KV cache refused. The KV writes landing in place, on the step's slots and
@@ -33,10 +33,10 @@ def test_compiled_decode_gives_the_eager_tokens_for_every_family(served_family, 
     before = _compiled_graphs()
     llm = LLM(str(served_model_dir), compile_cpu_decode=True, decode_graph_batch_sizes=(1, 2, 4), **ARGS)
     assert _compiled_graphs() - before == 2
-    graphs = llm.engine.runner.decode_graphs
-    assert len(graphs.stats.captured) == 3 * 3  # batch sizes x block widths 4, 8, 16
+    graphs = llm.engine.inspect().graphs.decode
+    assert len(graphs.captured) == 3 * 3  # batch sizes x block widths 4, 8, 16
     assert [o.outputs[0].token_ids for o in llm.chat(_chats(), GREEDY, use_tqdm=False)] == want
-    assert graphs.stats.num_replays > 0
+    assert graphs.num_replays > 0
     assert _compiled_graphs() - before == 2  # serving compiled nothing more
     llm.check_integrity()
 
@@ -47,12 +47,12 @@ def test_compiled_decode_with_an_int8_kv_cache_and_in_bfloat16(checkpoint_dirs, 
     want = [o.outputs[0].token_ids for o in LLM(str(model_dir), **args).chat(_chats(), GREEDY, use_tqdm=False)]
     llm = LLM(str(model_dir), compile_cpu_decode=True, decode_graph_batch_sizes=(1, 4), **args)
     assert [o.outputs[0].token_ids for o in llm.chat(_chats(), GREEDY, use_tqdm=False)] == want
-    assert llm.engine.runner.decode_graphs.stats.num_replays > 0
+    assert llm.engine.inspect().graphs.decode.num_replays > 0
 
 
 def test_compiled_decode_off_means_eager(checkpoint_dirs):
     llm = LLM(str(checkpoint_dirs["qwen2_vl"]), compile_cpu_decode=True, enable_decode_cuda_graphs=False, **ARGS)
-    assert llm.engine.runner.decode_graphs is None
+    assert llm.engine.inspect().graphs.decode is None
 
 
 def test_compiled_decode_refuses_a_float8_kv_cache(checkpoint_dirs):

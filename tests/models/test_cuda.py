@@ -14,8 +14,8 @@ import torch
 
 from mmserve import LLM, SamplingParams
 from mmserve.models.qwen2_vl.vision_graph import Qwen2VisionGraphAdapter
-from mmserve.runner.encoder_graphs import EncoderGraphRunner
-from mmserve.runner.graph_buckets import EncoderBucket, default_encoder_buckets
+from mmserve.runner.graphs.buckets import EncoderBucket, default_encoder_buckets
+from mmserve.runner.graphs.encoder_graphs import EncoderGraphRunner
 from mmserve.runner.sampler import Sampler
 from tests.fixtures.families import FAMILIES as SERVED_FAMILIES
 from tests.models.helpers import (
@@ -66,10 +66,10 @@ def test_steady_state_steps_make_no_host_sync(model_dir, graphs, temperature):
     for i, chat in enumerate(_chats(6)):
         rendered = engine.processor.render_chat(chat)
         engine.add_request(str(i), engine.processor.process(rendered.prompt, images=rendered.images), params)
-    requests = engine.runner.requests
-    while len(requests) < 6 or any(r.num_computed_tokens < r.num_prompt_tokens for r in requests.values()):
+    while len(requests := engine.inspect().runner_requests) < 6 or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in requests.values()):
         engine.step()  # prefills, unchecked
-    replays = 0 if not graphs else engine.runner.decode_graphs.stats.num_replays
+    replays = 0 if not graphs else engine.inspect().graphs.decode.num_replays
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -78,7 +78,7 @@ def test_steady_state_steps_make_no_host_sync(model_dir, graphs, temperature):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     if graphs:
-        assert engine.runner.decode_graphs.stats.num_replays == replays + 10
+        assert engine.inspect().graphs.decode.num_replays == replays + 10
 
 
 @pytest.mark.parametrize("windowed", [False, True], ids=["qwen2_vl", "qwen2_5_vl"])

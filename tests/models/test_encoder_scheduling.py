@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from mmserve import LLM, SamplingParams
+from mmserve.faults import FaultPlan
 from mmserve.runner import batch as batch_module
 from tests.fixtures.tiny_checkpoints import reference_inputs
 from tests.models.helpers import REFERENCE_IMAGE_PART, image_part, random_image, text_part, user
@@ -101,7 +102,7 @@ def test_chunks_smaller_than_an_image_are_views(model_dir, images, reference, mo
     llm = LLM(model_dir, max_num_batched_tokens=24, enable_prefix_caching=False)
     if cached:  # the image's rows come from the encoder cache, filled by an earlier request
         llm.chat([_conv(images[0])], GREEDY, use_tqdm=False)
-    store = llm.engine.runner.encoder.store
+    store = llm.engine.inspect().encoder_outputs  # a live view
     seen = []
     original = batch_module.gather_chunk_rows
 
@@ -120,17 +121,17 @@ def test_chunks_smaller_than_an_image_are_views(model_dir, images, reference, mo
 
 
 def test_batch_failure_fails_producer_consumer_completes(model_dir, images, reference):
-    llm = LLM(model_dir, enable_prefix_caching=False)
-    encoder = llm.engine.runner.encoder
-    real, calls = encoder.encode_fn, []
+    calls = []
 
-    def flaky(payloads):
-        calls.append(len(payloads))
-        if len(calls) == 1:
-            raise RuntimeError("device fell over")
-        return real(payloads)
+    def flaky(real):
+        def encode(payloads):
+            calls.append(len(payloads))
+            if len(calls) == 1:
+                raise RuntimeError("device fell over")
+            return real(payloads)
+        return encode
 
-    encoder.encode_fn = flaky
+    llm = LLM(model_dir, enable_prefix_caching=False, faults=FaultPlan(wrap_encode=flaky))
     outs = llm.chat([_conv(images[0]), _conv(images[0]), _conv(images[1])], GREEDY, use_tqdm=False)
     assert outs[0].outputs[0].finish_reason == "error" and "device fell over" in outs[0].error
     assert outs[2].outputs[0].finish_reason == "error"  # also a producer of that batch
@@ -140,21 +141,18 @@ def test_batch_failure_fails_producer_consumer_completes(model_dir, images, refe
 
 
 def test_wrong_rows_for_one_key_fail_exactly_its_users(model_dir, images, reference):
-    llm = LLM(model_dir, enable_prefix_caching=False)
-    encoder = llm.engine.runner.encoder
-    real = encoder.encode_fn
     bad_rows = 64  # image 0 (224x224) has 64 rows; image 1 has 30
 
-    def corrupt(payloads):
-        return [o[:, :-1] if o.shape[1] == bad_rows else o for o in real(payloads)]
+    def corrupt(real):
+        return lambda payloads: [o[:, :-1] if o.shape[1] == bad_rows else o for o in real(payloads)]
 
-    encoder.encode_fn = corrupt
+    llm = LLM(model_dir, enable_prefix_caching=False, faults=FaultPlan(wrap_encode=corrupt))
     outs = llm.chat([_conv(images[0]), _conv(*images), _conv(images[1])], GREEDY, use_tqdm=False)
     assert [o.outputs[0].finish_reason for o in outs[:2]] == ["error", "error"]
     assert all("expected (1, 64, 64) (streams, rows, width)" in o.error for o in outs[:2])
     assert outs[2].outputs[0].token_ids == reference["b"]
     # nothing half-written stays; the good outputs of the failed producer are kept for reuse
-    store = llm.engine.runner.encoder.store
+    store = llm.engine.inspect().encoder_outputs
     assert len(store) == 3 and all(t.shape[1] != bad_rows - 1 for t in store.values())
     llm.check_integrity()
 
@@ -174,14 +172,14 @@ def test_pixels_released_once_encoded_caller_prompt_untouched(model_dir, images)
     engine = llm.engine
     prompt = engine.process_chat(_conv(*images[:2]))
     engine.add_request("r", prompt, GREEDY)
-    assert len(engine.tracked["r"].payloads) == 2
+    assert engine.inspect().payloads_held["r"] == 2
     engine.step()
-    assert engine.tracked["r"].payloads == {}  # encoded and held by the request: pixels released
+    assert engine.inspect().payloads_held["r"] == 0  # encoded and held by the request: pixels released
     assert all(item.payload is not None for item in prompt.items)  # the caller's prompt is not mutated
     delta, patches = prompt.positions.decode_delta, [item.encoder_tokens for item in prompt.items]
     while engine.has_unfinished_requests():
         engine.step()
-    assert delta != 0 and "r" not in engine.runner.requests
+    assert delta != 0 and "r" not in engine.inspect().runner_requests
     stats = llm.get_stats()
     for key in ("encoder_items_encoded", "encoder_cache_hits", "encoder_cache_misses", "encoder_cache_bytes_used",
                 "encoder_cache_bytes_total", "encoder_cache_evictions", "encoder_tokens_encoded",

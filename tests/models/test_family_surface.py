@@ -48,7 +48,7 @@ def test_cache_bytes_count_every_embedding_stream(served_model_dir, two_images):
     llm = LLM(str(served_model_dir))
     spec = llm.engine.spec
     llm.chat([user(image_part(img), text_part("Describe.")) for img in two_images], GREEDY, use_tqdm=False)
-    store = llm.engine.runner.encoder.store
+    store = llm.engine.inspect().encoder_outputs
     assert len(store) == 2
     assert all(t.shape[0] == spec.num_embedding_streams and t.shape[2] == spec.embed_dim for t in store.values())
     rows = sum(t.shape[1] for t in store.values())

@@ -1,4 +1,4 @@
-"""A fault inside a model step (the runner's test hook raises when the batch holds a chosen token id)
+"""A fault inside a model step (a `FaultPlan`: the runner raises when the batch holds a chosen token id)
 fails the requests of that step with an internal error — 500 on the server — and the engine serves the
 others and new ones, with nothing leaked."""
 
@@ -8,18 +8,17 @@ import pytest
 from fastapi.testclient import TestClient
 
 from mmserve import LLM, SamplingParams
-from mmserve.runner.model_runner import FAULT_TOKEN_ENV
+from mmserve.faults import FaultPlan
 from tests.models.helpers import image_part, random_image, text_part, user
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, min_tokens=4)
 
 
 @pytest.fixture
-def faulty_llm(monkeypatch, checkpoint_dirs):
+def faulty_llm(checkpoint_dirs):
     llm = LLM(str(checkpoint_dirs["qwen2_vl"]))
     fault = llm.engine.processor.tokenizer.encode("zebra")[0]
-    monkeypatch.setenv(FAULT_TOKEN_ENV, str(fault))
-    return LLM(str(checkpoint_dirs["qwen2_vl"])), fault
+    return LLM(str(checkpoint_dirs["qwen2_vl"]), faults=FaultPlan(step_fault_token_id=fault)), fault
 
 
 def test_a_faulted_step_fails_its_requests_and_the_engine_serves_on(faulty_llm):

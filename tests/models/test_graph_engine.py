@@ -1,5 +1,5 @@
 """The engine with captured graphs on gives the same tokens as with them off, on every device: on the CPU
-the graphs are replay-equivalents (runner/graph_capture.py), so the bucketing, padding, dummy contexts,
+the graphs are replay-equivalents (runner/graphs/capture.py), so the bucketing, padding, dummy contexts,
 static buffers, the decode scratch block and the copy-out run in CI; on CUDA they are real CUDA graphs."""
 
 import numpy as np
@@ -36,19 +36,20 @@ def test_graphs_on_and_off_give_the_same_tokens(model_dir, device):
     got = [o.outputs[0].token_ids for o in graphed.chat(_workload(), GREEDY, use_tqdm=False)]
     assert got == want
     graphed.check_integrity()
-    runner = graphed.engine.runner
-    assert eager.engine.runner.encoder_graphs is None and eager.engine.runner.decode_graphs is None
-    assert runner.encoder_graphs.stats.num_replays > 0 and runner.decode_graphs.stats.num_replays > 0
-    assert len(runner.decode_graphs.stats.captured) == 4 * 3  # batch sizes x block widths 4, 8, 16
+    graphs, off = graphed.engine.inspect().graphs, eager.engine.inspect().graphs
+    assert off.encoder is None and off.decode is None
+    assert graphs.encoder.num_replays > 0 and graphs.decode.num_replays > 0
+    assert len(graphs.decode.captured) == 4 * 3  # batch sizes x block widths 4, 8, 16
     # the decode padding's scratch block lies past the blocks the KV manager hands out
     stats = graphed.get_stats()
-    assert graphed.engine.kv_storage.num_blocks == stats["kv_blocks_total"] + 1
-    assert eager.engine.kv_storage.num_blocks == eager.get_stats()["kv_blocks_total"]
+    assert graphed.engine.inspect().kv_storage.num_blocks == stats["kv_blocks_total"] + 1
+    assert eager.engine.inspect().kv_storage.num_blocks == eager.get_stats()["kv_blocks_total"]
 
 
 def test_graphs_default_off_on_the_cpu(model_dir):
     llm = LLM(str(model_dir), **ENGINE_ARGS)
-    assert llm.engine.runner.encoder_graphs is None and llm.engine.runner.decode_graphs is None
+    graphs = llm.engine.inspect().graphs
+    assert graphs.encoder is None and graphs.decode is None
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["replay", "compiled"])
@@ -62,18 +63,19 @@ def test_decode_padding_writes_only_the_scratch_block(model_dir, compiled):
     for i, text in enumerate(("Hi.", "Count to five.", "Why?")):
         chat = [{"role": "user", "content": [text_part(text)]}]
         engine.add_request(str(i), engine.process_chat(chat), params)
-    requests = engine.runner.requests
-    while len(requests) < 3 or any(r.num_computed_tokens < r.num_prompt_tokens for r in requests.values()):
+    while len(requests := engine.inspect().runner_requests) < 3 or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in requests.values()):
         engine.step()
-    storage, block_size = engine.kv_storage, engine.kv_storage.block_size
+    storage = engine.inspect().kv_storage
+    block_size = storage.block_size
     # the captures left the padding row's own keys in the scratch block: mark it, so its write shows
     storage.key[:, storage.num_blocks - 1].fill_(1234.0)
     before = storage.key.clone()
     new_slots = {r.block_ids[r.num_computed_tokens // block_size] * block_size + r.num_computed_tokens % block_size
                  for r in requests.values()}
-    replays = engine.runner.decode_graphs.stats.num_replays
+    replays = engine.inspect().graphs.decode.num_replays
     engine.step()
-    assert engine.runner.decode_graphs.stats.num_replays == replays + 1
+    assert engine.inspect().graphs.decode.num_replays == replays + 1
     changed = (storage.key != before).flatten(3).any(-1).any(0).flatten()  # (num_blocks * block_size,) slots
     scratch = storage.num_blocks - 1
     changed_slots = {int(s) for s in changed.nonzero().flatten()}
@@ -95,6 +97,7 @@ def test_decode_graphs_for_every_family(served_family, served_model_dir, device)
     llm = LLM(str(served_model_dir), enable_decode_cuda_graphs=True, decode_graph_batch_sizes=(1, 2, 4),
               enable_encoder_cuda_graphs=True, encoder_graph_buckets=((1024, 8),), **args)
     assert [o.outputs[0].token_ids for o in llm.chat(chats, GREEDY, use_tqdm=False)] == want
-    assert llm.engine.runner.decode_graphs.stats.num_replays > 0
+    graphs = llm.engine.inspect().graphs
+    assert graphs.decode.num_replays > 0
     has_layout = served_family in ("qwen2_vl", "qwen2_5_vl")  # the towers with a graph layout
-    assert (llm.engine.runner.encoder_graphs is not None) == has_layout
+    assert (graphs.encoder is not None) == has_layout

@@ -7,7 +7,7 @@ import pytest
 
 from mmserve import LLM
 from mmserve.demo.eval import evaluate
-from tests.models.test_engine_parity import GREEDY, NUM_TOKENS, _workload
+from tests.fixtures.conversations import GREEDY, NUM_TOKENS, parity_workload
 
 # of the parity workload: text only, one image, a very wide one, two images, a shared image twice, the
 # video (or a third image question), multi-turn
@@ -17,7 +17,7 @@ MIXED = (0, 3, 6, 8, 10, 12, 13, 14)
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
 def test_quantized_kv_serves_every_family(served_family, served_model_dir, kv_cache_dtype):
     llm = LLM(str(served_model_dir), kv_cache_dtype=kv_cache_dtype, num_kv_blocks=24, max_num_batched_tokens=32)
-    conversations = [c for i, c in enumerate(_workload(served_family)) if i in MIXED]
+    conversations = [c for i, c in enumerate(parity_workload(served_family)) if i in MIXED]
     for _ in range(2):  # the second run is served largely from the prefix cache
         outputs = llm.chat(conversations, GREEDY, use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == NUM_TOKENS and o.outputs[0].finish_reason == "length"

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from mmserve.models.qwen2_vl.image_processor import ImageProcessorConfig, Qwen2VLImageProcessor
+from mmserve.models.vision.qwen_image_processor import ImageProcessorConfig, Qwen2VLImageProcessor
 from tests.fixtures.tiny_checkpoints import reference_inputs
 from tests.models.helpers import (
     REFERENCE_IMAGE_PART,

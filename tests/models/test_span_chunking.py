@@ -41,19 +41,22 @@ def _reference(family, model_dir, messages):
     return out[0, inputs["input_ids"].shape[1]:].tolist(), prompt
 
 
-def _recording(llm):
-    """Record (start, end) of every chunk the scheduler hands the runner, per request."""
-    scheduler, chunks = llm.engine.scheduler, {}
-    schedule = scheduler.schedule
-
-    def recorded():
-        out = schedule()
-        for rid, num in out.num_scheduled_tokens.items():
-            start = scheduler.requests[rid].num_computed_tokens
-            chunks.setdefault(rid, []).append((start, start + num))
-        return out
-    scheduler.schedule = recorded
-    return chunks
+def _chat_chunks(llm, messages):
+    """Answer one chat step by step through the engine; (its output, the [start, end) of every chunk of
+    it the runner computed), read from the runner's view of the request after each step (the chat is
+    the engine's only request and has no prefix-cache hit, so its first chunk starts at 0)."""
+    engine = llm.engine
+    engine.add_request("chat", engine.process_chat(messages), GREEDY)
+    chunks, computed, out = [], 0, None
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        view = engine.inspect().runner_requests.get("chat")
+        if view is not None and view.num_computed_tokens > computed:
+            chunks.append((computed, view.num_computed_tokens))
+            computed = view.num_computed_tokens
+        out = next((o for o in outputs if o.finished), out)
+    assert out.num_cached_tokens == 0
+    return out, {"chat": chunks}
 
 
 def _prompt_chunks(chunks, num_prompt_tokens):
@@ -68,8 +71,7 @@ def test_gemma3_image_spans_are_prefilled_whole(all_checkpoints, caplog):
         llm = LLM(str(model_dir), max_num_batched_tokens=4)
     lifted = [r.getMessage() for r in caplog.records if "max_num_batched_tokens lifted" in r.getMessage()]
     assert len(lifted) == 1 and "configured=4 effective=" in lifted[0] and "largest_span=" in lifted[0]
-    chunks = _recording(llm)
-    out = llm.chat([messages], GREEDY, use_tqdm=False)[0]
+    out, chunks = _chat_chunks(llm, messages)
     assert list(out.outputs[0].token_ids) == expected
     prefill = _prompt_chunks(chunks, prompt.num_tokens)
     assert len(prefill) > 2  # really chunked
@@ -94,8 +96,7 @@ def test_mistral3_chunks_end_on_embed_and_special_rows(all_checkpoints):
     seen = set()
     for budget in (5, 7, 9, 11, 13):
         llm = LLM(str(model_dir), max_num_batched_tokens=budget)
-        chunks = _recording(llm)
-        out = llm.chat([messages], GREEDY, use_tqdm=False)[0]
+        out, chunks = _chat_chunks(llm, messages)
         assert list(out.outputs[0].token_ids) == expected, f"max_num_batched_tokens={budget}"
         llm.check_integrity()
         for _, end in _prompt_chunks(chunks, prompt.num_tokens):

@@ -10,13 +10,13 @@ import torch
 
 from mmserve.inputs.items import PromptPositions
 from mmserve.models.layers.attention import AttentionMetadata, ContiguousKVCache, LayerAttention
-from mmserve.runner import batch as batch_module
-from mmserve.runner import cpu_attention
 from mmserve.runner.attention import PagedAttentionBackend
 from mmserve.runner.batch import BatchBuilder
+from mmserve.runner.cpu import attention as cpu_attention
+from mmserve.runner.cpu.attention_plan import CpuAttentionPlan
 from mmserve.runner.kv_quant import kv_format
 from mmserve.runner.kv_storage import PagedKVStorage
-from mmserve.runner.model_runner import RunnerPrompt, RunnerRequest
+from mmserve.runner.state import RunnerPrompt, RunnerRequest
 from mmserve.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -64,11 +64,12 @@ def test_paged_backend_equals_dense_reference(heads, kv_heads, window, with_span
         pytest.skip("mmserve's CPU kernels do not run here")
     if not cpu_kernel:
         monkeypatch.setattr(cpu_attention, "available", lambda: False)
-    if kernel == "decodes only":  # every prompt counts as long: its prefill chunks go to SDPA
-        monkeypatch.setattr(batch_module, "TOKEN_KERNEL_MAX_PROMPT_TOKENS", 0)
     torch.manual_seed(0)
     storage = PagedKVStorage(1, 64, BLOCK, kv_heads, HEAD_DIM, kv_format("auto", torch.float32))
-    backend = PagedAttentionBackend(storage)
+    # "decodes only": every prompt counts as long, so its prefill chunks go to SDPA
+    backend = PagedAttentionBackend(storage, CpuAttentionPlan(enabled=True, max_prompt_tokens=0)
+                                    if kernel == "decodes only" else None)
+    assert backend.cpu_plan.enabled == cpu_kernel
     kernel_calls = []
     original = cpu_attention.paged_attention
     monkeypatch.setattr(cpu_attention, "paged_attention", lambda *a, **kw: kernel_calls.append(1) or original(*a, **kw))
@@ -84,7 +85,7 @@ def test_paged_backend_equals_dense_reference(heads, kv_heads, window, with_span
         blocks = [int(free.pop()) for _ in range(-(-length // BLOCK))]
         states.append(_request(f"s{i}", length, spans, blocks))
     for step in range(len(SEQUENCES[0][2])):
-        builder = BatchBuilder(BLOCK, torch.device("cpu"))
+        builder = BatchBuilder(BLOCK, torch.device("cpu"), backend.cpu_plan)
         rows = []
         for state, (_, _, schedule) in zip(states, SEQUENCES):
             num = schedule[step]
@@ -104,8 +105,10 @@ def test_paged_backend_equals_dense_reference(heads, kv_heads, window, with_span
         # (one call for the step); the other chunks go to SDPA in the same step
         kernel_rows = [sl.stop - sl.start == 1 and sl.start > 0 or (
             not state.prompt.attention_spans and kernel != "decodes only") for state, sl in rows]
-        assert batch.attn.kernel_sequences == (kernel_rows if any(kernel_rows) else [])
-        assert (batch.attn.token_tables is not None) == any(kernel_rows)
+        tokens = batch.attn.kernel_tokens  # none at all where the plan has the kernel off
+        on_kernel = cpu_kernel and any(kernel_rows)
+        assert (tokens.sequences if tokens is not None else []) == (kernel_rows if on_kernel else [])
+        assert (tokens is not None) == on_kernel
         assert len(kernel_calls) == (1 if cpu_kernel and any(kernel_rows) else 0)
         offset = 0
         for state, sl in rows:
@@ -146,12 +149,12 @@ def test_chunk_starting_inside_a_span_over_shared_prefix_blocks():
     storage = PagedKVStorage(1, 16, BLOCK, 2, HEAD_DIM, kv_format("auto", torch.float32))
     backend = PagedAttentionBackend(storage)
     first = _request("a", length, spans, [5, 2, 9, 11])
-    builder = BatchBuilder(BLOCK, torch.device("cpu"))
+    builder = BatchBuilder(BLOCK, torch.device("cpu"), backend.cpu_plan)
     builder.add(first, length, [], {})
     backend.forward(0, q, k, v, builder.build().attn)
     # the second sequence shares blocks 5 and 2 (tokens [0, 8)) and computes [8, 16) itself
     second = _request("b", length, spans, [5, 2, 7, 3], num_computed=8)
-    builder = BatchBuilder(BLOCK, torch.device("cpu"))
+    builder = BatchBuilder(BLOCK, torch.device("cpu"), backend.cpu_plan)
     builder.add(second, 8, [], {})
     out = backend.forward(0, q[8:], k[8:], v[8:], builder.build().attn)
     torch.testing.assert_close(out, reference(q, k, v, spans, None, HEAD_DIM ** -0.5)[8:].float(),

@@ -1,4 +1,4 @@
-"""mmserve's float32 CPU attention over the paged cache (`runner/cpu_attention.py`, `kernels/paged_attention.cpp`):
+"""mmserve's float32 CPU attention over the paged cache (`runner/cpu/attention.py`, `kernels/paged_attention.cpp`):
 a float64 reference from the mask rule for every head size and group the kernel handles (windows,
 a query at position 0, keys ending inside a block), each sequence's result independent of the batch,
 the same numbers compiled as eager, the paged backend's decode path on the kernel against its SDPA
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mmserve.models.layers.attention import LayerAttention
-from mmserve.runner import cpu_attention
 from mmserve.runner.attention import DecodeGroup, PagedAttentionBackend
+from mmserve.runner.cpu import attention as cpu_attention
 from mmserve.runner.kv_quant import kv_format
 from mmserve.runner.kv_storage import PagedKVStorage
 
@@ -92,7 +92,7 @@ def test_the_backend_decodes_on_the_kernel_like_on_sdpa(window, monkeypatch):
     storage.key[0].copy_(key)
     storage.value[0].copy_(value)
     layer = LayerAttention(sliding_window=window, scale=0.1)
-    assert PagedAttentionBackend(storage)._cpu_kernel
+    assert PagedAttentionBackend(storage).cpu_plan.enabled
     calls = []
     original = cpu_attention.paged_attention
     monkeypatch.setattr(cpu_attention, "paged_attention", lambda *a: calls.append(1) or original(*a))
@@ -111,9 +111,9 @@ def test_what_the_kernel_leaves_to_sdpa():
     assert not cpu_attention.supports(torch.zeros(3, 4, 60), torch.zeros(NUM_BLOCKS, BLOCK_SIZE, 2, 60))
     assert not cpu_attention.supports(torch.zeros(3, 4, 64), key.transpose(0, 1))
     quantized = PagedKVStorage(1, NUM_BLOCKS, BLOCK_SIZE, 2, 64, kv_format("int8", torch.float32))
-    assert not PagedAttentionBackend(quantized)._cpu_kernel
+    assert not PagedAttentionBackend(quantized).cpu_plan.enabled
     half = PagedKVStorage(1, NUM_BLOCKS, BLOCK_SIZE, 2, 64, kv_format("auto", torch.bfloat16))
-    assert not PagedAttentionBackend(half)._cpu_kernel
+    assert not PagedAttentionBackend(half).cpu_plan.enabled
     q, key, value, table, positions = _case(2, 4, 2, 16, width=2)
     with pytest.raises(ValueError, match="int64"):
         cpu_attention.paged_attention(q, key, value, table.int(), positions, 0.25, None)

@@ -1,7 +1,8 @@
-"""mmserve's float32 CPU matmul (`runner/cpu_gemm.py`, `runner/kernels/panel_gemm.cpp`): the products of
+"""mmserve's float32 CPU matmul (`runner/cpu/gemm.py`, `runner/cpu/kernels/panel_gemm.cpp`): the products of
 `F.linear` for every shape the kernel tiles (row and column remainders, bias or none, strided rows,
 no rows), each row's result independent of the rows batched with it, the same numbers compiled as
-eager, and the fallback to oneDNN where the kernel cannot be built."""
+eager, and the fallback to oneDNN where the kernel cannot be built (`runner/cpu/native.py`: one build
+per source and flags, one switch for every native kernel)."""
 
 import logging
 
@@ -10,7 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmserve.runner import cpu_gemm
+from mmserve import envs
+from mmserve.runner.cpu import attention as cpu_attention
+from mmserve.runner.cpu import gemm as cpu_gemm
+from mmserve.runner.cpu import native
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(),
                                 reason="mmserve's CPU kernel does not run here (no AVX2 or no C++ compiler)")
@@ -68,12 +72,12 @@ def test_compiled_products_are_the_eager_ones():
 
 
 def test_a_build_reuses_the_cached_library_and_keys_it_by_source_and_flags(tmp_path, monkeypatch):
-    compiler = cpu_gemm._compiler()
-    first = cpu_gemm.build(compiler, tmp_path)
+    compiler = native._compiler()
+    first = native.build(compiler, tmp_path, cpu_gemm.SOURCE)
     stamp = first.stat().st_mtime_ns
-    assert cpu_gemm.build(compiler, tmp_path) == first and first.stat().st_mtime_ns == stamp  # not rebuilt
-    monkeypatch.setattr(cpu_gemm, "FLAGS", (*cpu_gemm.FLAGS, "-DMMSERVE_TEST_FLAG"))
-    other = cpu_gemm.build(compiler, tmp_path)
+    assert native.build(compiler, tmp_path, cpu_gemm.SOURCE) == first and first.stat().st_mtime_ns == stamp  # reused
+    monkeypatch.setattr(native, "FLAGS", (*native.FLAGS, "-DMMSERVE_TEST_FLAG"))
+    other = native.build(compiler, tmp_path, cpu_gemm.SOURCE)
     assert other != first and other.exists()
     lib = cpu_gemm.PanelKernel(other)
     linear = _linear(24, 20, bias=False)
@@ -83,26 +87,29 @@ def test_a_build_reuses_the_cached_library_and_keys_it_by_source_and_flags(tmp_p
 
 @pytest.fixture
 def fresh_kernel():
-    """`cpu_gemm.kernel()` decided anew for the test, and again after it."""
+    """`cpu_gemm.kernel()` and `cpu_attention.kernel()` decided anew for the test, and again after it."""
     cpu_gemm.kernel.cache_clear()
+    cpu_attention.kernel.cache_clear()
     yield
     cpu_gemm.kernel.cache_clear()
+    cpu_attention.kernel.cache_clear()
 
 
 def test_switched_off_or_unbuildable_means_onednn(fresh_kernel, monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv(cpu_gemm.DISABLE_ENV, "0")
+    monkeypatch.setenv(envs.NATIVE_KERNELS, "0")
     assert cpu_gemm.kernel() is None
+    assert cpu_attention.kernel() is None  # one switch for every native kernel
     cpu_gemm.kernel.cache_clear()
-    monkeypatch.delenv(cpu_gemm.DISABLE_ENV)
-    monkeypatch.setenv(cpu_gemm.CACHE_ENV, str(tmp_path))
-    monkeypatch.setenv("CXX", "false")  # a compiler that always fails
-    with caplog.at_level(logging.WARNING, logger=cpu_gemm.__name__):
+    monkeypatch.delenv(envs.NATIVE_KERNELS)
+    monkeypatch.setenv(envs.CACHE_DIR, str(tmp_path))
+    monkeypatch.setenv(envs.CXX, "false")  # a compiler that always fails
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
         assert cpu_gemm.kernel() is None
     assert "stay on oneDNN" in caplog.text
     cpu_gemm.kernel.cache_clear()
-    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    monkeypatch.setenv(envs.CXX, "no-such-compiler-here")
     assert cpu_gemm.kernel() is None
-    from mmserve.runner.cpu_layout import PackedLinear, onednn_linear_available, pack_language_model
+    from mmserve.runner.cpu.layout import PackedLinear, onednn_linear_available, pack_language_model
 
     model = nn.Sequential(_linear(16, 8, bias=True))
     assert pack_language_model(model) == (1 if onednn_linear_available() else 0)

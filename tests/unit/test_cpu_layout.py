@@ -1,5 +1,5 @@
-"""The CPU's weight layouts and matmul paths (`runner/cpu_layout.py`): the language model's float32
-linear weights in mmserve's panel kernel's layout (`runner/cpu_gemm.py`), else held by oneDNN in its
+"""The CPU's weight layouts and matmul paths (`runner/cpu/layout.py`): the language model's float32
+linear weights in mmserve's panel kernel's layout (`runner/cpu/gemm.py`), else held by oneDNN in its
 blocked layout (without either, re-stored as transposed views of contiguous (in, out) tensors), and bfloat16 linear layers that multiply in float32 from 16 rows
 up on a CPU without bfloat16 arithmetic — each with the products a user depends on, and each left
 out where it does not apply."""
@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve import LLM, SamplingParams
-from mmserve.runner import cpu_gemm, cpu_layout
-from mmserve.runner.cpu_layout import (
+from mmserve.runner.cpu import gemm as cpu_gemm
+from mmserve.runner.cpu import layout as cpu_layout
+from mmserve.runner.cpu.layout import (
     BFloat16ViaFloat32Linear,
     PackedLinear,
     pack_language_model,

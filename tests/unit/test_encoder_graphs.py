@@ -1,4 +1,4 @@
-"""Encoder graphs, their CPU-side checks (runner/encoder_graphs.py, runner/graph_capture.py): on the CPU a
+"""Encoder graphs, their CPU-side checks (runner/graphs/encoder_graphs.py, runner/graphs/capture.py): on the CPU a
 captured graph is a replay-equivalent that reruns the forward on the same static buffers and overwrites
 the same output, so bucket padding, dummy contexts, window order, static-buffer bookkeeping and copy-out
 are compared here with the eager Qwen2-VL / Qwen2.5-VL vision towers."""
@@ -13,10 +13,10 @@ from mmserve.models.qwen2_vl.config import VisionConfig
 from mmserve.models.qwen2_vl.processor import VisionInput
 from mmserve.models.qwen2_vl.vision import VisionTransformer
 from mmserve.models.qwen2_vl.vision_graph import Qwen2VisionGraphAdapter
-from mmserve.runner import encoder_graphs
-from mmserve.runner.encoder_graphs import EncoderGraphRunner, capture_plan, graphed_encode_fn
-from mmserve.runner.graph_buckets import EncoderBucket, default_encoder_buckets
-from mmserve.runner.graph_capture import ReplayEquivalent, StaticBuffers
+from mmserve.runner.graphs import encoder_graphs
+from mmserve.runner.graphs.buckets import EncoderBucket, default_encoder_buckets
+from mmserve.runner.graphs.capture import ReplayEquivalent, StaticBuffers
+from mmserve.runner.graphs.encoder_graphs import EncoderGraphRunner, capture_plan, graphed_encode_fn
 
 CPU = torch.device("cpu")
 
@@ -236,8 +236,8 @@ def test_buckets_share_one_set_of_static_inputs(captured):
 def test_decode_graphs_skip_buckets_beyond_the_key_cap():
     from types import SimpleNamespace
 
-    from mmserve.runner.decode_graphs import DecodeGraphRunner, DecodeGraphSettings
-    from mmserve.runner.graph_buckets import DecodeBucket
+    from mmserve.runner.graphs.buckets import DecodeBucket
+    from mmserve.runner.graphs.decode_graphs import DecodeGraphRunner, DecodeGraphSettings
 
     settings = DecodeGraphSettings((1, 8), (4, 64), scratch_block=0, num_position_rows=3, max_keys=4096)
     runner = DecodeGraphRunner(None, SimpleNamespace(block_size=16), settings, CPU)

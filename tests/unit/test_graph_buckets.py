@@ -1,4 +1,4 @@
-"""The graph bucket planner (runner/graph_buckets.py): keys, padding, the dummy-context rule, several
+"""The graph bucket planner (runner/graphs/buckets.py): keys, padding, the dummy-context rule, several
 attention kinds, the largest-bucket fallback, decode batch padding. Pure Python: no torch."""
 
 import ast
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mmserve.runner.graph_buckets import (
+from mmserve.runner.graphs.buckets import (
     DecodeBucket,
     EncoderBucket,
     decode_batch_sizes,
@@ -21,8 +21,10 @@ from mmserve.runner.graph_buckets import (
 BUCKETS = (EncoderBucket(64, (2,)), EncoderBucket(64, (8,)), EncoderBucket(128, (4,)), EncoderBucket(256, (8,)))
 
 
-def test_planner_imports_no_torch():
-    path = Path(__file__).resolve().parents[2] / "src" / "mmserve" / "runner" / "graph_buckets.py"
+@pytest.mark.parametrize("module", ["runner/graphs/buckets.py", "models/layers/encoder_batch.py"])
+def test_planner_imports_no_torch(module):
+    """The planner and the batch types it reads are pure Python."""
+    path = Path(__file__).resolve().parents[2] / "src" / "mmserve" / module
     tree = ast.parse(path.read_text())
     modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     modules |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}

@@ -13,7 +13,7 @@ from PIL import Image
 
 from mmserve.inputs import image_ops
 from mmserve.inputs.image_ops import resize_exact, resize_rgbx, run_pieces, to_rgb
-from mmserve.models.qwen2_vl.image_processor import (
+from mmserve.models.vision.qwen_image_processor import (
     ImageProcessorConfig,
     Qwen2VLImageProcessor,
     normalize_table,

@@ -1,7 +1,18 @@
-"""docs/architecture.md §1-§3: core/ is pure Python (no torch, no runner/engine/models), so it is tested with fake
-runner outputs; inputs/ holds no engine state."""
+"""docs/architecture.md §2-§3: the arrows between the parts of src/mmserve, read from the code's imports
+(at module level, inside functions and under TYPE_CHECKING alike):
+- core/ is pure Python (no torch, no runner/engine/models/entrypoints), so it is tested with fake
+  runner outputs; inputs/ holds no engine state;
+- families are plug-ins: only models/registry.py names a family's folder, no family imports another,
+  and nothing under models/ imports the runner or the engine;
+- the runner takes from core/ only the step contract; workers hold no request state; the entry points
+  reach the engine, never the runner;
+- src/mmserve has no import cycle.
+Each rule is also run on a planted violation, so a rule that could never fail would show."""
+
+from __future__ import annotations
 
 import ast
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -9,67 +20,251 @@ import pytest
 SRC = Path(__file__).resolve().parents[2] / "src" / "mmserve"
 
 
-def _imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
-    names = set()
-    for node in ast.walk(tree):
+def _module_name(path: Path, root: Path = SRC) -> str:
+    parts = [root.name, *path.relative_to(root).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _statements(path: Path, root: Path = SRC) -> list[tuple[str, tuple[str, ...]]]:
+    """(module, names) of every import statement in `path`: `import a.b` is ("a.b", ()), `from a import b, c`
+    is ("a", ("b", "c")); relative imports are resolved against the file's package under `root`."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-    return names
+            out.extend((a.name, ()) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = _module_name(path, root).split(".")[:None if path.name == "__init__.py" else -1]
+                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+            out.append((base, tuple(a.name for a in node.names)))
+    return out
 
 
-@pytest.mark.parametrize("path", sorted((SRC / "core").glob("*.py")), ids=lambda p: p.name)
-def test_core_imports_no_torch_and_no_runner(path):
-    bad = {n for n in _imports(path) if n.split(".")[0] == "torch"
-           or n.startswith(("mmserve.runner", "mmserve.engine", "mmserve.models", "mmserve.entrypoints"))}
-    assert not bad, f"{path.name} imports {sorted(bad)}"
+def _imports(path: Path, root: Path = SRC) -> set[str]:
+    """Every module name an import in `path` may name (for `from a import b`: `a` and `a.b`)."""
+    return {n for base, names in _statements(path, root) for n in (base, *(f"{base}.{x}" for x in names))}
 
 
-@pytest.mark.parametrize("path", sorted((SRC / "inputs").glob("*.py")), ids=lambda p: p.name)
-def test_inputs_know_no_engine(path):
-    bad = {n for n in _imports(path) if n.startswith(("mmserve.core", "mmserve.runner", "mmserve.engine"))}
-    assert not bad, f"{path.name} imports {sorted(bad)}"
+def _paths(*folders: str) -> list[Path]:
+    return sorted(p for folder in folders for p in (SRC / folder).rglob("*.py"))
+
+
+def _ids(path: Path) -> str:
+    return str(path.relative_to(SRC))
+
+
+# ---- the rules, each a function of a file's imports ------------------------------------------------
+def _core_violations(names: Iterable[str]) -> set[str]:
+    return {n for n in names if n.split(".")[0] == "torch"
+            or n.startswith(("mmserve.runner", "mmserve.engine", "mmserve.models", "mmserve.entrypoints"))}
 
 
 FAMILY_DIRS = sorted(p.name for p in (SRC / "models").iterdir()
-                     if p.is_dir() and p.name not in ("layers", "__pycache__"))
-OUTSIDE_MODELS = sorted(p for p in SRC.rglob("*.py") if "models" not in p.relative_to(SRC).parts)
-SHARED_MODEL_MODULES = sorted(p for p in (SRC / "models").glob("*.py") if p.name != "registry.py")
+                     if p.is_dir() and p.name not in ("layers", "vision", "__pycache__"))
 
 
-def _family_imports(path: Path) -> set[str]:
-    return {n for n in _imports(path) if n.split(".")[:2] == ["mmserve", "models"]
-            and len(n.split(".")) > 2 and n.split(".")[2] in FAMILY_DIRS}
+def _family_of(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[2] if parts[:2] == ["mmserve", "models"] and len(parts) > 2 and parts[2] in FAMILY_DIRS else None
+
+
+def _foreign_families(names: Iterable[str], own: str | None) -> set[str]:
+    """The families named other than `own` (None: the file belongs to no family)."""
+    return {n for n in names if _family_of(n) is not None and _family_of(n) != own}
+
+
+def _own_family(path: Path) -> str | None:
+    return _family_of(_module_name(path))
+
+
+def _reaching(names: Iterable[str], *prefixes: str) -> set[str]:
+    return {n for n in names if n.startswith(prefixes)}
+
+
+@pytest.mark.parametrize("path", _paths("core"), ids=_ids)
+def test_core_imports_no_torch_and_no_runner(path):
+    bad = _core_violations(_imports(path))
+    assert not bad, f"{_ids(path)} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("path", _paths("inputs"), ids=_ids)
+def test_inputs_know_no_engine(path):
+    bad = _reaching(_imports(path), "mmserve.core", "mmserve.runner", "mmserve.engine")
+    assert not bad, f"{_ids(path)} imports {sorted(bad)}"
 
 
 def test_family_folders_are_found():
-    assert {"qwen2_vl", "qwen3_vl", "llava_onevision"} <= set(FAMILY_DIRS)
+    assert {"qwen2_vl", "qwen3_vl", "llava_onevision", "gemma3", "mistral3"} <= set(FAMILY_DIRS)
 
 
-@pytest.mark.parametrize("path", OUTSIDE_MODELS + SHARED_MODEL_MODULES, ids=lambda p: str(p.relative_to(SRC)))
-def test_only_the_registry_knows_families(path):
-    """Families are plug-ins: the engine, runner, core, server and inputs read a FamilySpec; only
-    models/registry.py names a family's folder."""
-    bad = _family_imports(path)
-    assert not bad, f"{path.relative_to(SRC)} imports {sorted(bad)}"
+@pytest.mark.parametrize("path", [p for p in sorted(SRC.rglob("*.py")) if p != SRC / "models" / "registry.py"],
+                         ids=_ids)
+def test_only_the_registry_knows_families_and_no_family_imports_another(path):
+    """Families are plug-ins: the engine, runner, core, server, inputs and the shared model code read a
+    FamilySpec; only models/registry.py names a family's folder, and a family names only its own."""
+    bad = _foreign_families(_imports(path), _own_family(path))
+    assert not bad, f"{_ids(path)} imports {sorted(bad)}"
 
 
-@pytest.mark.parametrize("path", sorted((SRC / "runner").glob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", _paths("models"), ids=_ids)
+def test_models_import_neither_the_runner_nor_the_engine(path):
+    bad = _reaching(_imports(path), "mmserve.runner", "mmserve.engine", "mmserve.workers", "mmserve.entrypoints")
+    assert not bad, f"{_ids(path)} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("path", _paths("runner"), ids=_ids)
 def test_runner_takes_from_core_only_the_step_contract(path):
-    bad = {n for n in _imports(path) if n.startswith("mmserve.core") and n != "mmserve.core.step"}
-    assert not bad, f"{path.name} imports {sorted(bad)}"
+    bad = {n for n in _reaching(_imports(path), "mmserve.core")
+           if n not in ("mmserve.core", "mmserve.core.step") and not n.startswith("mmserve.core.step.")}
+    assert not bad, f"{_ids(path)} imports {sorted(bad)}"
 
 
-def test_the_layering_check_would_catch_a_family_import(tmp_path):
-    probe = tmp_path / "probe.py"
-    probe.write_text("def f():\n    from mmserve.models.qwen2_vl.processor import Qwen2VLProcessor\n")
-    assert _family_imports(probe) == {"mmserve.models.qwen2_vl.processor"}
-
-
-@pytest.mark.parametrize("path", sorted((SRC / "workers").glob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", _paths("workers"), ids=_ids)
 def test_workers_hold_no_request_state(path):
     """Encoder workers see items only: nothing from the scheduler, the engine or the server."""
-    bad = {n for n in _imports(path) if n.startswith(("mmserve.core", "mmserve.engine", "mmserve.entrypoints"))}
-    assert not bad, f"{path.name} imports {sorted(bad)}"
+    bad = _reaching(_imports(path), "mmserve.core", "mmserve.engine", "mmserve.entrypoints")
+    assert not bad, f"{_ids(path)} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("path", _paths("entrypoints"), ids=_ids)
+def test_entrypoints_reach_the_engine_never_the_runner(path):
+    bad = _reaching(_imports(path), "mmserve.runner", "mmserve.workers", "mmserve.core")
+    assert not bad, f"{_ids(path)} imports {sorted(bad)}"
+
+
+# ---- no import cycle -----------------------------------------------------------------------------
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the modules of the same package tree it imports: `from pkg import mod` names `mod` (not
+    `pkg`, whose __init__ runs as the parent of anything imported: that is no dependency on it)."""
+    modules = {_module_name(p, root): p for p in root.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for base, names in _statements(path, root):
+            submodules = {f"{base}.{x}" for x in names} & modules.keys()
+            targets |= submodules or ({base} & modules.keys())
+        graph[name] = targets - {name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_src_has_no_import_cycle():
+    cycles = import_cycles(import_graph(SRC))
+    assert not cycles, f"import cycles (module level and lazy imports both count): {cycles}"
+
+
+# ---- each rule fails on a planted violation ------------------------------------------------------
+def _planted(tmp_path: Path, source: str) -> set[str]:
+    probe = tmp_path / "probe.py"
+    probe.write_text(source)
+    return _imports(probe, tmp_path)
+
+
+def test_the_rules_catch_planted_violations(tmp_path):
+    lazy_family = _planted(tmp_path, "def f():\n    from mmserve.models.qwen2_vl.processor import Qwen2VLProcessor\n")
+    assert "mmserve.models.qwen2_vl.processor" in _foreign_families(lazy_family, None)
+    # a family reaching into another one, by module or by name from its package
+    assert _foreign_families(_planted(tmp_path, "from mmserve.models.qwen2_vl import vision\n"), "qwen3_vl") \
+        == {"mmserve.models.qwen2_vl", "mmserve.models.qwen2_vl.vision"}
+    assert not _foreign_families(_planted(tmp_path, "from mmserve.models.qwen3_vl.config import TextConfig\n"),
+                                 "qwen3_vl")
+    typing_only = _planted(tmp_path, "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                     "    from mmserve.runner.graphs.buckets import EncoderBucket\n")
+    assert _reaching(typing_only, "mmserve.runner")  # models -> runner, even for types
+    assert _reaching(_planted(tmp_path, "from mmserve.runner import model_runner\n"), "mmserve.runner")
+    assert _core_violations(_planted(tmp_path, "import torch.nn\n")) == {"torch.nn"}
+    assert _core_violations(_planted(tmp_path, "def f():\n    from mmserve.engine import llm_engine\n"))
+
+
+def test_the_cycle_check_catches_a_lazy_cycle(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    for init in (package / "__init__.py", package / "sub" / "__init__.py"):
+        init.write_text("")
+    (package / "a.py").write_text("from pkg.sub import b\n")
+    (package / "sub" / "b.py").write_text("def later():\n    from pkg import c\n")
+    (package / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.a\n")
+    (package / "d.py").write_text("import pkg.a\n")
+    assert import_cycles(import_graph(package)) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
+    (package / "c.py").write_text("")
+    assert import_cycles(import_graph(package)) == []
+
+
+# ---- tests and benchmarks share code through public names only -----------------------------------
+ROOT = SRC.parents[1]
+
+
+def _private_reaches(path: Path, other: str) -> set[str]:
+    """What `path` takes from the top-level package `other` that is private: a `_name`, or a test module."""
+    bad = set()
+    for base, names in _statements(path, ROOT):
+        if base.split(".")[0] != other:
+            continue
+        parts = base.split(".")
+        if any(p.startswith("_") or p.startswith("test_") for p in parts[1:]):
+            bad.add(base)
+        bad |= {f"{base}.{n}" for n in names if n.startswith("_") or n.startswith("test_")}
+    return bad
+
+
+@pytest.mark.parametrize("path", sorted(p for folder in ("benchmarks", "scripts") for p in (ROOT / folder).rglob("*.py")),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_benchmarks_take_from_tests_only_public_fixtures(path):
+    bad = _private_reaches(path, "tests")
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: share it through tests/fixtures/"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "tests").rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_tests_take_from_benchmarks_only_public_names(path):
+    bad = _private_reaches(path, "benchmarks")
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+def test_the_sharing_rule_catches_private_names(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("from tests.models.test_engine_parity import _workload\nfrom benchmarks.offline import _greedy\n")
+    assert _private_reaches(probe, "tests") == {"tests.models.test_engine_parity",
+                                                "tests.models.test_engine_parity._workload"}
+    assert _private_reaches(probe, "benchmarks") == {"benchmarks.offline._greedy"}

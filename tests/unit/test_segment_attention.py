@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmserve.models.qwen2_vl.vision import SegmentPlan, segment_attention
+from mmserve.models.vision.segment_attention import SegmentPlan, segment_attention
 
 
 @pytest.mark.parametrize("segments", [[16], [8, 8, 8], [12, 10, 4, 9, 4, 4, 30], [5, 6, 5, 6], [1, 2, 3]])

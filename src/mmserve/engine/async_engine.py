@@ -170,9 +170,8 @@ class AsyncEngine:
                 if self.engine.has_unfinished_requests():
                     self._deliver(self.engine.step())
                     if self._on_encoded is not None:
-                        for outcome in self.engine.runner.last_outcomes:
+                        for outcome in self.engine.take_encoder_outcomes():
                             self._on_encoded(outcome.worker, outcome.latency_s)
-                        self.engine.runner.last_outcomes = []
                 self._stats = self.engine.get_stats()
         except BaseException as exc:  # a step that raises leaves the engine unusable: fail everyone
             logger.exception("the engine thread died")

@@ -5,8 +5,8 @@ device, the encoder budgets, max_num_seqs, the context length, the KV pool) into
 settings. Decode graphs need one KV block no request is ever given (padding rows write there): the
 engine allocates the pool with `num_scratch_blocks` extra blocks beyond what the KV manager hands out.
 
-What it does not know: how graphs are captured or replayed (runner/encoder_graphs.py,
-runner/decode_graphs.py), scheduling.
+What it does not know: how graphs are captured or replayed (runner/graphs/encoder_graphs.py,
+runner/graphs/decode_graphs.py), scheduling.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import logging
 from dataclasses import dataclass
 
 from mmserve.config import EngineConfig
-from mmserve.runner.decode_graphs import DecodeGraphSettings
-from mmserve.runner.encoder_graphs import EncoderGraphSettings
-from mmserve.runner.graph_buckets import decode_batch_sizes, decode_block_widths
+from mmserve.runner.graphs.buckets import decode_batch_sizes, decode_block_widths
+from mmserve.runner.graphs.decode_graphs import DecodeGraphSettings
+from mmserve.runner.graphs.encoder_graphs import EncoderGraphSettings
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,7 @@ from typing import Any
 
 import torch
 
-from mmserve.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
-from mmserve.core.budget import EncoderBudget, bytes_per_embedding_row
+from mmserve.config import EngineConfig
 from mmserve.core.chunk_policy import ChunkBoundaryPolicy, resolve_token_budget
 from mmserve.core.encoder_cache import EncoderCacheManager, EntryState
 from mmserve.core.item_scheduler import ItemScheduler
@@ -31,26 +30,30 @@ from mmserve.core.scheduler import Scheduler, SchedulerLimits
 from mmserve.core.step import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from mmserve.engine.detokenizer import IncrementalDetokenizer
 from mmserve.engine.graph_settings import resolve_runner_graphs
+from mmserve.engine.inspection import EngineInspection
 from mmserve.engine.prompts import parse_prompt
+from mmserve.engine.sizing import resolve_encoder_budget, resolve_max_model_len, resolve_num_kv_blocks
 from mmserve.errors import InvalidInputError
+from mmserve.faults import FaultPlan
 from mmserve.inputs.items import ProcessedPrompt
 from mmserve.inputs.placeholders import embed_runs
 from mmserve.models.loader import generation_eos_ids, load_model, parse_dtype, read_config
 from mmserve.models.registry import resolve
 from mmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mmserve.runner.attention import PagedAttentionBackend
-from mmserve.runner.cpu_layout import prepare_for_cpu
-from mmserve.runner.encoder_pool import EncoderPool
-from mmserve.runner.encoder_runner import EncodeJob
+from mmserve.runner.cpu.layout import prepare_for_cpu
+from mmserve.runner.encoder.pool import EncoderPool, ItemOutcome
+from mmserve.runner.encoder.runner import EncodeJob
 from mmserve.runner.kv_quant import kv_format
 from mmserve.runner.kv_storage import PagedKVStorage
-from mmserve.runner.model_runner import ModelRunner, RunnerPrompt, StepInputs
+from mmserve.runner.model_runner import ModelRunner
+from mmserve.runner.state import RunnerPrompt, StepInputs
 from mmserve.sampling_params import SamplingParams
-from mmserve.workers.spec import WorkerSpec, make_pool
+from mmserve.workers.factory import make_pool
+from mmserve.workers.spec import WorkerSpec
 
 logger = logging.getLogger("mmserve.engine")
 IDLE_POLL_S = 0.002  # a step with nothing to compute but outputs due from encoder workers waits this long
-DIE_ON_KEY_ENV = "MMSERVE_TEST_ENCODER_DIE_ON_KEY"  # test hook: a first-generation worker dies on this key
 
 
 @dataclass
@@ -68,8 +71,10 @@ class _Tracked:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, faults: FaultPlan | None = None) -> None:
+        """`faults`: what a test plants (mmserve/faults.py); None in production."""
         self.config = config
+        self.faults = faults or FaultPlan()
         torch.manual_seed(config.seed)
         self.device = torch.device(config.device)
         self.dtype = parse_dtype(config.dtype)
@@ -82,9 +87,10 @@ class Engine:
         self.kv_format = kv_format(config.cache.kv_cache_dtype, self.dtype)
         self.kv_bytes_per_token = PagedKVStorage.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
                                                                  self.kv_format)
-        num_blocks = self._num_kv_blocks()
-        self.max_model_len = self._max_model_len(num_blocks * config.cache.block_size)
-        self.budget = self._resolve_budget()
+        num_blocks = resolve_num_kv_blocks(config.cache, self.kv_bytes_per_token)
+        self.max_model_len = resolve_max_model_len(config.scheduler.max_model_len, spec.max_position_embeddings,
+                                                   num_blocks * config.cache.block_size)
+        self.budget = resolve_encoder_budget(config.encoder, spec, self.dtype)
         graphs = resolve_runner_graphs(config, encoder_tokens_per_step=self.budget.max_encoder_tokens_per_step,
                                        encoder_items_per_step=self.budget.max_items_per_step,
                                        num_kv_blocks=num_blocks, max_model_len=self.max_model_len,
@@ -105,7 +111,8 @@ class Engine:
         self.scheduler = Scheduler(SchedulerLimits(sched.max_num_seqs, max_batched, sched.enable_chunked_prefill,
                                                    self.max_model_len), kv, items, chunking)
         self.runner = ModelRunner(self.model, spec, PagedAttentionBackend(self.kv_storage), self.device,
-                                  self.encoder_pool, enc.encoder_timeout_s, graphs.encoder, graphs.decode)
+                                  self.encoder_pool, enc.encoder_timeout_s, graphs.encoder, graphs.decode,
+                                  self.faults)
         eos = set(spec.eos_token_ids) | set(generation_eos_ids(config.model))
         if self.processor.tokenizer.eos_token_id is not None:
             eos.add(self.processor.tokenizer.eos_token_id)
@@ -116,56 +123,18 @@ class Engine:
     def _start_encoder_pool(self) -> EncoderPool:
         """Encoder workers: the cores are split evenly between the workers and the engine's own step."""
         enc = self.config.encoder
+        if self.faults.encoder_pool is not None:
+            return self.faults.encoder_pool()
         cores = len(os.sched_getaffinity(0))
         spec = WorkerSpec(self.config.model, self.config.dtype, self.config.device,
                           threads=max(1, cores // (enc.encoder_workers + 1)),
-                          die_on_key=os.environ.get(DIE_ON_KEY_ENV) or None)
+                          die_on_key=self.faults.encoder_worker_dies_on_key)
         return make_pool(enc.encoder_backend, spec, enc.encoder_workers, enc.ray_address)
 
     def shutdown(self) -> None:
         """Stop the encoder workers (if any); the engine takes no more work afterwards."""
         if self.encoder_pool is not None:
             self.encoder_pool.shutdown()
-
-    def _resolve_budget(self) -> EncoderBudget:
-        enc, spec = self.config.encoder, self.spec
-        element = torch.empty((), dtype=self.dtype).element_size()
-        row_bytes = bytes_per_embedding_row(element, spec.embed_dim * spec.num_embedding_streams)
-        budget, _ = EncoderBudget.resolve(
-            max_items_per_step=enc.max_encoder_items_per_step,
-            max_encoder_tokens_per_step=enc.max_encoder_tokens_per_step,
-            output_budget_bytes=enc.encoder_output_budget_bytes, cache_bytes=enc.encoder_cache_bytes,
-            bytes_per_row=row_bytes, model_atomic_max_tokens=spec.max_item_encoder_tokens,
-            model_atomic_max_rows=spec.max_item_rows)
-        logger.info("encoder budgets: items/step=%d tokens/step=%d output=%dB cache=%dB row=%dB atomic_max=%d",
-                    budget.max_items_per_step, budget.max_encoder_tokens_per_step, budget.output_budget_bytes,
-                    budget.cache_bytes, budget.bytes_per_row, budget.model_atomic_max_tokens)
-        return budget
-
-    def _max_model_len(self, kv_capacity_tokens: int) -> int:
-        """The longest sequence (prompt plus output) one request may reach: the configured length, else the
-        model's, but never more than the KV cache holds — a request that cannot fit it alone could never
-        run (vLLM refuses such a configuration at start too)."""
-        configured = self.config.scheduler.max_model_len
-        length = configured or self.spec.max_position_embeddings
-        if length <= kv_capacity_tokens:
-            return length
-        if configured:
-            raise ValueError(f"max_model_len={configured} does not fit the KV cache, which holds {kv_capacity_tokens} "
-                             "tokens: raise kv_cache_bytes (or num_kv_blocks) or lower max_model_len")
-        logger.warning("max_model_len lowered: model=%d effective=%d kv_capacity_tokens=%d", length,
-                       kv_capacity_tokens, kv_capacity_tokens)
-        return kv_capacity_tokens
-
-    def _num_kv_blocks(self) -> int:
-        cache = self.config.cache
-        if cache.num_kv_blocks is not None:
-            return cache.num_kv_blocks
-        per_block = self.kv_bytes_per_token * cache.block_size
-        num = (cache.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // per_block
-        if num < 1:
-            raise ValueError(f"kv_cache_bytes={cache.kv_cache_bytes} is smaller than one block ({per_block} bytes)")
-        return int(num)
 
     # ---- input ----------------------------------------------------------------------------------
     def process(self, raw_prompt: Any, mm_processor_kwargs: dict[str, Any] | None = None) -> ProcessedPrompt:
@@ -213,7 +182,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         pending, self._pending_outputs = self._pending_outputs, []
         sched = self.scheduler.schedule()
-        waiting_on_workers = self.encoder_pool is not None and bool(self.runner.async_encoder.jobs)
+        waiting_on_workers = self.runner.num_encoder_items_in_flight > 0
         if sched.is_empty and not (sched.encoder_items or sched.free_encoder_keys or sched.finished_request_ids
                                    or waiting_on_workers):
             return pending  # nothing to run, and nothing the runner must drop
@@ -246,7 +215,7 @@ class Engine:
                 self.tracked[rid].internal_error = True
         produced = [self.scheduler.requests[rid].items[i].content_hash for rid, indices in sched.encoder_items.items()
                     if rid in self.scheduler.requests for i in indices]
-        self.runner.encoder.free(produced)
+        self.runner.free_encoder_outputs(produced)
         return ModelRunnerOutput(failed={rid: message for rid in rids})
 
     def _step_inputs(self, sched: SchedulerOutput) -> StepInputs:
@@ -321,6 +290,7 @@ class Engine:
     # ---- introspection --------------------------------------------------------------------------
     def get_stats(self) -> dict[str, int | float | str]:
         s, kv, cache = self.scheduler.stats, self.scheduler.kv, self.scheduler.encoder_cache
+        encoder = self.runner.encoder_counts()
         return {
             "requests_finished": s.requests_finished,
             "requests_running": len(self.scheduler.running),
@@ -336,8 +306,8 @@ class Engine:
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "kv_capacity_tokens": kv.num_blocks * kv.block_size,
             "kv_cache_evictions": kv.stats.evictions,
-            "encoder_items_encoded": self.runner.encoder.num_items_encoded,
-            "encoder_tokens_encoded": self.runner.encoder.num_tokens_encoded,
+            "encoder_items_encoded": encoder.items_encoded,
+            "encoder_tokens_encoded": encoder.tokens_encoded,
             "encoder_cache_hits": cache.stats.hits,
             "encoder_cache_misses": cache.stats.misses,
             "encoder_cache_evictions": cache.stats.evictions,
@@ -359,16 +329,26 @@ class Engine:
         pool = self.encoder_pool.stats()
         return {"encoder_workers_alive": pool.workers_alive, "encoder_worker_restarts": pool.worker_restarts,
                 "encoder_items_redispatched": pool.items_redispatched,
-                "encoder_items_in_flight": len(self.runner.async_encoder.jobs)}
+                "encoder_items_in_flight": self.runner.num_encoder_items_in_flight}
+
+    def take_encoder_outcomes(self) -> list[ItemOutcome]:
+        """What arrived from encoder workers in the last step, unless already taken (for latency metrics)."""
+        return self.runner.take_outcomes()
+
+    def inspect(self) -> EngineInspection:
+        """Read-only views of the engine's state for tests and benchmarks (engine/inspection.py)."""
+        return EngineInspection(self.runner.request_views(), self.runner.encoder_outputs(),
+                                {rid: len(t.payloads) for rid, t in self.tracked.items()},
+                                self.runner.graph_stats(), self.kv_storage, self.runner.last_step)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
         live = set(self.scheduler.requests)
         assert set(self.tracked) == live, "engine and scheduler disagree on live requests"
-        assert set(self.runner.requests) <= live, "runner holds state of finished requests"
+        assert set(self.runner.request_views()) <= live, "runner holds state of finished requests"
         cache = self.scheduler.encoder_cache
         ready = {k for k, e in cache.entries.items() if e.state == EntryState.READY}
-        stored = set(self.runner.encoder.store)
+        stored = set(self.runner.encoder_outputs())
         assert ready <= stored, "a ready encoder entry has no tensor in the runner"
         # the runner holds only tensors the cache accounts for (or has freed and will hand over next step)
         assert stored <= ready | set(cache.pending_freed_keys), "the runner holds an encoder output the cache lost"

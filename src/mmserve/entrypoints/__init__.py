@@ -1,1 +1,2 @@
-"""User-facing entry points: the command line and (later) the offline API and the server."""
+"""User-facing entry points: the offline API (`llm.py`), the command line (`cli.py`) and the OpenAI-compatible
+server (`openai/`). They reach the engine, never the runner."""

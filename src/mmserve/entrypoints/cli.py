@@ -154,7 +154,8 @@ def _add_serve_parser(sub: Any) -> None:
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mmserve",
-        description="mmserve: serve vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision) on PyTorch.",
+        description="mmserve: serve vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision, "
+                    "Gemma 3, Mistral 3) on PyTorch.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

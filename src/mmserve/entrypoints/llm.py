@@ -16,6 +16,7 @@ from typing import Any
 from mmserve.config import EngineConfig, resolve_model
 from mmserve.engine.llm_engine import Engine
 from mmserve.errors import InvalidInputError
+from mmserve.faults import FaultPlan
 from mmserve.inputs.items import ProcessedPrompt
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
@@ -40,9 +41,10 @@ class _Progress:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        """`model`: a checkpoint directory; None loads the bundled demo model."""
-        self.engine = Engine(EngineConfig.from_kwargs(resolve_model(model), **engine_args))
+    def __init__(self, model: str | None = None, *, faults: FaultPlan | None = None, **engine_args: Any) -> None:
+        """`model`: a checkpoint directory; None loads the bundled demo model. `faults`: a test's planted
+        faults (mmserve/faults.py), never set in production."""
+        self.engine = Engine(EngineConfig.from_kwargs(resolve_model(model), **engine_args), faults)
         self._ids = itertools.count()
 
     @staticmethod

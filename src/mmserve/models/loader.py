@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from mmserve.errors import ModelLoadError
-from mmserve.models.config_fields import token_ids
+from mmserve.models.config_reader import token_ids
 from mmserve.models.registry import resolve
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

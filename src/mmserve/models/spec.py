@@ -28,6 +28,7 @@ from mmserve.inputs.chat import ChatInput
 from mmserve.inputs.items import ProcessedPrompt
 from mmserve.inputs.media import MediaLimits
 from mmserve.inputs.tokenizer import TextTokenizer
+from mmserve.models.config_reader import DecoderTextConfig
 from mmserve.models.layers.attention import AttentionBackend, AttentionMetadata
 
 
@@ -65,6 +66,16 @@ class FamilySpec:
     # each run of an item's encoder rows attends to itself in both directions (Gemma 3): the language
     # model must see an item's span in one prefill chunk
     bidirectional_media: bool = False
+
+    @classmethod
+    def for_decoder(cls, name: str, text: DecoderTextConfig, *, eos_token_ids: tuple[int, ...],
+                    default_video_fps: float, embed_dim: int | None = None, **facts: Any) -> FamilySpec:
+        """The spec of a family whose KV layout and context are its decoder's; `embed_dim` defaults to the
+        decoder's width, `facts` are the remaining fields."""
+        return cls(name=name, num_layers=text.num_hidden_layers, num_kv_heads=text.num_key_value_heads,
+                   head_dim=text.head_dim, embed_dim=text.hidden_size if embed_dim is None else embed_dim,
+                   eos_token_ids=eos_token_ids, max_position_embeddings=text.max_position_embeddings,
+                   default_video_fps=default_video_fps, **facts)
 
     def __post_init__(self) -> None:
         if self.num_embedding_streams < 1:

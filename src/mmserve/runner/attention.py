@@ -8,16 +8,15 @@ Role: each layer call writes the step's new keys/values at their slots, then att
 - the step's decodes are bucketed by context length, each bucket one padded batch over its
   gathered blocks, with the query heads of a kv head folded into the query axis (GQA without
   repeating K/V), its key mask built once per step per window size.
-On the CPU with a float32 cache, mmserve's kernel (`cpu_attention`) reads the blocks in place instead,
-each token a query at its own position: one call a layer for the step's decodes and the prefill chunks
-of requests whose prompts have no bidirectional spans and at most `TOKEN_KERNEL_MAX_PROMPT_TOKENS`
-tokens (decided per request, so a token's path does not depend on its batch or its chunking; the
-builder fills `token_tables`); the other prefill chunks as above; in a compiled decode step, one call
-per decode bucket.
+Where its `CpuAttentionPlan` enables it (the CPU, a float32 cache), mmserve's kernel
+(`runner/cpu/attention.py`) reads the blocks in place instead, each token a query at its own position:
+one call a layer for the tokens the plan gave it (`meta.kernel_tokens`, filled by the batch builder:
+decodes, and the prefill chunks of prompts the plan takes); the other prefill chunks as above; in a
+compiled decode step, one call per decode bucket.
 Slot indices, block tables and lengths are built on the CPU by the runner (`PagedAttentionMetadata`).
 
-What it does not know: requests, scheduling, sampling, models; the storage format beyond whether the
-CPU kernel reads it (float32, not quantized).
+What it does not know: requests, scheduling, sampling, models; which tokens the CPU kernel takes (its
+plan says).
 """
 
 from __future__ import annotations
@@ -28,7 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from mmserve.models.layers.attention import FULL, AttentionMetadata, LayerAttention, dense_attention
-from mmserve.runner import cpu_attention
+from mmserve.runner.cpu import attention as cpu_attention
+from mmserve.runner.cpu.attention_plan import CpuAttentionPlan, KernelTokens
 from mmserve.runner.kv_storage import PagedKVStorage
 
 
@@ -55,49 +55,43 @@ class DecodeGroup:
 @dataclass(kw_only=True)
 class PagedAttentionMetadata(AttentionMetadata):
     slot_mapping: torch.Tensor  # (num_tokens,) int64: flat cache slot of every new token
-    # the tokens the CPU kernel attends, each a query over its sequence's blocks (None: not on the CPU, or
-    # no such token): (kernel sequences, width) block tables padded with block 0; the table row, the
-    # position and the batch index of each such token (index None: every token of the step)
-    token_tables: torch.Tensor | None = None
-    token_rows: torch.Tensor | None = None
-    token_positions: torch.Tensor | None = None
-    token_index: torch.Tensor | None = None
-    kernel_sequences: list[bool] = field(default_factory=list)  # per sequence: are its tokens the kernel's?
+    kernel_tokens: KernelTokens | None = None  # the tokens the CPU kernel attends (None: none this step)
     prefill_block_tables: list[torch.Tensor | None] = field(default_factory=list)  # per sequence with context
     decode_rows: list[int] = field(default_factory=list)  # indices (into query_lens) of the decode sequences
     decode_groups: list[DecodeGroup] = field(default_factory=list)  # the decodes, bucketed by length
 
 
 class PagedAttentionBackend:
-    def __init__(self, storage: PagedKVStorage) -> None:
+    def __init__(self, storage: PagedKVStorage, cpu_plan: CpuAttentionPlan | None = None) -> None:
+        """`cpu_plan`: which tokens the CPU kernel takes; None: what suits `storage`. Decided once here, not
+        per call: a compiled step then traces only the path taken (and a CUDA or half-precision engine
+        never builds the kernel). The batch builder is given the same plan (`cpu_plan`)."""
         self.storage = storage
         self.block_size = storage.block_size
-        # decided once here, not per call: a compiled step then traces only the path taken (and a CUDA or
-        # half-precision engine never builds the kernel)
-        self._cpu_kernel = (storage.key.device.type == "cpu" and storage.key.dtype == torch.float32
-                            and not storage.fmt.quantized and cpu_attention.available())
+        self.cpu_plan = cpu_plan if cpu_plan is not None else CpuAttentionPlan.for_storage(
+            storage.key.device, storage.key.dtype, storage.fmt.quantized)
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: PagedAttentionMetadata, layer: LayerAttention = FULL) -> torch.Tensor:
         """q: (num_tokens, heads, head_dim); k, v: (num_tokens, kv_heads, head_dim) -> (num_tokens, heads*head_dim)."""
         self.storage.write(layer_idx, meta.slot_mapping, k, v)
         key_layer = self.storage.key[layer_idx]
-        kernel = meta.token_tables is not None and self._cpu_kernel and cpu_attention.supports(q, key_layer)
-        if kernel:  # the step's decodes and short prefill chunks, one query row at a time in one call
+        tokens = meta.kernel_tokens
+        kernel = tokens is not None and self.cpu_plan.enabled and cpu_attention.supports(q, key_layer)
+        if kernel:  # the tokens the plan gave the kernel, one query row at a time in one call
             attended = cpu_attention.paged_attention(
-                q if meta.token_index is None else q[meta.token_index], key_layer, self.storage.value[layer_idx],
-                meta.token_tables, meta.token_positions, self._scale(q, layer), layer.sliding_window,
-                rows=meta.token_rows)
-            if meta.token_index is None:
+                q if tokens.index is None else q[tokens.index], key_layer, self.storage.value[layer_idx],
+                tokens.tables, tokens.positions, self._scale(q, layer), layer.sliding_window, rows=tokens.rows)
+            if tokens.index is None:
                 return attended
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         if kernel:
-            out[meta.token_index] = attended
+            out[tokens.index] = attended
         start = 0
         decode_set = set(meta.decode_rows)
         for i, (q_len, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
             end = start + q_len
-            if i not in decode_set and not (kernel and meta.kernel_sequences[i]):
+            if i not in decode_set and not (kernel and tokens.sequences[i]):
                 table = meta.prefill_block_tables[i]
                 if table is None:  # no cached context: attend over this step's own keys
                     keys, values = k[start:end], v[start:end]
@@ -117,7 +111,7 @@ class PagedAttentionBackend:
 
     def _decode(self, layer_idx: int, q: torch.Tensor, group: DecodeGroup, layer: LayerAttention) -> torch.Tensor:
         key_layer = self.storage.key[layer_idx]
-        if self._cpu_kernel and cpu_attention.supports(q, key_layer):
+        if self.cpu_plan.takes_decodes and cpu_attention.supports(q, key_layer):
             return cpu_attention.paged_attention(q[group.token_index], key_layer, self.storage.value[layer_idx],
                                                  group.block_table, group.query_positions.view(-1),
                                                  self._scale(q, layer), layer.sliding_window)

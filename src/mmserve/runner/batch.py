@@ -2,39 +2,29 @@
 
 Role: for every scheduled request, in batch order, append its new tokens' ids, positions
 and KV slots; plan which encoder rows each prefill chunk fuses and where; note which rows are
-sampled; build the paged-attention metadata (block tables, decode padding masks). Everything is
-numpy/ints until `build()`, which ships tensors to the device with non_blocking copies (from
-pinned memory on CUDA).
+sampled; build the paged-attention metadata (block tables, decode padding masks, and the tokens the
+CPU attention kernel takes, as its `CpuAttentionPlan` says). Everything is numpy/ints until
+`build()`, which ships tensors to the device with non_blocking copies (from pinned memory on CUDA).
 
-What it does not know: the model, the sampler, scheduling.
+What it does not know: the model, the sampler, scheduling, which tokens suit the CPU kernel (the plan
+decides).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from mmserve.runner.attention import DecodeGroup, PagedAttentionMetadata
+from mmserve.runner.cpu.attention_plan import CpuAttentionPlan, KernelTokenTables
 from mmserve.runner.fusion import ChunkPiece, gather_chunk_rows
-
-if TYPE_CHECKING:
-    from mmserve.runner.model_runner import RunnerRequest
+from mmserve.runner.state import RunnerRequest
 
 # A decode joins a length bucket while its block count is at least this share of the bucket's
 # longest: bounds the padded (wasted) keys per bucket to 1 - this share.
 DECODE_BUCKET_FILL = 0.75
-# The CPU attention kernel attends a request's prefill chunks while its prompt has at most this many
-# tokens (and no bidirectional spans): it reads every key once per query, where SDPA's flash kernel
-# reuses a block of keys across a block of queries. Measured here, one sequence (10 query / 2 kv heads
-# of 64): the kernel 0.84x SDPA's time at 128 keys, 1.1x at 512, 2.3x at 2048; with 12 / 12 heads 1.4x
-# at 128. Below it, one call for the step saves more than that (no per-chunk gathers, masks and calls).
-# Decided per request, by its prompt, so a token's path depends neither on the requests sharing its
-# step nor on how its prompt is chunked. Decodes take the kernel at any length (reading each key once
-# is all a decode does).
-TOKEN_KERNEL_MAX_PROMPT_TOKENS = 256
 
 
 @dataclass
@@ -48,7 +38,8 @@ class Batch:
 
 
 class BatchBuilder:
-    def __init__(self, block_size: int, device: torch.device) -> None:
+    def __init__(self, block_size: int, device: torch.device, cpu_attention: CpuAttentionPlan | None = None) -> None:
+        """`cpu_attention`: which tokens the CPU attention kernel takes (None: none)."""
         self.block_size = block_size
         self.device = device
         self.ids: list[np.ndarray] = []
@@ -60,10 +51,7 @@ class BatchBuilder:
         self.prefill_tables: list[list[int] | None] = []
         self.decode_rows: list[int] = []
         self.decode_tables: list[list[int]] = []
-        # the CPU attention kernel's sequences (`kernel_sequences`): blocks up to the last new token, positions
-        self.tables: list[list[int]] = []
-        self.token_positions: list[np.ndarray] = []
-        self.kernel_sequences: list[bool] = []  # per sequence: does the CPU kernel attend its tokens?
+        self.kernel_tokens = None if cpu_attention is None else KernelTokenTables(cpu_attention)
         self.fusion: list[tuple[torch.Tensor, np.ndarray]] = []
         self.sample_index: list[int] = []
         self.sample_rows: list[RunnerRequest] = []
@@ -92,18 +80,16 @@ class BatchBuilder:
         spans = state.prompt.attention_spans
         self.spans.append(tuple(s for s in spans if s[0] < end and s[1] > start)
                           if spans and start < state.num_prompt_tokens else ())  # decodes lie in no span
-        if num == 1 and start > 0:
+        is_decode = num == 1 and start > 0
+        if is_decode:
             self.decode_rows.append(row)
             self.decode_tables.append(state.block_ids[:num_blocks])
             self.prefill_tables.append(None)
-            self.kernel_sequences.append(True)
         else:
             self.prefill_tables.append(state.block_ids[:num_blocks] if start > 0 else None)
-            self.kernel_sequences.append(not state.prompt.attention_spans
-                                         and state.num_prompt_tokens <= TOKEN_KERNEL_MAX_PROMPT_TOKENS)
-        if self.kernel_sequences[-1]:
-            self.tables.append(state.block_ids[:num_blocks])
-            self.token_positions.append(idx)
+        if self.kernel_tokens is not None:
+            self.kernel_tokens.add(state.block_ids[:num_blocks], idx, is_decode, state.num_prompt_tokens,
+                                   bool(state.prompt.attention_spans))
         for rows, piece in zip(gather_chunk_rows(pieces, item_outputs), pieces):
             self.fusion.append((rows, piece.token_positions + offset))
         if end == len(state.token_ids):  # the chunk reaches the last known token: sample the next
@@ -142,27 +128,6 @@ class BatchBuilder:
                                    self._to_device(query_positions), self._to_device(index)))
         return out
 
-    def _token_queries(self) -> dict[str, Any]:
-        """The tokens of the kernel's sequences as queries over their blocks (PagedAttentionMetadata.token_*),
-        for the CPU's attention kernel."""
-        if self.device.type != "cpu" or not self.tables:
-            return {}
-        width = max(len(t) for t in self.tables)
-        tables = np.zeros((len(self.tables), width), dtype=np.int64)
-        for row, blocks in enumerate(self.tables):
-            tables[row, :len(blocks)] = blocks
-        lens = [n for n, kernel in zip(self.query_lens, self.kernel_sequences) if kernel]
-        out = {"token_tables": torch.from_numpy(tables),
-               "token_rows": torch.from_numpy(np.repeat(np.arange(len(self.tables), dtype=np.int64), lens)),
-               "token_positions": torch.from_numpy(np.concatenate(self.token_positions)),
-               "kernel_sequences": self.kernel_sequences}
-        if not all(self.kernel_sequences):
-            starts = np.cumsum([0] + self.query_lens[:-1])
-            out["token_index"] = torch.from_numpy(np.concatenate(
-                [np.arange(s, s + n, dtype=np.int64) for s, n, kernel in
-                 zip(starts, self.query_lens, self.kernel_sequences) if kernel]))
-        return out
-
     def build(self) -> Batch:
         dev = self._to_device
         attn = PagedAttentionMetadata(
@@ -171,7 +136,8 @@ class BatchBuilder:
             slot_mapping=dev(np.concatenate(self.slots)),
             prefill_block_tables=[None if t is None else dev(np.asarray(t, dtype=np.int64))
                                   for t in self.prefill_tables],
-            decode_rows=self.decode_rows, decode_groups=self._decode_groups(), **self._token_queries(),
+            decode_rows=self.decode_rows, decode_groups=self._decode_groups(),
+            kernel_tokens=None if self.kernel_tokens is None else self.kernel_tokens.build(),
         )
         fusion = [(rows, dev(positions)) for rows, positions in self.fusion]
         return Batch(dev(np.concatenate(self.ids)), dev(np.concatenate(self.pos, axis=1)), attn, fusion,

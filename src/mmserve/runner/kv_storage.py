@@ -9,7 +9,7 @@ copy of the cache).
 
 What it does not know: attention, masks, sequences, requests — only slots and block ids.
 
-Under `torch.compile` (the CPU's compiled decode step, runner/decode_graphs.py) the slot writes go
+Under `torch.compile` (the CPU's compiled decode step, runner/graphs/decode_graphs.py) the slot writes go
 through `mmserve::write_slots`, an operator that declares it mutates the cache: traced as a plain
 `index_copy_`, the compiler functionalizes it into a copy of the whole layer's cache per write.
 """

@@ -5,8 +5,9 @@ encode the items the scheduler asked for (their payloads arrive keyed by content
 step), build the flattened ragged batch (token ids, positions, KV slots, fusion indices) on the
 CPU, ship it with non_blocking copies, run the model and the sampler. One host sync per step: the
 sampled token ids. Reports which encoder keys it committed and which failed. With captured graphs
-(runner/encoder_graphs.py, runner/decode_graphs.py) the encoder replays a bucket's graph and a
-decode-only step replays a (batch, width) graph; anything no graph holds runs eagerly.
+(runner/graphs/) the encoder replays a bucket's graph and a decode-only step replays a (batch,
+width) graph; anything no graph holds runs eagerly. The engine talks to it through its methods only:
+`execute`, `release`, `free_encoder_outputs`, `take_outcomes` and the read-only views and counters.
 
 What it does not know: scheduling policy, budgets, text, any family (the model is a
 `FamilyModel`; its facts come from the `FamilySpec`).
@@ -14,28 +15,31 @@ What it does not know: scheduling policy, budgets, text, any family (the model i
 
 from __future__ import annotations
 
-import os
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
 
-import numpy as np
 import torch
 
 from mmserve.core.step import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from mmserve.inputs.items import PromptPositions
+from mmserve.faults import FaultPlan
 from mmserve.models.spec import FamilyModel, FamilySpec
-from mmserve.runner.async_encoder import AsyncEncoder
-from mmserve.runner.attention import PagedAttentionBackend, PagedAttentionMetadata
+from mmserve.runner.attention import PagedAttentionBackend
 from mmserve.runner.batch import BatchBuilder
-from mmserve.runner.decode_graphs import DecodeGraphRunner, DecodeGraphSettings
-from mmserve.runner.encoder_graphs import EncoderGraphSettings, build_encoder_graphs, graphed_encode_fn
-from mmserve.runner.encoder_pool import EncoderPool, ItemOutcome
-from mmserve.runner.encoder_runner import EncodeJob, EncoderRunner, OutputShape
+from mmserve.runner.encoder.async_dispatch import AsyncEncoder
+from mmserve.runner.encoder.pool import EncoderPool, ItemOutcome
+from mmserve.runner.encoder.runner import EncoderRunner, OutputShape
 from mmserve.runner.fusion import ChunkPiece, MultimodalRuntimeData
+from mmserve.runner.graphs.decode_graphs import DecodeGraphRunner, DecodeGraphSettings, DecodeGraphStats
+from mmserve.runner.graphs.encoder_graphs import (
+    EncoderGraphSettings,
+    EncoderGraphStats,
+    build_encoder_graphs,
+    graphed_encode_fn,
+)
 from mmserve.runner.sampler import Sampler, SamplingMetadata, make_generator
-from mmserve.sampling_params import SamplingParams
-
-FAULT_TOKEN_ENV = "MMSERVE_TEST_STEP_FAULT_TOKEN"  # test hook: a step whose batch holds this token id raises
+from mmserve.runner.state import RunnerPrompt, RunnerRequest, StepInputs
 
 
 @dataclass
@@ -48,56 +52,35 @@ class StepTiming:
 
 
 @dataclass(frozen=True)
-class RunnerPrompt:
-    """What the runner needs of a prompt to compute it (no pixels: those come as `EncodeJob`s)."""
+class EncoderCounts:
+    """What the runner's encoder has done over its life."""
 
-    positions: PromptPositions
-    embed_mask: np.ndarray | None  # (num_prompt_tokens,) bool
-    embed_cumsum: np.ndarray | None  # (num_prompt_tokens,) int64
-    item_keys: tuple[str, ...]  # content key of each item, in item order
-    item_rows: tuple[int, ...]
-    stop_token_ids: tuple[int, ...]
-    attention_spans: tuple[tuple[int, int], ...] = ()  # [start, end) runs of tokens attending bidirectionally
+    items_encoded: int
+    tokens_encoded: int  # pre-merge patches
 
 
-@dataclass
-class StepInputs:
-    """What the engine sends with a step besides the scheduler's output: each new (or resumed)
-    request's prompt, and the payloads of the items to encode, keyed by content key."""
+@dataclass(frozen=True)
+class GraphStats:
+    """The captured graphs the runner holds (None: that kind is off) and how often each kind replayed."""
 
-    prompts: dict[str, RunnerPrompt] = field(default_factory=dict)
-    encoder_jobs: list[EncodeJob] = field(default_factory=list)
+    encoder: EncoderGraphStats | None
+    decode: DecodeGraphStats | None
 
 
-@dataclass
-class RunnerRequest:
-    request_id: str
-    token_ids: list[int]
+@dataclass(frozen=True)
+class RunnerRequestView:
+    """A request as the runner holds it, read-only."""
+
     num_prompt_tokens: int
-    prompt: RunnerPrompt
-    sampling_params: SamplingParams
-    block_ids: list[int]
     num_computed_tokens: int
-    mm: MultimodalRuntimeData | None = None
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def stop_token_ids(self) -> tuple[int, ...]:
-        return self.prompt.stop_token_ids
-
-    def position_columns(self, start: int, end: int) -> np.ndarray:
-        """(num_position_rows, end - start) positions of tokens [start, end)."""
-        return self.prompt.positions.columns(start, end, self.num_prompt_tokens)
+    block_ids: tuple[int, ...]
 
 
 class ModelRunner:
     def __init__(self, model: FamilyModel, spec: FamilySpec, attention: PagedAttentionBackend,
                  device: torch.device, pool: EncoderPool | None = None, encoder_timeout_s: float = 30.0,
                  encoder_graphs: EncoderGraphSettings | None = None,
-                 decode_graphs: DecodeGraphSettings | None = None) -> None:
+                 decode_graphs: DecodeGraphSettings | None = None, faults: FaultPlan | None = None) -> None:
         self.model = model
         self.spec = spec
         self.attention = attention
@@ -110,6 +93,9 @@ class ModelRunner:
         self.encoder_graphs = None if encoder_graphs is None else build_encoder_graphs(model, encoder_graphs, device)
         encode = model.encode_items if self.encoder_graphs is None else graphed_encode_fn(self.encoder_graphs,
                                                                                           model.encode_items)
+        faults = faults or FaultPlan()
+        if faults.wrap_encode is not None:
+            encode = faults.wrap_encode(encode)
         self.encoder = EncoderRunner(encode, OutputShape(spec.num_embedding_streams, spec.embed_dim, dtype))
         self.decode_graphs = None
         if decode_graphs is not None:
@@ -117,14 +103,44 @@ class ModelRunner:
             self.decode_graphs.capture_all()
         # with workers, items are encoded elsewhere and arrive in later steps
         self.async_encoder = None if pool is None else AsyncEncoder(pool, self.encoder, encoder_timeout_s)
-        self.last_outcomes: list[ItemOutcome] = []
+        self._outcomes: list[ItemOutcome] = []  # what arrived from workers in the last step
         self.last_step = StepTiming()
-        fault = os.environ.get(FAULT_TOKEN_ENV)
-        self.fault_token = int(fault) if fault else None  # test hook: a step holding this token id raises
+        self.fault_token = faults.step_fault_token_id  # a step holding this token id raises (a test's fault)
 
+    # ---- the engine's calls besides execute -----------------------------------------------------
     def release(self, request_id: str) -> None:
         """Drop a finished request's state now (the step contract would also drop it next step)."""
         self.requests.pop(request_id, None)
+
+    def free_encoder_outputs(self, keys: Sequence[str]) -> None:
+        """Forget these encoder outputs (the engine no longer trusts them: a faulted step made them)."""
+        self.encoder.free(keys)
+
+    def take_outcomes(self) -> list[ItemOutcome]:
+        """The worker outcomes that arrived in the last step, unless already taken (for latency metrics)."""
+        outcomes, self._outcomes = self._outcomes, []
+        return outcomes
+
+    @property
+    def num_encoder_items_in_flight(self) -> int:
+        """Items handed to encoder workers whose outcome is still wanted (0 when encoding inline)."""
+        return 0 if self.async_encoder is None else len(self.async_encoder.jobs)
+
+    def encoder_outputs(self) -> Mapping[str, torch.Tensor]:
+        """The committed encoder outputs by content key: a read-only, live view."""
+        return MappingProxyType(self.encoder.store)
+
+    def encoder_counts(self) -> EncoderCounts:
+        return EncoderCounts(self.encoder.num_items_encoded, self.encoder.num_tokens_encoded)
+
+    def graph_stats(self) -> GraphStats:
+        return GraphStats(None if self.encoder_graphs is None else self.encoder_graphs.stats,
+                          None if self.decode_graphs is None else self.decode_graphs.stats)
+
+    def request_views(self) -> dict[str, RunnerRequestView]:
+        """Every request the runner holds state for, read-only."""
+        return {rid: RunnerRequestView(r.num_prompt_tokens, r.num_computed_tokens, tuple(r.block_ids))
+                for rid, r in self.requests.items()}
 
     # ---- step -----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -147,7 +163,7 @@ class ModelRunner:
             outcome = self.encoder.forward_items(inputs.encoder_jobs)
         else:
             step = self.async_encoder.step(inputs.encoder_jobs)
-            outcome, self.last_outcomes = step.result, step.outcomes
+            outcome, self._outcomes = step.result, step.outcomes
             result.encoder_in_flight_keys = step.in_flight
         result.encoder_committed_keys = outcome.committed
         result.encoder_failed_keys = outcome.failed_keys
@@ -182,7 +198,7 @@ class ModelRunner:
 
     def _forward(self, scheduled: dict[str, int], plans: dict[str, list[ChunkPiece]],
                  result: ModelRunnerOutput) -> None:
-        builder = BatchBuilder(self.block_size, self.device)
+        builder = BatchBuilder(self.block_size, self.device, self.attention.cpu_plan)
         for rid, num in scheduled.items():
             state, pieces = self.requests[rid], plans[rid]
             outputs = {p.item_index: self.encoder.store[state.prompt.item_keys[p.item_index]] for p in pieces}
@@ -220,7 +236,7 @@ class ModelRunner:
             if extra is not None:
                 extra.index_copy_(1, positions, rows[1:].to(embeds.dtype))
         if self.fault_token is not None and bool((batch.input_ids == self.fault_token).any()):
-            raise RuntimeError(f"test fault: token {self.fault_token} in the batch ({FAULT_TOKEN_ENV})")
+            raise RuntimeError(f"test fault: token {self.fault_token} in the batch (FaultPlan.step_fault_token_id)")
         forward_started = time.perf_counter()
         hidden = self.model(embeds, batch.positions, self.attention, batch.attn, extra)
         return (self.model.compute_logits(hidden[batch.sample_index]) if batch.sample_rows else None), forward_started
@@ -244,5 +260,3 @@ class ModelRunner:
         # seeded per (seed, output index): the same tokens whatever the batch, also after preemption
         return make_generator(seed * 1_000_003 + state.num_output_tokens, self.device)
 
-
-__all__ = ["ModelRunner", "PagedAttentionMetadata", "RunnerPrompt", "RunnerRequest", "StepInputs"]

@@ -12,8 +12,8 @@ times in the last 60 s. While no worker is live, jobs wait in the pool.
 
 Each worker's result queue is read by a thread of the pool's (`_ResultReader`): taking a tensor off
 a torch queue is a socket handshake with the sending process for its file descriptor, and a busy
-worker answers only when it gets its GIL (measured: ~0.3 ms per output from an idle worker, ~8 ms
-from one running Python). The readers only hand arrivals to `poll` through a thread-safe queue, so
+worker answers only when it gets its GIL (an idle worker at once, one running Python many times
+later). The readers only hand arrivals to `poll` through a thread-safe queue, so
 `poll` never waits on a worker; everything else happens on the caller's one thread.
 
 Queues are per worker generation so that a worker killed mid-send can only spoil its own queues
@@ -44,8 +44,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from mmserve.runner.encoder_pool import ItemOutcome, PoolStats
-from mmserve.runner.encoder_runner import EncodeJob
+from mmserve.runner.encoder.pool import ItemOutcome, PoolStats
+from mmserve.runner.encoder.runner import EncodeJob
 from mmserve.workers.process_worker import (
     ItemDone,
     ItemFailed,

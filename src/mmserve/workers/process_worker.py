@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.multiprocessing  # noqa: F401  registers the reductions that send tensors as shared memory
 
-from mmserve.runner.encoder_runner import EncodeFn
+from mmserve.runner.encoder.runner import EncodeFn
 from mmserve.workers.spec import WorkerSpec, build_encoder
 
 MAX_BATCH_ITEMS = 4  # small batches: outputs come back in pieces, and a failing batch takes few items

@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from mmserve.errors import ModelLoadError
-from mmserve.runner.encoder_pool import ItemOutcome, PoolStats
-from mmserve.runner.encoder_runner import EncodeJob
+from mmserve.runner.encoder.pool import ItemOutcome, PoolStats
+from mmserve.runner.encoder.runner import EncodeJob
 from mmserve.workers.spec import MAX_RESTARTS_PER_MINUTE, WorkerSpec, build_encoder
 
 logger = logging.getLogger("mmserve.ray_pool")

@@ -1,11 +1,11 @@
-"""What an encoder worker is built from, and which backend builds the pool.
+"""What an encoder worker is built from.
 
-Role: `WorkerSpec` is all a worker needs (checkpoint, dtype, device, threads, a test hook);
+Role: `WorkerSpec` is all a worker needs (checkpoint, dtype, device, threads, a test's fault);
 `build_encoder` runs inside a worker: it loads the family model, drops its language model and
-returns its `encode_items`; `make_pool` starts the pool of a backend (Ray imported only when asked
-for). Workers keep no request state: a worker may die at any time and lose nothing the engine needs.
+returns its `encode_items`. Both backends' pools and workers read it; `factory.py` picks the backend.
+Workers keep no request state: a worker may die at any time and lose nothing the engine needs.
 
-What it does not know: requests, scheduling, the engine.
+What it does not know: requests, scheduling, the engine, which backend runs the workers.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from mmserve.runner.encoder_pool import EncoderPool
-from mmserve.runner.encoder_runner import EncodeFn
+from mmserve.runner.encoder.runner import EncodeFn
 
 MAX_RESTARTS_PER_MINUTE = 3  # per worker slot
+
 
 @dataclass(frozen=True)
 class WorkerSpec:
@@ -28,13 +28,13 @@ class WorkerSpec:
     dtype: str  # "float32", "bfloat16", ...
     device: str  # torch device of the worker's encoder
     threads: int  # torch threads in the worker
-    die_on_key: str | None = None  # test hook: a worker of the first generation exits hard on this key
+    die_on_key: str | None = None  # a test's fault (FaultPlan): a first-generation worker exits hard on this key
 
 
 def build_encoder(spec: WorkerSpec) -> EncodeFn:
     """In a worker: load the family model, drop its language model, return its `encode_items`."""
-    from mmserve.models.loader import load_model
-    from mmserve.runner.cpu_layout import prepare_for_cpu
+    from mmserve.models.loader import load_model  # in the worker only: the engine's process has its own
+    from mmserve.runner.cpu.layout import prepare_for_cpu
 
     torch.set_num_threads(spec.threads)
     model = load_model(spec.model_dir, spec.dtype, spec.device)
@@ -45,16 +45,3 @@ def build_encoder(spec: WorkerSpec) -> EncodeFn:
     def encode(payloads: Sequence[object]) -> list[torch.Tensor]:
         return [out.to("cpu") for out in model.encode_items(payloads)]
     return encode
-
-
-def make_pool(backend: str, spec: WorkerSpec, num_workers: int, ray_address: str | None = None) -> EncoderPool:
-    """The pool of `backend` ("process" or "ray"); Ray is imported only when asked for."""
-    if backend == "process":
-        from mmserve.workers.process_pool import ProcessEncoderPool
-
-        return ProcessEncoderPool(spec, num_workers)
-    if backend == "ray":
-        from mmserve.workers.ray_pool import RayEncoderPool
-
-        return RayEncoderPool(spec, num_workers, ray_address=ray_address)
-    raise ValueError(f"unknown encoder backend {backend!r}")

@@ -13,12 +13,13 @@ What it does not know: weights, tokenizers, pixels, devices.
 
 from __future__ import annotations
 
+from collections import ChainMap
 from dataclasses import dataclass
 from typing import Any
 
 from mmserve.errors import ModelLoadError
-from mmserve.models.config_fields import token_ids
-from mmserve.models.llava_onevision.config import VisionConfig
+from mmserve.models.config_reader import DecoderTextConfig, Key, read, rope_type, token_ids
+from mmserve.models.vision.siglip_config import SiglipVisionConfig
 
 GEMMA3 = "Gemma3ForConditionalGeneration"
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -34,31 +35,20 @@ class RopeConfig:
     factor: float = 1.0
 
 
-@dataclass(frozen=True)
-class TextConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    hidden_activation: str
+@dataclass(frozen=True, kw_only=True)
+class TextConfig(DecoderTextConfig):
+    """`hidden_act` is config.json's `hidden_activation` (or `hidden_act`); rope is per layer type."""
+
     query_pre_attn_scalar: float  # softmax scale = query_pre_attn_scalar ** -0.5 (not head_dim's)
     sliding_window: int | None  # tokens a sliding layer's query sees, itself included
     layer_types: tuple[str, ...]  # per layer: "sliding_attention" or "full_attention"
     local_rope: RopeConfig  # sliding layers
     global_rope: RopeConfig  # full-attention layers
-    tie_word_embeddings: bool
     final_logit_softcapping: float | None = None
     attention_bias: bool = False
-    max_position_embeddings: int = 131_072
 
     def __post_init__(self) -> None:
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ModelLoadError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                                 f"num_key_value_heads {self.num_key_value_heads}")
+        super().__post_init__()
         if len(self.layer_types) != self.num_hidden_layers:
             raise ModelLoadError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
         bad = sorted({t for t in self.layer_types if t not in (SLIDING, FULL)})
@@ -75,7 +65,7 @@ class TextConfig:
 @dataclass(frozen=True)
 class Gemma3Config:
     text: TextConfig
-    vision: VisionConfig  # SigLIP: the same fields as LLaVA-OneVision's tower
+    vision: SiglipVisionConfig
     mm_tokens_per_image: int  # soft tokens (rows) per image or crop, after pooling
     boi_token_id: int  # <start_of_image>: the placeholder a prompt holds per image
     eoi_token_id: int  # <end_of_image>
@@ -96,11 +86,11 @@ class Gemma3Config:
 
 def _rope(params: dict[str, Any] | None, default_theta: float, layer_type: str) -> RopeConfig:
     params = dict(params or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise ModelLoadError(f"unsupported rope_type {rope_type!r} for {layer_type} layers; supported: {ROPE_TYPES}")
-    factor = float(params.get("factor", 1.0)) if rope_type == "linear" else 1.0
-    return RopeConfig(rope_type, float(params.get("rope_theta", default_theta)), factor)
+    kind = rope_type(params)
+    if kind not in ROPE_TYPES:
+        raise ModelLoadError(f"unsupported rope_type {kind!r} for {layer_type} layers; supported: {ROPE_TYPES}")
+    factor = float(params.get("factor", 1.0)) if kind == "linear" else 1.0
+    return RopeConfig(kind, float(params.get("rope_theta", default_theta)), factor)
 
 
 def _ropes(t: dict[str, Any]) -> tuple[RopeConfig, RopeConfig]:
@@ -125,36 +115,39 @@ def _layer_types(t: dict[str, Any], num_layers: int) -> tuple[str, ...]:
     return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(num_layers))
 
 
+# transformers' Gemma3TextConfig defaults (Gemma 3 4B's decoder)
+TEXT_KEYS = {
+    "vocab_size": Key(default=262_208), "hidden_size": Key(default=2304), "intermediate_size": Key(default=9216),
+    "num_hidden_layers": Key(default=26), "num_attention_heads": Key(default=8),
+    "num_key_value_heads": Key(default=4, falsy_is_absent=True), "head_dim": Key(default=256, falsy_is_absent=True),
+    "hidden_act": Key(names=("hidden_activation", "hidden_act"), default="gelu_pytorch_tanh", falsy_is_absent=True),
+    "query_pre_attn_scalar": Key(default=256.0), "sliding_window": Key(default=4096, null=None),
+    "max_position_embeddings": Key(default=131_072),
+}
+# transformers' SiglipVisionConfig defaults; image and patch sizes may be given as a square (h, w)
+VISION_KEYS = {
+    "hidden_size": Key(default=768), "intermediate_size": Key(default=3072), "num_hidden_layers": Key(default=12),
+    "num_attention_heads": Key(default=12),
+    "image_size": Key(default=224, convert=lambda value: _square(value, "image_size")),
+    "patch_size": Key(default=16, convert=lambda value: _square(value, "patch_size")),
+    "num_channels": Key(default=3), "layer_norm_eps": Key(default=1e-6), "hidden_act": Key(default="gelu_pytorch_tanh"),
+}
+TOP_KEYS = {
+    "mm_tokens_per_image": Key(default=256, falsy_is_absent=True),
+    **{f"{name}_token_id": Key(names=(f"{name}_token_index", f"{name}_token_id"), default=default)
+       for name, default in (("boi", 255_999), ("eoi", 256_000), ("image", 262_144))},
+}
+
+
 def _parse_text(t: dict[str, Any], top: dict[str, Any]) -> TextConfig:
     if t.get("attn_logit_softcapping") is not None:
         raise ModelLoadError("attn_logit_softcapping is not supported (Gemma 3 checkpoints leave it null)")
     if t.get("use_bidirectional_attention"):
         raise ModelLoadError("use_bidirectional_attention (bidirectional text attention) is not supported")
-    heads = int(t.get("num_attention_heads", 8))
-    layers = int(t.get("num_hidden_layers", 26))
     local, full = _ropes(t)
-    window = t.get("sliding_window", 4096)
-    softcap = t.get("final_logit_softcapping")
-    return TextConfig(
-        vocab_size=int(t.get("vocab_size", 262_208)),
-        hidden_size=int(t.get("hidden_size", 2304)),
-        intermediate_size=int(t.get("intermediate_size", 9216)),
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=int(t.get("num_key_value_heads") or 4),
-        head_dim=int(t.get("head_dim") or 256),
-        rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
-        hidden_activation=str(t.get("hidden_activation") or t.get("hidden_act") or "gelu_pytorch_tanh"),
-        query_pre_attn_scalar=float(t.get("query_pre_attn_scalar", 256)),
-        sliding_window=None if window is None else int(window),
-        layer_types=_layer_types(t, layers),
-        local_rope=local,
-        global_rope=full,
-        tie_word_embeddings=bool(top.get("tie_word_embeddings", t.get("tie_word_embeddings", True))),
-        final_logit_softcapping=None if softcap is None else float(softcap),
-        attention_bias=bool(t.get("attention_bias", False)),
-        max_position_embeddings=int(t.get("max_position_embeddings", 131_072)),
-    )
+    keys = {**TEXT_KEYS, "layer_types": Key(computed=lambda f: _layer_types(t, f["num_hidden_layers"]))}
+    return read(TextConfig, t, keys, local_rope=local, global_rope=full,
+                tie_word_embeddings=bool(ChainMap(top, t).get("tie_word_embeddings", True)))
 
 
 def _square(value: Any, name: str) -> int:
@@ -165,44 +158,19 @@ def _square(value: Any, name: str) -> int:
     return int(value)
 
 
-def _parse_vision(v: dict[str, Any]) -> VisionConfig:
-    """SigLIP's fields with transformers' SiglipVisionConfig defaults."""
-    vision = VisionConfig(
-        hidden_size=int(v.get("hidden_size", 768)),
-        intermediate_size=int(v.get("intermediate_size", 3072)),
-        num_hidden_layers=int(v.get("num_hidden_layers", 12)),
-        num_attention_heads=int(v.get("num_attention_heads", 12)),
-        image_size=_square(v.get("image_size", 224), "image_size"),
-        patch_size=_square(v.get("patch_size", 16), "patch_size"),
-        num_channels=int(v.get("num_channels", 3)),
-        layer_norm_eps=float(v.get("layer_norm_eps", 1e-6)),
-        hidden_act=str(v.get("hidden_act", "gelu_pytorch_tanh")),
-    )
-    if vision.hidden_size % vision.num_attention_heads:
-        raise ModelLoadError("vision hidden_size is not divisible by num_attention_heads")
+def _parse_vision(v: dict[str, Any]) -> SiglipVisionConfig:
+    vision = read(SiglipVisionConfig, v, VISION_KEYS)
     if vision.image_size % vision.patch_size:
         raise ModelLoadError(f"vision image_size {vision.image_size} is not a multiple of patch_size {vision.patch_size}")
     return vision
-
-
-def _index(raw: dict[str, Any], name: str, default: int) -> int:
-    """A token index, under its `*_token_index` or `*_token_id` name."""
-    value = raw.get(f"{name}_token_index", raw.get(f"{name}_token_id"))
-    return default if value is None else int(value)
 
 
 def parse_config(raw: dict[str, Any]) -> Gemma3Config:
     """Build a Gemma3Config from a config.json dict."""
     t = dict(raw.get("text_config") or {})
     try:
-        return Gemma3Config(
-            text=_parse_text(t, raw),
-            vision=_parse_vision(dict(raw.get("vision_config") or {})),
-            mm_tokens_per_image=int(raw.get("mm_tokens_per_image") or 256),
-            boi_token_id=_index(raw, "boi", 255_999),
-            eoi_token_id=_index(raw, "eoi", 256_000),
-            image_token_id=_index(raw, "image", 262_144),
-            eos_token_ids=token_ids(t.get("eos_token_id", raw.get("eos_token_id", 1))),
-        )
+        return read(Gemma3Config, raw, TOP_KEYS, text=_parse_text(t, raw),
+                    vision=_parse_vision(dict(raw.get("vision_config") or {})),
+                    eos_token_ids=token_ids(ChainMap(t, raw).get("eos_token_id", 1)))
     except (TypeError, ValueError) as exc:
         raise ModelLoadError(f"bad Gemma 3 config: {exc}") from exc

@@ -20,18 +20,11 @@ from mmserve.models.spec import FamilySpec, ItemSize, ModelFamily, PositionSchem
 
 
 def build_spec(config: Gemma3Config, processor: Gemma3Processor, limits: MediaLimits) -> FamilySpec:
-    t = config.text
     encoder_tokens, rows, span = processor.largest_image()
-    return FamilySpec(
-        name="gemma3",
-        num_layers=t.num_hidden_layers, num_kv_heads=t.num_key_value_heads, head_dim=t.head_dim,
-        embed_dim=t.hidden_size, num_embedding_streams=1,
-        largest_item={IMAGE: ItemSize(encoder_tokens, rows, span)},
-        eos_token_ids=config.eos_token_ids, position_scheme=PositionScheme.ROPE_1D,
-        max_position_embeddings=t.max_position_embeddings,
-        default_video_fps=processor.default_video_fps,
-        bidirectional_media=True,
-    )
+    return FamilySpec.for_decoder(
+        "gemma3", config.text, eos_token_ids=config.eos_token_ids, default_video_fps=processor.default_video_fps,
+        num_embedding_streams=1, largest_item={IMAGE: ItemSize(encoder_tokens, rows, span)},
+        position_scheme=PositionScheme.ROPE_1D, bidirectional_media=True)
 
 
 FAMILIES = MappingProxyType({

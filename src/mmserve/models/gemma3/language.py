@@ -65,7 +65,7 @@ class Gemma3DecoderLayer(nn.Module):
         super().__init__()
         self.is_sliding = cfg.layer_types[layer_idx] == SLIDING
         self.self_attn = Gemma3Attention(cfg, layer_idx)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_activation, bias=False)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=False)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(h, eps)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps)

@@ -1,10 +1,10 @@
 """Gemma 3's image encoder: the SigLIP tower, its post-layernorm, and the pooled multimodal projector.
 
 Role: square crops (num_crops, C, S, S) in, rows out (num_crops, mm_tokens_per_image, text hidden).
-The tower is LLaVA-OneVision's SigLIP tower run through all its layers (conv patch embedding as one
-matmul, learned position embeddings, pre-LN layers with biased q/k/v/out and a gelu-tanh MLP),
-followed by SigLIP's post-layernorm (Gemma 3 reads the last hidden state after it; the pooling
-head is never built). The projector, as transformers' Gemma3MultiModalProjector: the patch grid
+The tower is the shared SigLIP tower (models/vision/siglip.py) run through all its layers (conv patch
+embedding as one matmul, learned position embeddings, pre-LN layers with biased q/k/v/out and a
+gelu-tanh MLP), followed by SigLIP's post-layernorm (Gemma 3 reads the last hidden state after it;
+the pooling head is never built). The projector, as transformers' Gemma3MultiModalProjector: the patch grid
 average-pooled to tokens_per_side^2 rows, a Gemma RMSNorm (`mm_soft_emb_norm`), then a matmul by
 `mm_input_projection_weight`, stored (vision hidden, text hidden) — not transposed like a Linear.
 Every crop has the same shape, so the crops of many items run as one batch.
@@ -20,7 +20,7 @@ from torch import nn
 
 from mmserve.models.gemma3.config import Gemma3Config
 from mmserve.models.gemma3.norm import GemmaRMSNorm
-from mmserve.models.llava_onevision.vision import SiglipVisionTower
+from mmserve.models.vision.siglip import SiglipVisionTower
 
 
 class Gemma3Projector(nn.Module):

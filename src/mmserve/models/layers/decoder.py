@@ -8,34 +8,21 @@ added after the first layers (Qwen3-VL's deepstack). Parameter names follow Hugg
 layout, so the families' weight mapping stays a prefix rename.
 
 What it does not know: images, requests, scheduling, sampling, any family's config format (it
-reads the attributes of `DecoderConfig`).
+reads the fields of `config_reader.DecoderTextConfig`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import nn
 
+from mmserve.models.config_reader import DecoderTextConfig
 from mmserve.models.layers.attention import AttentionBackend, AttentionMetadata, LayerAttention
 from mmserve.models.layers.mlp import GatedMLP
 from mmserve.models.layers.norms import RMSNorm
 from mmserve.models.layers.rotary import apply_rotary
-
-
-class DecoderConfig(Protocol):
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    hidden_act: str
-    tie_word_embeddings: bool
 
 
 @dataclass(frozen=True)
@@ -47,7 +34,7 @@ class DecoderOptions:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig, layer_idx: int, options: DecoderOptions) -> None:
+    def __init__(self, cfg: DecoderTextConfig, layer_idx: int, options: DecoderOptions) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = cfg.num_attention_heads
@@ -79,7 +66,7 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, layer_idx: int, options: DecoderOptions) -> None:
+    def __init__(self, cfg: DecoderTextConfig, layer_idx: int, options: DecoderOptions) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx, options)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=False)
@@ -98,7 +85,7 @@ class DecoderLM(nn.Module):
     `rotary(positions, dtype) -> (cos, sin)`, each (num_tokens, head_dim), takes the positions the
     family's scheme uses: (3, num_tokens) for M-RoPE, (1, num_tokens) for 1-D RoPE."""
 
-    def __init__(self, cfg: DecoderConfig, rotary: nn.Module, options: DecoderOptions = DecoderOptions()) -> None:
+    def __init__(self, cfg: DecoderTextConfig, rotary: nn.Module, options: DecoderOptions = DecoderOptions()) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)

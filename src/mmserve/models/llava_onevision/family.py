@@ -15,17 +15,12 @@ from mmserve.models.spec import FamilySpec, ItemSize, ModelFamily, PositionSchem
 
 
 def build_spec(config: LlavaOnevisionConfig, processor: LlavaOnevisionProcessor, limits: MediaLimits) -> FamilySpec:
-    t = config.text
     largest = processor.largest_items(limits.max_video_frames)
-    return FamilySpec(
-        name="llava_onevision",
-        num_layers=t.num_hidden_layers, num_kv_heads=t.num_key_value_heads, head_dim=t.head_dim,
-        embed_dim=t.hidden_size, num_embedding_streams=1,
+    return FamilySpec.for_decoder(
+        "llava_onevision", config.text, eos_token_ids=config.eos_token_ids,
+        default_video_fps=processor.default_video_fps, num_embedding_streams=1,
         largest_item={m: ItemSize(tokens, rows) for m, (tokens, rows) in largest.items()},
-        eos_token_ids=config.eos_token_ids, position_scheme=PositionScheme.ROPE_1D,
-        max_position_embeddings=t.max_position_embeddings,
-        default_video_fps=processor.default_video_fps,
-    )
+        position_scheme=PositionScheme.ROPE_1D)
 
 
 FAMILIES = MappingProxyType({

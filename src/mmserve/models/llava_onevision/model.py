@@ -26,7 +26,7 @@ from mmserve.models.layers.activations import get_activation
 from mmserve.models.llava_onevision.config import LlavaOnevisionConfig
 from mmserve.models.llava_onevision.language import qwen2_language_model
 from mmserve.models.llava_onevision.processor import ImageInput, VideoInput
-from mmserve.models.llava_onevision.vision import SiglipVisionTower
+from mmserve.models.vision.siglip import SiglipVisionTower
 
 # hf prefix -> ours, first match wins (after an optional leading "model.")
 _PREFIXES = (

@@ -13,11 +13,12 @@ What it does not know: weights, tokenizers, pixels, devices.
 
 from __future__ import annotations
 
+from collections import ChainMap
 from dataclasses import dataclass
 from typing import Any
 
 from mmserve.errors import ModelLoadError
-from mmserve.models.config_fields import token_ids
+from mmserve.models.config_reader import DecoderTextConfig, Key, read, rope_section, rope_type, token_ids
 
 MISTRAL3 = "Mistral3ForConditionalGeneration"
 
@@ -33,28 +34,16 @@ _VISION_SECTION_DEFAULTS: dict[str, Any] = {
 }
 
 
-@dataclass(frozen=True)
-class TextConfig:
-    """The Mistral decoder; field names are what `layers.decoder.DecoderLM` reads."""
+@dataclass(frozen=True, kw_only=True)
+class TextConfig(DecoderTextConfig):
+    """The Mistral decoder. head_dim is explicit: Mistral Small's heads (32 x 128) do not divide hidden_size
+    (5120)."""
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int  # explicit: Mistral Small's heads (32 x 128) do not divide hidden_size (5120)
-    rms_norm_eps: float
     rope_theta: float
     sliding_window: int | None  # every layer attends over the last this-many positions; None: full
-    tie_word_embeddings: bool
-    hidden_act: str = "silu"
-    max_position_embeddings: int = 131072
 
     def __post_init__(self) -> None:
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ModelLoadError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                                 f"num_key_value_heads {self.num_key_value_heads}")
+        super().__post_init__()
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ModelLoadError(f"sliding_window must be positive or null, got {self.sliding_window}")
 
@@ -108,11 +97,33 @@ class Mistral3Config:
 
 
 def _rope_theta(section: dict[str, Any], default: float, allowed: tuple[str, ...], what: str) -> float:
-    params = dict(section.get("rope_parameters") or section.get("rope_scaling") or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in allowed:
-        raise ModelLoadError(f"unsupported {what} rope_type {rope_type!r}; supported: {', '.join(allowed)}")
+    params = rope_section(section)
+    if rope_type(params) not in allowed:
+        raise ModelLoadError(f"unsupported {what} rope_type {rope_type(params)!r}; supported: {', '.join(allowed)}")
     return float(params.get("rope_theta", section.get("rope_theta", default)))
+
+
+# MistralConfig's defaults for fields a present text section lacks; an explicit null num_key_value_heads
+# means one kv head per query head, a null sliding_window no window
+TEXT_KEYS = {
+    "vocab_size": Key(default=32000), "hidden_size": Key(default=4096), "intermediate_size": Key(default=14336),
+    "num_hidden_layers": Key(default=32), "num_attention_heads": Key(default=32),
+    "num_key_value_heads": Key(default=8, null=lambda f: f["num_attention_heads"]),
+    "head_dim": Key(default=lambda f: f["hidden_size"] // f["num_attention_heads"], falsy_is_absent=True),
+    "sliding_window": Key(default=4096, null=None), "max_position_embeddings": Key(default=131072),
+}
+# PixtralVisionConfig's defaults; a square patch size may be given as (p, p), the image size as (h, w)
+VISION_KEYS = {
+    "hidden_size": Key(default=1024), "intermediate_size": Key(default=4096), "num_hidden_layers": Key(default=24),
+    "num_attention_heads": Key(default=16), "num_channels": Key(default=3),
+    "image_size": Key(default=1024, convert=lambda size: int(max(size) if isinstance(size, (list, tuple)) else size)),
+    "patch_size": Key(default=16, convert=lambda patch: int(_square_patch(patch))), "hidden_act": Key(default="gelu"),
+}
+TOP_KEYS = {
+    "image_token_id": Key(names=("image_token_index", "image_token_id"), default=10),
+    "spatial_merge_size": Key(default=2), "projector_hidden_act": Key(default="gelu"),
+    "multimodal_projector_bias": Key(default=False),
+}
 
 
 def _parse_text(raw: dict[str, Any]) -> TextConfig:
@@ -121,50 +132,24 @@ def _parse_text(raw: dict[str, Any]) -> TextConfig:
     model_type = t.get("model_type", "mistral")
     if model_type != "mistral":
         raise ModelLoadError(f"unsupported Mistral 3 text model {model_type!r}; only 'mistral' is supported")
-    heads = int(t.get("num_attention_heads", 32))
-    hidden = int(t.get("hidden_size", 4096))
-    window = t.get("sliding_window", 4096)  # MistralConfig's default; an explicit null turns it off
-    kv_heads = t.get("num_key_value_heads", 8)  # MistralConfig's default; an explicit null means `heads`
-    return TextConfig(
-        vocab_size=int(t.get("vocab_size", 32000)),
-        hidden_size=hidden,
-        intermediate_size=int(t.get("intermediate_size", 14336)),
-        num_hidden_layers=int(t.get("num_hidden_layers", 32)),
-        num_attention_heads=heads,
-        num_key_value_heads=heads if kv_heads is None else int(kv_heads),
-        head_dim=int(t.get("head_dim") or hidden // heads),
-        rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(t, 10000.0, ("default",), "text"),
-        sliding_window=None if window is None else int(window),
-        # Mistral3Config's own field (default True) decides, not the text section's; the model unties
-        # the head when the checkpoint carries a separate one, as transformers does
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
-        hidden_act=str(t.get("hidden_act", "silu")),
-        max_position_embeddings=int(t.get("max_position_embeddings", 131072)),
-    )
+    # Mistral3Config's own field (default True) decides, not the text section's; the model unties the
+    # head when the checkpoint carries a separate one, as transformers does
+    return read(TextConfig, t, TEXT_KEYS, rope_theta=_rope_theta(t, 10000.0, ("default",), "text"),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)))
+
+
+def _square_patch(patch: Any) -> Any:
+    if isinstance(patch, (list, tuple)):
+        if len(set(patch)) != 1:
+            raise ModelLoadError(f"non-square vision patch_size {patch} is not supported")
+        return patch[0]
+    return patch
 
 
 def _parse_vision(raw: dict[str, Any]) -> VisionConfig:
     given = raw.get("vision_config")
     v = dict(given) if given is not None else dict(_VISION_SECTION_DEFAULTS)
-    patch = v.get("patch_size", 16)
-    if isinstance(patch, (list, tuple)):
-        if len(set(patch)) != 1:
-            raise ModelLoadError(f"non-square vision patch_size {patch} is not supported")
-        patch = patch[0]
-    image_size = v.get("image_size", 1024)
-    image_size = max(image_size) if isinstance(image_size, (list, tuple)) else image_size
-    return VisionConfig(
-        hidden_size=int(v.get("hidden_size", 1024)),
-        intermediate_size=int(v.get("intermediate_size", 4096)),
-        num_hidden_layers=int(v.get("num_hidden_layers", 24)),
-        num_attention_heads=int(v.get("num_attention_heads", 16)),
-        num_channels=int(v.get("num_channels", 3)),
-        image_size=int(image_size),
-        patch_size=int(patch),
-        hidden_act=str(v.get("hidden_act", "gelu")),
-        rope_theta=_rope_theta(v, 10000.0, ("default", "axial"), "vision"),
-    )
+    return read(VisionConfig, v, VISION_KEYS, rope_theta=_rope_theta(v, 10000.0, ("default", "axial"), "vision"))
 
 
 def _feature_layer(value: Any, depth: int) -> int:
@@ -183,19 +168,11 @@ def parse_config(raw: dict[str, Any]) -> Mistral3Config:
     try:
         text = _parse_text(raw)
         vision = _parse_vision(raw)
-        merge = int(raw.get("spatial_merge_size", 2))
-        if merge < 1:
-            raise ModelLoadError(f"spatial_merge_size must be at least 1, got {merge}")
-        t = raw.get("text_config") or {}
-        return Mistral3Config(
-            text=text,
-            vision=vision,
-            image_token_id=int(raw.get("image_token_index", raw.get("image_token_id", 10))),
-            spatial_merge_size=merge,
-            projector_hidden_act=str(raw.get("projector_hidden_act", "gelu")),
-            vision_feature_layer=_feature_layer(raw.get("vision_feature_layer", -1), vision.num_hidden_layers),
-            multimodal_projector_bias=bool(raw.get("multimodal_projector_bias", False)),
-            eos_token_ids=token_ids(t.get("eos_token_id", raw.get("eos_token_id", 2))),
-        )
+        config = read(Mistral3Config, raw, TOP_KEYS, text=text, vision=vision,
+                      vision_feature_layer=_feature_layer(raw.get("vision_feature_layer", -1), vision.num_hidden_layers),
+                      eos_token_ids=token_ids(ChainMap(raw.get("text_config") or {}, raw).get("eos_token_id", 2)))
     except (TypeError, ValueError) as exc:
         raise ModelLoadError(f"bad Mistral 3 config: {exc}") from exc
+    if config.spatial_merge_size < 1:
+        raise ModelLoadError(f"spatial_merge_size must be at least 1, got {config.spatial_merge_size}")
+    return config

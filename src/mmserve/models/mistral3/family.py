@@ -18,17 +18,11 @@ from mmserve.models.spec import FamilySpec, ItemSize, ModelFamily, PositionSchem
 
 
 def build_spec(config: Mistral3Config, processor: Mistral3Processor, limits: MediaLimits) -> FamilySpec:
-    t = config.text
     patches, rows, span = processor.largest_image()
-    return FamilySpec(
-        name="mistral3",
-        num_layers=t.num_hidden_layers, num_kv_heads=t.num_key_value_heads, head_dim=t.head_dim,
-        embed_dim=t.hidden_size, num_embedding_streams=1,
-        largest_item={IMAGE: ItemSize(patches, rows, span)},
-        eos_token_ids=config.eos_token_ids, position_scheme=PositionScheme.ROPE_1D,
-        max_position_embeddings=t.max_position_embeddings,
-        default_video_fps=processor.default_video_fps,
-    )
+    return FamilySpec.for_decoder(
+        "mistral3", config.text, eos_token_ids=config.eos_token_ids, default_video_fps=processor.default_video_fps,
+        num_embedding_streams=1, largest_item={IMAGE: ItemSize(patches, rows, span)},
+        position_scheme=PositionScheme.ROPE_1D)
 
 
 FAMILIES = MappingProxyType({

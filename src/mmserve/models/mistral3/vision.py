@@ -5,7 +5,7 @@ Role: patches of one or more images packed into one sequence (num_patches, C*P*P
 Pixtral's: the conv patch embedding as one matmul (no bias), `ln_pre` RMSNorm, 2-D RoPE over each
 image's own patch grid (row position drives the even bands of the head's frequencies, column the
 odd ones), pre-norm blocks of bias-free attention and a gated feed-forward; attention is
-bidirectional within an image and blocked between images (`qwen2_vl.vision`'s bucketed segment
+bidirectional within an image and blocked between images (`vision/segment_attention.py`'s bucketed segment
 attention). Blocks past the configured feature layer are never built. The projector is Mistral 3's:
 RMSNorm (with the text model's eps), the patch merger (each merge x merge block of patches
 concatenated channel-major, as `torch.nn.functional.unfold` orders them, then a bias-free linear),
@@ -28,7 +28,7 @@ from mmserve.models.layers.mlp import GatedMLP
 from mmserve.models.layers.norms import RMSNorm
 from mmserve.models.layers.rotary import apply_rotary, inverse_frequencies
 from mmserve.models.mistral3.config import Mistral3Config, VisionConfig
-from mmserve.models.qwen2_vl.vision import SegmentPlan, segment_attention
+from mmserve.models.vision.segment_attention import SegmentPlan, segment_attention
 
 GridHW = tuple[int, int]  # an image's patch grid: (rows, columns) of patches
 PIXTRAL_NORM_EPS = 1e-5  # fixed in Pixtral, not a config field

@@ -6,45 +6,29 @@ into frozen dataclasses the model code reads. What it does not know: weights, to
 
 from __future__ import annotations
 
+from collections import ChainMap
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from mmserve.errors import ModelLoadError
-from mmserve.models.config_fields import token_ids
+from mmserve.models.config_reader import DecoderTextConfig, Key, read, rope_section, token_ids
 
 QWEN2_VL = "Qwen2VLForConditionalGeneration"
 QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
 
 
-@dataclass(frozen=True)
-class TextConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    rms_norm_eps: float
+@dataclass(frozen=True, kw_only=True)
+class TextConfig(DecoderTextConfig):
     rope_theta: float
     mrope_section: tuple[int, ...]
-    tie_word_embeddings: bool
-    hidden_act: str = "silu"
-    max_position_embeddings: int = 32768
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
             raise ModelLoadError(
                 f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"
             )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ModelLoadError(
-                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads {self.num_key_value_heads}"
-            )
+        super().__post_init__()
         if sum(self.mrope_section) * 2 != self.head_dim:
             raise ModelLoadError(
                 f"mrope_section {list(self.mrope_section)} must sum to head_dim/2 = {self.head_dim // 2}"
@@ -96,12 +80,27 @@ class Qwen2VLConfig:
         return self.architecture == QWEN2_5_VL
 
 
-def _rope_params(section: dict[str, Any]) -> tuple[float, tuple[int, ...] | None]:
-    params = section.get("rope_parameters") or section.get("rope_scaling") or {}
+def _rope_params(section: Mapping[str, Any]) -> tuple[float, tuple[int, ...] | None]:
+    params = rope_section(section)
     theta = params.get("rope_theta", section.get("rope_theta", 10000.0))
     mrope = params.get("mrope_section")
     return float(theta), (tuple(int(x) for x in mrope) if mrope else None)
 
+
+TEXT_KEYS = {
+    "num_key_value_heads": Key(default=lambda f: f["num_attention_heads"]),
+    "head_dim": Key(computed=lambda f: f["hidden_size"] // f["num_attention_heads"]),
+    "max_position_embeddings": Key(default=32768),
+}
+# the vision section: Qwen2-VL's and Qwen2.5-VL's towers name the same widths differently
+VISION_KEYS = {
+    "patch_size": Key(default=14), "temporal_patch_size": Key(default=2), "spatial_merge_size": Key(default=2),
+    "in_channels": Key(names=("in_channels", "in_chans"), default=3),
+}
+QWEN2_5_VISION_KEYS = {
+    **VISION_KEYS, "embed_dim": Key(names=("hidden_size",)), "mlp_hidden_size": Key(names=("intermediate_size",)),
+    "hidden_act": Key(default="silu"), "window_size": Key(default=112), "tokens_per_second": Key(default=2.0),
+}
 
 
 def parse_config(raw: dict[str, Any]) -> Qwen2VLConfig:
@@ -110,68 +109,29 @@ def parse_config(raw: dict[str, Any]) -> Qwen2VLConfig:
     arch = archs[0] if archs else ""
     if arch not in (QWEN2_VL, QWEN2_5_VL):
         raise ModelLoadError(f"unsupported architecture {arch!r}; supported: {QWEN2_VL}, {QWEN2_5_VL}")
-    text_raw = dict(raw)
-    text_raw.update(raw.get("text_config") or {})
-    try:
-        theta, mrope = _rope_params(text_raw)
-        tie = bool(raw.get("tie_word_embeddings", text_raw.get("tie_word_embeddings", False)))
-        text = TextConfig(
-            vocab_size=int(text_raw["vocab_size"]),
-            hidden_size=int(text_raw["hidden_size"]),
-            intermediate_size=int(text_raw["intermediate_size"]),
-            num_hidden_layers=int(text_raw["num_hidden_layers"]),
-            num_attention_heads=int(text_raw["num_attention_heads"]),
-            num_key_value_heads=int(text_raw.get("num_key_value_heads", text_raw["num_attention_heads"])),
-            rms_norm_eps=float(text_raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            mrope_section=mrope or (16, 24, 24),
-            tie_word_embeddings=tie,
-            hidden_act=str(text_raw.get("hidden_act", "silu")),
-            max_position_embeddings=int(text_raw.get("max_position_embeddings", 32768)),
-        )
-        vision = _parse_vision(raw["vision_config"], arch, text.hidden_size)
-        return Qwen2VLConfig(
-            architecture=arch,
-            text=text,
-            vision=vision,
-            image_token_id=int(raw.get("image_token_id", text_raw.get("image_token_id", 151655))),
-            video_token_id=int(raw.get("video_token_id", text_raw.get("video_token_id", 151656))),
-            vision_start_token_id=int(raw.get("vision_start_token_id", 151652)),
-            vision_end_token_id=int(raw.get("vision_end_token_id", 151653)),
-            eos_token_ids=token_ids(text_raw.get("eos_token_id")),
-        )
-    except KeyError as exc:
-        raise ModelLoadError(f"config.json lacks required field {exc.args[0]!r}") from exc
+    text_raw = ChainMap(raw.get("text_config") or {}, raw)  # the nested section over the flat layout
+    theta, mrope = _rope_params(text_raw)
+    text = read(TextConfig, text_raw, TEXT_KEYS, rope_theta=theta, mrope_section=mrope or (16, 24, 24),
+                tie_word_embeddings=bool(ChainMap(raw, text_raw).get("tie_word_embeddings", False)))
+    if "vision_config" not in raw:
+        raise ModelLoadError("config.json lacks required field 'vision_config'")
+    # the media token ids at the top level, else in the text section
+    media_keys = {name: Key(default=lambda f, n=name, d=default: int(text_raw.get(n, d))) for name, default in
+                  (("image_token_id", 151655), ("video_token_id", 151656))}
+    return read(Qwen2VLConfig, raw, {**media_keys, "vision_start_token_id": Key(default=151652),
+                                     "vision_end_token_id": Key(default=151653)},
+                architecture=arch, text=text, vision=_parse_vision(raw["vision_config"], arch, text.hidden_size),
+                eos_token_ids=token_ids(text_raw.get("eos_token_id")))
 
 
 def _parse_vision(v: dict[str, Any], arch: str, text_hidden: int) -> VisionConfig:
     theta, _ = _rope_params(v)
-    common = dict(
-        depth=int(v["depth"]),
-        num_heads=int(v["num_heads"]),
-        patch_size=int(v.get("patch_size", 14)),
-        temporal_patch_size=int(v.get("temporal_patch_size", 2)),
-        spatial_merge_size=int(v.get("spatial_merge_size", 2)),
-        in_channels=int(v.get("in_channels", v.get("in_chans", 3))),
-        rope_theta=theta,
-    )
     if arch == QWEN2_5_VL:
-        return VisionConfig(
-            embed_dim=int(v["hidden_size"]),
-            out_hidden_size=int(v.get("out_hidden_size", text_hidden)),
-            mlp_hidden_size=int(v["intermediate_size"]),
-            hidden_act=str(v.get("hidden_act", "silu")),
-            window_size=int(v.get("window_size", 112)),
-            fullatt_block_indexes=tuple(int(i) for i in v.get("fullatt_block_indexes", ())),
-            tokens_per_second=float(v.get("tokens_per_second", 2)),
-            is_qwen2_5=True,
-            **common,
-        )
-    embed_dim = int(v["embed_dim"])
-    return VisionConfig(
-        embed_dim=embed_dim,
-        out_hidden_size=int(v.get("hidden_size", text_hidden)),
-        mlp_hidden_size=int(embed_dim * float(v.get("mlp_ratio", 4))),
-        hidden_act=str(v.get("hidden_act", "quick_gelu")),
-        **common,
-    )
+        return read(VisionConfig, v, {**QWEN2_5_VISION_KEYS, "out_hidden_size": Key(default=text_hidden)},
+                    rope_theta=theta, is_qwen2_5=True)
+    # Qwen2-VL: `hidden_size` is the merger's output width; the MLP is `mlp_ratio` times the blocks' width
+    keys = {**VISION_KEYS, "out_hidden_size": Key(names=("hidden_size",), default=text_hidden),
+            "mlp_hidden_size": Key(computed=lambda f: int(f["embed_dim"] * float(v.get("mlp_ratio", 4)))),
+            "hidden_act": Key(default="quick_gelu")}
+    return read(VisionConfig, v, keys, rope_theta=theta, window_size=0, fullatt_block_indexes=(),
+                tokens_per_second=0.0)

@@ -18,16 +18,11 @@ from mmserve.models.spec import FamilySpec, ItemSize, ModelFamily, PositionSchem
 def build_spec(config: Qwen2VLConfig, processor: Qwen2VLProcessor, limits: MediaLimits) -> FamilySpec:
     unit = config.vision.spatial_merge_size ** 2
     patches = processor.largest_item_patches(limits.max_video_frames)
-    t = config.text
-    return FamilySpec(
-        name="qwen2_5_vl" if config.is_qwen2_5 else "qwen2_vl",
-        num_layers=t.num_hidden_layers, num_kv_heads=t.num_key_value_heads, head_dim=t.head_dim,
-        embed_dim=config.vision.out_hidden_size, num_embedding_streams=1,
-        largest_item={m: ItemSize(patches[m], patches[m] // unit) for m in (IMAGE, VIDEO)},
-        eos_token_ids=config.eos_token_ids, position_scheme=PositionScheme.MROPE,
-        max_position_embeddings=t.max_position_embeddings,
-        default_video_fps=processor.default_video_fps,
-    )
+    return FamilySpec.for_decoder(
+        "qwen2_5_vl" if config.is_qwen2_5 else "qwen2_vl", config.text, eos_token_ids=config.eos_token_ids,
+        default_video_fps=processor.default_video_fps, embed_dim=config.vision.out_hidden_size,
+        num_embedding_streams=1, largest_item={m: ItemSize(patches[m], patches[m] // unit) for m in (IMAGE, VIDEO)},
+        position_scheme=PositionScheme.MROPE)
 
 
 def _family(name: str) -> ModelFamily:

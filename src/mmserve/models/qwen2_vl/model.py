@@ -1,8 +1,8 @@
 """Qwen2-VL / Qwen2.5-VL: vision tower + language model, and the checkpoint name mapping.
 
-Role: encode items into embedding rows, fuse them into the token embeddings at given rows,
-run the decoder, compute logits; `load_weights` maps Hugging Face parameter names (the hub's
-`model.*`/`visual.*` layout and transformers 5's `model.language_model.*`/`model.visual.*`)
+Role: encode items into embedding rows (the runner fuses them into the token embeddings), run the
+decoder over the fused embeddings, compute logits; `load_weights` maps Hugging Face parameter names
+(the hub's `model.*`/`visual.*` layout and transformers 5's `model.language_model.*`/`model.visual.*`)
 onto this module, stacking q/k/v and gate/up projections. What it does not know: files,
 tokenizers, scheduling.
 """
@@ -19,8 +19,9 @@ from mmserve.models.family_model import LanguageModelCalls
 from mmserve.models.qwen2_vl.config import Qwen2VLConfig
 from mmserve.models.qwen2_vl.language import qwen2_language_model
 from mmserve.models.qwen2_vl.processor import VisionInput
-from mmserve.models.qwen2_vl.vision import GridTHW, VisionTransformer
+from mmserve.models.qwen2_vl.vision import VisionTransformer
 from mmserve.models.qwen2_vl.vision_graph import Qwen2VisionGraphAdapter
+from mmserve.models.vision.segment_attention import GridTHW
 
 
 class Qwen2VLForConditionalGeneration(LanguageModelCalls, nn.Module):
@@ -45,7 +46,7 @@ class Qwen2VLForConditionalGeneration(LanguageModelCalls, nn.Module):
         return [r[None] for r in rows.split([t * h * w // unit for t, h, w in grids])]
 
     def encoder_graph_adapter(self) -> Qwen2VisionGraphAdapter:
-        """The vision tower laid out for captured graphs (runner/encoder_graphs.py)."""
+        """The vision tower laid out for captured graphs (runner/graphs/encoder_graphs.py)."""
         return Qwen2VisionGraphAdapter(self.visual)
 
     # ---- weights --------------------------------------------------------------------------

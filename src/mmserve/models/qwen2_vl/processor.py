@@ -13,7 +13,6 @@ What it does not know: devices, KV caches, scheduling.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,10 +22,14 @@ from PIL import Image
 
 from mmserve.inputs.items import IMAGE, VIDEO, MMItem, PromptPositions
 from mmserve.inputs.media import MediaLimits
-from mmserve.inputs.processing import ItemExpansion, ItemPart, MultimodalProcessor
+from mmserve.inputs.processing import ItemExpansion, MultimodalProcessor
 from mmserve.models.qwen2_vl.config import Qwen2VLConfig
-from mmserve.models.qwen2_vl.image_processor import ImageProcessorConfig, Qwen2VLImageProcessor
 from mmserve.models.qwen2_vl.mrope import VisionSpan, mrope_positions
+from mmserve.models.vision.qwen_image_processor import (
+    ImageProcessorConfig,
+    Qwen2VLImageProcessor,
+    video_parts,
+)
 
 
 @dataclass(frozen=True)
@@ -91,23 +94,3 @@ class Qwen2VLProcessor(MultimodalProcessor):
         cfg = self.image_processor.cfg
         per_frame = cfg.max_pixels // (cfg.patch_size * cfg.patch_size)
         return {IMAGE: per_frame, VIDEO: per_frame}
-
-
-def video_parts(pixel_values: np.ndarray, grid_thw: tuple[int, int, int], frames: list[Image.Image],
-                temporal_patch_size: int, merge: int, row_offsets: list[int],
-                payload: Callable[[np.ndarray, tuple[int, int, int]], Any]) -> tuple[ItemPart, ...]:
-    """A patchified video as one part per temporal group, the group's rows at `row_offsets[k]` of the
-    span. The vision tower attends within a group only (each temporal patch is its own attention
-    segment, its rotary positions are per frame), so encoding the groups one by one gives the whole
-    video's rows exactly. A part is keyed by its own frames (the last group's padding repeats
-    included) and their target size, so a video that extends an earlier one shares its leading parts.
-    The size also holds how many of the group's frames are real, so that under a caller's uuid (one
-    name for a growing stream) a padded last group is not taken for the full group that replaces it."""
-    t, h, w = grid_thw
-    per_group = h * w
-    padded = list(frames) + [frames[-1]] * (-len(frames) % temporal_patch_size)
-    return tuple(ItemPart(row_offsets[k], per_group // (merge * merge), per_group,
-                          payload(pixel_values[k * per_group:(k + 1) * per_group], (1, h, w)),
-                          padded[k * temporal_patch_size:(k + 1) * temporal_patch_size],
-                          (h, w, min(temporal_patch_size, len(frames) - k * temporal_patch_size)))
-                 for k in range(t))

@@ -1,4 +1,4 @@
-"""The Qwen2-VL / Qwen2.5-VL vision tower laid out for captured graphs (runner/encoder_graphs.py).
+"""The Qwen2-VL / Qwen2.5-VL vision tower laid out for captured graphs (runner/graphs/encoder_graphs.py).
 
 Role: the tower's forward with static shapes. Everything that depends on the images — rotary
 positions, frame contexts, Qwen2.5-VL's window order and window contexts — is computed on the CPU
@@ -20,16 +20,11 @@ import numpy as np
 import torch
 
 from mmserve.models.layers.context_attention import context_attention
+from mmserve.models.layers.encoder_batch import EncoderBucket, EncoderGraphBatch, EncoderPlan
 from mmserve.models.layers.rotary import apply_rotary
 from mmserve.models.qwen2_vl.processor import VisionInput
-from mmserve.models.qwen2_vl.vision import (
-    VisionBlock,
-    VisionTransformer,
-    frame_segments,
-    vision_hw_positions,
-    window_order,
-)
-from mmserve.runner.graph_buckets import EncoderBucket, EncoderGraphBatch, EncoderPlan
+from mmserve.models.qwen2_vl.vision import VisionBlock, VisionTransformer, window_order
+from mmserve.models.vision.segment_attention import frame_segments, vision_hw_positions
 
 FULL, WINDOW = "full", "window"
 

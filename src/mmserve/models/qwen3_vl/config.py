@@ -7,36 +7,27 @@ deepstack layers that the decoder must have). What it does not know: weights, to
 
 from __future__ import annotations
 
+from collections import ChainMap
 from dataclasses import dataclass
 from typing import Any
 
 from mmserve.errors import ModelLoadError
-from mmserve.models.config_fields import token_ids
+from mmserve.models.config_reader import TEXT_KEYS as BASE_TEXT_KEYS
+from mmserve.models.config_reader import DecoderTextConfig, Key, read, rope_section, rope_type, token_ids
 
 QWEN3_VL = "Qwen3VLForConditionalGeneration"
 
 
-@dataclass(frozen=True)
-class TextConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int  # explicit: Qwen3 heads need not divide hidden_size
-    rms_norm_eps: float
+@dataclass(frozen=True, kw_only=True)
+class TextConfig(DecoderTextConfig):
+    """head_dim is explicit (Qwen3 heads need not divide hidden_size); M-RoPE's bands are interleaved."""
+
     rope_theta: float
     mrope_section: tuple[int, int, int]  # frequency bands driven by t, h, w (interleaved)
-    tie_word_embeddings: bool
     attention_bias: bool = False
-    hidden_act: str = "silu"
-    max_position_embeddings: int = 128000
 
     def __post_init__(self) -> None:
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ModelLoadError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                                 f"num_key_value_heads {self.num_key_value_heads}")
+        super().__post_init__()
         if len(self.mrope_section) != 3 or sum(self.mrope_section) * 2 != self.head_dim:
             raise ModelLoadError(f"mrope_section {list(self.mrope_section)} must be three sections summing to "
                                  f"head_dim/2 = {self.head_dim // 2}")
@@ -110,52 +101,19 @@ class Qwen3VLConfig:
 
 
 def _rope(section: dict[str, Any], default_theta: float) -> dict[str, Any]:
-    params = dict(section.get("rope_parameters") or section.get("rope_scaling") or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", "axial", "mrope"):
-        raise ModelLoadError(f"unsupported rope_type {rope_type!r}")
+    params = rope_section(section)
+    if rope_type(params) not in ("default", "axial", "mrope"):
+        raise ModelLoadError(f"unsupported rope_type {rope_type(params)!r}")
     params.setdefault("rope_theta", section.get("rope_theta", default_theta))
     return params
 
 
-
-def _parse_text(raw: dict[str, Any], t: dict[str, Any]) -> TextConfig:
-    rope = _rope(t, 5_000_000.0)
-    heads = int(t["num_attention_heads"])
-    return TextConfig(
-        vocab_size=int(t["vocab_size"]),
-        hidden_size=int(t["hidden_size"]),
-        intermediate_size=int(t["intermediate_size"]),
-        num_hidden_layers=int(t["num_hidden_layers"]),
-        num_attention_heads=heads,
-        num_key_value_heads=int(t.get("num_key_value_heads") or heads),
-        head_dim=int(t.get("head_dim") or int(t["hidden_size"]) // heads),
-        rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope["rope_theta"]),
-        mrope_section=tuple(int(x) for x in rope.get("mrope_section", (24, 20, 20))),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", t.get("tie_word_embeddings", False))),
-        attention_bias=bool(t.get("attention_bias", False)),
-        hidden_act=str(t.get("hidden_act", "silu")),
-        max_position_embeddings=int(t.get("max_position_embeddings", 128000)),
-    )
-
-
-def _parse_vision(v: dict[str, Any], text_hidden: int) -> VisionConfig:
-    return VisionConfig(
-        depth=int(v["depth"]),
-        hidden_size=int(v["hidden_size"]),
-        intermediate_size=int(v["intermediate_size"]),
-        num_heads=int(v["num_heads"]),
-        hidden_act=str(v.get("hidden_act", "gelu_pytorch_tanh")),
-        patch_size=int(v.get("patch_size", 16)),
-        temporal_patch_size=int(v.get("temporal_patch_size", 2)),
-        spatial_merge_size=int(v.get("spatial_merge_size", 2)),
-        in_channels=int(v.get("in_channels", 3)),
-        out_hidden_size=int(v.get("out_hidden_size", text_hidden)),
-        num_position_embeddings=int(v.get("num_position_embeddings", 2304)),
-        deepstack_visual_indexes=tuple(int(i) for i in v.get("deepstack_visual_indexes", (8, 16, 24))),
-        rope_theta=float(_rope(v, 10000.0)["rope_theta"]),
-    )
+TEXT_KEYS = {**BASE_TEXT_KEYS, "max_position_embeddings": Key(default=128000)}
+VISION_KEYS = {
+    "hidden_act": Key(default="gelu_pytorch_tanh"), "patch_size": Key(default=16), "temporal_patch_size": Key(default=2),
+    "spatial_merge_size": Key(default=2), "in_channels": Key(default=3), "num_position_embeddings": Key(default=2304),
+    "deepstack_visual_indexes": Key(default=(8, 16, 24)),
+}
 
 
 def parse_config(raw: dict[str, Any]) -> Qwen3VLConfig:
@@ -165,17 +123,15 @@ def parse_config(raw: dict[str, Any]) -> Qwen3VLConfig:
     if arch != QWEN3_VL:
         raise ModelLoadError(f"unsupported architecture {arch!r}; supported: {QWEN3_VL}")
     t = raw.get("text_config") or {}
-    try:
-        text = _parse_text(raw, t)
-        return Qwen3VLConfig(
-            architecture=arch,
-            text=text,
-            vision=_parse_vision(raw.get("vision_config") or {}, text.hidden_size),
-            image_token_id=int(raw.get("image_token_id", 151655)),
-            video_token_id=int(raw.get("video_token_id", 151656)),
-            vision_start_token_id=int(raw.get("vision_start_token_id", 151652)),
-            vision_end_token_id=int(raw.get("vision_end_token_id", 151653)),
-            eos_token_ids=token_ids(t.get("eos_token_id", raw.get("eos_token_id"))),
-        )
-    except KeyError as exc:
-        raise ModelLoadError(f"config.json lacks required field {exc.args[0]!r}") from exc
+    rope = _rope(t, 5_000_000.0)
+    text = read(TextConfig, t, TEXT_KEYS, rope_theta=float(rope["rope_theta"]),
+                mrope_section=tuple(int(x) for x in rope.get("mrope_section", (24, 20, 20))),
+                tie_word_embeddings=bool(ChainMap(raw, t).get("tie_word_embeddings", False)))
+    v = raw.get("vision_config") or {}
+    vision = read(VisionConfig, v, {**VISION_KEYS, "out_hidden_size": Key(default=text.hidden_size)},
+                  rope_theta=float(_rope(v, 10000.0)["rope_theta"]))
+    return read(Qwen3VLConfig, raw, {"image_token_id": Key(default=151655), "video_token_id": Key(default=151656),
+                                     "vision_start_token_id": Key(default=151652),
+                                     "vision_end_token_id": Key(default=151653)},
+                architecture=arch, text=text, vision=vision,
+                eos_token_ids=token_ids(ChainMap(t, raw).get("eos_token_id")))

@@ -18,16 +18,11 @@ from mmserve.models.spec import FamilySpec, ItemSize, ModelFamily, PositionSchem
 def build_spec(config: Qwen3VLConfig, processor: Qwen3VLProcessor, limits: MediaLimits) -> FamilySpec:
     unit = config.vision.spatial_merge_size ** 2
     patches = processor.largest_item_patches(limits.max_video_frames)
-    t = config.text
-    return FamilySpec(
-        name="qwen3_vl",
-        num_layers=t.num_hidden_layers, num_kv_heads=t.num_key_value_heads, head_dim=t.head_dim,
-        embed_dim=t.hidden_size, num_embedding_streams=1 + config.num_deepstack,
+    return FamilySpec.for_decoder(
+        "qwen3_vl", config.text, eos_token_ids=config.eos_token_ids, default_video_fps=processor.default_video_fps,
+        num_embedding_streams=1 + config.num_deepstack,
         largest_item={m: ItemSize(patches[m], patches[m] // unit) for m in (IMAGE, VIDEO)},
-        eos_token_ids=config.eos_token_ids, position_scheme=PositionScheme.MROPE,
-        max_position_embeddings=t.max_position_embeddings,
-        default_video_fps=processor.default_video_fps,
-    )
+        position_scheme=PositionScheme.MROPE)
 
 
 FAMILIES = MappingProxyType({

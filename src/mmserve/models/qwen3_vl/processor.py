@@ -30,15 +30,15 @@ from mmserve.inputs.items import IMAGE, VIDEO, MMItem, PromptPositions
 from mmserve.inputs.media import MediaLimits
 from mmserve.inputs.processing import ItemExpansion, MultimodalProcessor
 from mmserve.inputs.tokenizer import read_json
-from mmserve.models.qwen2_vl.image_processor import (
+from mmserve.models.qwen3_vl.config import Qwen3VLConfig
+from mmserve.models.qwen3_vl.mrope import FrameRun, mrope_positions
+from mmserve.models.vision.qwen_image_processor import (
     MAX_ASPECT_RATIO,
     ImageProcessorConfig,
     PatchifiedItem,
     Qwen2VLImageProcessor,
+    video_parts,
 )
-from mmserve.models.qwen2_vl.processor import video_parts
-from mmserve.models.qwen3_vl.config import Qwen3VLConfig
-from mmserve.models.qwen3_vl.mrope import FrameRun, mrope_positions
 
 # transformers' Qwen3VLVideoProcessor defaults, for checkpoints without video_preprocessor_config.json
 VIDEO_DEFAULTS: MappingProxyType[str, Any] = MappingProxyType({

@@ -21,10 +21,14 @@ from torch import nn
 
 from mmserve.models.layers.activations import get_activation
 from mmserve.models.layers.rotary import VisionRotaryEmbedding
-from mmserve.models.qwen2_vl.vision import SegmentPlan, VisionAttention, frame_segments, vision_hw_positions
 from mmserve.models.qwen3_vl.config import VisionConfig
-
-GridTHW = tuple[int, int, int]
+from mmserve.models.vision.segment_attention import (
+    GridTHW,
+    SegmentPlan,
+    VisionAttention,
+    frame_segments,
+    vision_hw_positions,
+)
 
 
 def _axis_taps(index: np.ndarray, size: np.ndarray, side: int) -> tuple[np.ndarray, np.ndarray]:

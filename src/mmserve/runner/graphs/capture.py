@@ -83,7 +83,7 @@ class ReplayEquivalent:
 
 
 class CompiledStep:
-    """The CPU's compiled step over static buffers (runner/cpu_compile.py): `replay()` runs it and binds
+    """The CPU's compiled step over static buffers (runner/cpu/compile.py): `replay()` runs it and binds
     `output` to the fresh result. Unlike a graph's, the output is not a static tensor: nothing reads it
     at a fixed address, so it is neither copied into one nor copied out again."""
 

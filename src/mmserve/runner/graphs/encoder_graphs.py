@@ -2,12 +2,13 @@
 
 Role: at start-up, capture the family's graph-safe encoder forward once per `EncoderBucket`
 (smallest first) until the captures take `memory_budget_bytes`; per step, plan the batch
-(runner/graph_buckets.py), copy its inputs into the bucket's static buffers (padding rows and
+(runner/graphs/buckets.py), copy its inputs into the bucket's static buffers (padding rows and
 dummy contexts included), check no buffer moved, replay, and copy the real rows out of the static
 output before anything can replay again — the outputs handed out stay valid after the next replay.
 A batch no bucket holds runs eagerly.
 
-The family supplies an `EncoderGraphAdapter` (e.g. models/qwen2_vl/vision_graph.py): its attention
+The family supplies an `EncoderGraphAdapter` (e.g. models/qwen2_vl/vision_graph.py), built of the
+types in models/layers/encoder_batch.py: its attention
 kinds, the token multiple its buckets need, how a batch is laid out, the static input buffers of a
 bucket, and a forward that reads nothing but those buffers.
 
@@ -23,16 +24,14 @@ from typing import Any, Protocol
 
 import torch
 
-from mmserve.runner.encoder_runner import EncodeFn
-from mmserve.runner.graph_buckets import (
+from mmserve.models.layers.encoder_batch import (
     EncoderBucket,
     EncoderGraphBatch,
     EncoderPlan,
-    default_encoder_buckets,
-    parse_encoder_buckets,
-    plan_encoder_batch,
 )
-from mmserve.runner.graph_capture import (
+from mmserve.runner.encoder.runner import EncodeFn
+from mmserve.runner.graphs.buckets import default_encoder_buckets, parse_encoder_buckets, plan_encoder_batch
+from mmserve.runner.graphs.capture import (
     CapturedGraph,
     GraphMemoryMeter,
     StaticBuffers,

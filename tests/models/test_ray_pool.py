@@ -20,13 +20,13 @@ import torch
 
 from mmserve.errors import ModelLoadError
 from mmserve.models.loader import load_model
-from mmserve.runner.encoder_runner import EncodeJob
+from mmserve.runner.encoder.runner import EncodeJob
 from mmserve.workers import ray_pool
 from mmserve.workers.ray_pool import RayEncoderPool
 from mmserve.workers.spec import WorkerSpec
 from tests.fixtures.tiny_checkpoints import build_checkpoint
 from tests.models.helpers import image_part, load_processor, random_image, text_part, user
-from tests.unit.pool_helpers import collect
+from tests.models.pool_helpers import collect
 
 POLL_DEADLINE_S = 60.0
 SIZES = [(56, 56), (112, 84), (200, 140), (84, 168), (140, 56)]  # (width, height): different rows
@@ -103,9 +103,7 @@ BATCHES = [[0, 1], [2, 3], [4]]
 def test_outputs_equal_inline_encoding(ray_cluster, model_dir, items, inline_model):
     reference = _inline(inline_model, items, BATCHES)
     with RayEncoderPool(_spec(model_dir), num_workers=2) as pool:
-        t0 = time.monotonic()
         pool.submit(_jobs(items[:4]))
-        assert time.monotonic() - t0 < 5.0, "submit waited for the workers"
         pool.submit(_jobs(items[4:]))
         got = _collect(pool, reference)
         _assert_exact(got, reference)
@@ -127,6 +125,16 @@ def test_outputs_equal_inline_encoding(ray_cluster, model_dir, items, inline_mod
             pool.submit(_jobs(items[4:]))  # in flight: the engine never sends it twice
         _assert_exact(_collect(pool, [items[4].content_hash]), reference)
         assert pool.stats().worker_restarts == 0
+
+
+@pytest.mark.slow
+def test_submit_does_not_wait_for_the_workers(ray_cluster, model_dir, items):
+    """A pool's actors take seconds to start; handing them items returns at once (timed: slow tier)."""
+    with RayEncoderPool(_spec(model_dir), num_workers=2) as pool:
+        t0 = time.monotonic()
+        pool.submit(_jobs(items[:4]))
+        assert time.monotonic() - t0 < 5.0, "submit waited for the workers"
+        assert set(_collect(pool, [i.content_hash for i in items[:4]])) == {i.content_hash for i in items[:4]}
 
 
 def test_a_dead_actor_loses_no_item(ray_cluster, model_dir, items, inline_model):

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from mmserve.runner.encoder_pool import EncoderPool, ItemOutcome
-from mmserve.runner.encoder_runner import EncodeJob, EncodeResult, EncoderRunner
+from mmserve.runner.encoder.pool import EncoderPool, ItemOutcome
+from mmserve.runner.encoder.runner import EncodeJob, EncodeResult, EncoderRunner
 
 
 @dataclass

@@ -1,4 +1,5 @@
-// mmserve's float32 CPU matmul for the language model's linear layers (runner/cpu_gemm.py builds it).
+// mmserve's float32 CPU matmul for the language model's linear layers (runner/cpu/native.py builds it,
+// runner/cpu/gemm.py calls it).
 //
 // y (M, N) = x (M, K) @ W^T (+ bias), with W re-stored once as panels of 16 output columns:
 // panels[p][k][j] = W[16 p + j][k], zero past N. One 6-row x 16-column tile keeps its 12 accumulators
@@ -6,9 +7,8 @@
 // panel it prefetches its next one, a share in each of the panel's tiles, so at decode batch sizes
 // (where each weight is used by a few rows only) the weights stream in from memory behind the
 // arithmetic instead of before it. Spread over all the tiles rather than issued in the first one:
-// a whole 40 KB panel requested within one tile asked more of one core's memory bandwidth than it
-// has, and stalled that tile (the 100m model's 41 linears at 32 rows, weights streamed from memory:
-// 26.5 -> 21.9 ms, 154 -> 186 GFLOP/s).
+// a whole 40 KB panel requested within one tile asks more of one core's outstanding misses than it
+// has, and stalls that tile.
 // Every output is one dot product summed in k order whatever M is, so a row's result does not
 // depend on which rows share its batch.
 #include <immintrin.h>

@@ -12,8 +12,8 @@ care of, each measured or seen failing without it:
 - **No automatic dynamic shapes.** Dynamo remembers sizes per function name across code objects; a
   second engine's compile then turned dims dynamic that the first saw static and produced wrong
   code. Dims are dynamic only where the caller marks them (`torch._dynamo.mark_dynamic`).
-- **Fewer guards.** The guards on the modules' structure are dropped (checking them cost ~0.1 ms a
-  step); those on the weights' identity stay. The engine never changes weights after loading.
+- **Fewer guards.** The guards on the modules' structure are dropped (checking them is a visible share
+  of a small decode step); those on the weights' identity stay. The engine never changes weights after loading.
 
 Known limit: Inductor's own tables (its generated modules, their graphs) keep the frozen weights
 alive after the caller is gone, until the process exits. A process builds one compiled engine.

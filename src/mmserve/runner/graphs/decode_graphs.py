@@ -11,7 +11,7 @@ steps and batches beyond the largest bucket run eagerly (vLLM and SGLang do the 
 On the CPU, with `compile` set, the step is compiled by TorchInductor instead (the CPU's counterpart
 of a graph: one fused C++ program instead of a few hundred eager ops and their Python). One compiled
 function serves every bucket: the batch and block-table width are marked dynamic, so it compiles
-once for batch 1 and once for the rest, not once per bucket (runner/cpu_compile.py).
+once for batch 1 and once for the rest, not once per bucket (runner/cpu/compile.py).
 
 What it does not know: requests, sampling, scheduling, any family (the model is a `FamilyModel`).
 """
@@ -26,9 +26,9 @@ import torch
 
 from mmserve.models.spec import FamilyModel
 from mmserve.runner.attention import DecodeGroup, PagedAttentionBackend, PagedAttentionMetadata
-from mmserve.runner.cpu_compile import frozen_compile
-from mmserve.runner.graph_buckets import DecodeBucket, plan_decode_batch
-from mmserve.runner.graph_capture import (
+from mmserve.runner.cpu.compile import frozen_compile
+from mmserve.runner.graphs.buckets import DecodeBucket, plan_decode_batch
+from mmserve.runner.graphs.capture import (
     CapturedGraph,
     CompiledStep,
     StaticBuffers,
@@ -42,8 +42,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class DecodeGraphSettings:
-    batch_sizes: tuple[int, ...]  # captured decode batch sizes (runner/graph_buckets.decode_batch_sizes)
-    block_widths: tuple[int, ...]  # captured block-table widths (runner/graph_buckets.decode_block_widths)
+    batch_sizes: tuple[int, ...]  # captured decode batch sizes (runner/graphs/buckets.decode_batch_sizes)
+    block_widths: tuple[int, ...]  # captured block-table widths (runner/graphs/buckets.decode_block_widths)
     scratch_block: int  # a KV block no request is ever given: padding rows write and read there
     num_position_rows: int  # 3 for M-RoPE, 1 for 1-D RoPE
     # batch x width x block_size keys a graph may gather per layer: the padded decode attention gathers them

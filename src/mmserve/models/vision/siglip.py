@@ -1,4 +1,4 @@
-"""The SigLIP vision tower of LLaVA-OneVision, run up to the selected feature layer.
+"""The SigLIP vision tower (LLaVA-OneVision's and Gemma 3's), run up to the selected feature layer.
 
 Role: square tiles (num_tiles, C, S, S) in, per-patch features of the selected hidden states out
 (num_tiles, (S/P)^2, hidden * len(feature_layers)). The conv patch embedding is one matmul over
@@ -16,11 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.models.layers.activations import get_activation
-from mmserve.models.llava_onevision.config import VisionConfig
+from mmserve.models.vision.siglip_config import SiglipVisionConfig
 
 
 class SiglipAttention(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
+    def __init__(self, cfg: SiglipVisionConfig) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.head_dim = cfg.head_dim
@@ -37,7 +37,7 @@ class SiglipAttention(nn.Module):
 
 
 class SiglipMLP(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
+    def __init__(self, cfg: SiglipVisionConfig) -> None:
         super().__init__()
         self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
         self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
@@ -48,7 +48,7 @@ class SiglipMLP(nn.Module):
 
 
 class SiglipEncoderLayer(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
+    def __init__(self, cfg: SiglipVisionConfig) -> None:
         super().__init__()
         self.layer_norm1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.self_attn = SiglipAttention(cfg)
@@ -61,7 +61,7 @@ class SiglipEncoderLayer(nn.Module):
 
 
 class SiglipVisionTower(nn.Module):
-    def __init__(self, cfg: VisionConfig, feature_layers: tuple[int, ...]) -> None:
+    def __init__(self, cfg: SiglipVisionConfig, feature_layers: tuple[int, ...]) -> None:
         """feature_layers: non-negative indices into [embeddings, layer 1 output, ...]."""
         super().__init__()
         self.cfg = cfg

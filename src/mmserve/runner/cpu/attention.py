@@ -1,19 +1,18 @@
 """mmserve's float32 CPU attention over the paged KV cache, a query at a time: `kernels/paged_attention.cpp`.
 
-Role: load the kernel (built and cached like the matmul kernel, by `cpu_gemm.cached_library`) and run
+Role: load the kernel (built and cached like the matmul kernel, by `native.cached_library`) and run
 it as the operator `mmserve::paged_attention`: each query (a decode, or a token of a prefill chunk)
 attends over its sequence's keys where they lie in the cache, through its block table. The paged
 backend otherwise gathers every decode's blocks into a padded copy and runs SDPA with a key mask, and
-attends each prefill chunk with its own SDPA call (its cached context gathered, its mask built);
-at these sizes the copies and the per-call work cost more than the arithmetic (the 100m model's
-batch-32 decode step: SDPA 3.5 ms and the block gathers ~1.7 ms of a ~39 ms step).
+attends each prefill chunk with its own SDPA call (its cached context gathered, its mask built); at
+decode batch sizes the copies and the per-call work cost more than the arithmetic.
 
 The values differ from SDPA's in the last bits (another exp, another order of summation) and do not
 depend on which sequences share a step.
 
-What it does not know: requests, scheduling, models, bidirectional spans (the batch builder gives it
-no token of a prompt that has any), quantized or half-precision caches (the backend calls it for
-float32 caches on the CPU only; `available()` says whether this machine can run it).
+What it does not know: requests, scheduling, models, bidirectional spans, quantized or half-precision
+caches (`attention_plan` decides which tokens it gets: none of a prompt with spans, float32 caches on
+the CPU only; `available()` says whether this machine can run it).
 """
 
 from __future__ import annotations
@@ -23,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from mmserve.runner.cpu_gemm import cached_library
+from mmserve.runner.cpu.native import KERNELS_DIR, cached_library
 
-SOURCE = Path(__file__).parent / "kernels" / "paged_attention.cpp"
+SOURCE = KERNELS_DIR / "paged_attention.cpp"
 HEAD_DIM_MULTIPLE = 8  # the kernel reads a head in 8-float registers
 
 

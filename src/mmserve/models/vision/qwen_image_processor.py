@@ -1,5 +1,6 @@
-"""Native Qwen2-VL image and video preprocessing: smart resize, rescale, normalise, patchify.
+"""Native Qwen-style image and video preprocessing: smart resize, rescale, normalise, patchify.
 
+Shared by the Qwen2-VL, Qwen2.5-VL and Qwen3-VL processors (Qwen3-VL with its own video resize).
 Role: turn RGB pixels into the vision tower's input rows (num_patches, C*T*P*P) float32 plus the
 (t, h, w) patch grid, with output identical to transformers' Qwen2-VL image processor (same
 Pillow resampling, same float arithmetic). `normalize_table` holds, per channel, the value of
@@ -7,6 +8,7 @@ every uint8 level after rescale + normalise in the reference's arithmetic; the f
 float32 ops only after checking they reproduce that table for all 256 levels, so the values
 match to the bit. Images are resized in strips on a thread pool, and each finished strip is
 patchified on the thread that resized it (numpy releases the GIL), straight into the output.
+`video_parts` splits a patchified video into one engine item per temporal group.
 
 What it does not know: tokens, prompts, where the pixels came from.
 """
@@ -26,6 +28,7 @@ from PIL import Image
 
 from mmserve.errors import InvalidInputError
 from mmserve.inputs.image_ops import resize_rgbx, run_pieces, to_rgb
+from mmserve.inputs.processing import ItemPart
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -302,3 +305,23 @@ class Qwen2VLImageProcessor:
         while len(arrays) % cfg.temporal_patch_size:
             arrays.append(arrays[-1])
         return self._patchify(np.stack(arrays), cfg)
+
+
+def video_parts(pixel_values: np.ndarray, grid_thw: tuple[int, int, int], frames: list[Image.Image],
+                temporal_patch_size: int, merge: int, row_offsets: list[int],
+                payload: Callable[[np.ndarray, tuple[int, int, int]], Any]) -> tuple[ItemPart, ...]:
+    """A patchified video as one part per temporal group, the group's rows at `row_offsets[k]` of the
+    span. The vision tower attends within a group only (each temporal patch is its own attention
+    segment, its rotary positions are per frame), so encoding the groups one by one gives the whole
+    video's rows exactly. A part is keyed by its own frames (the last group's padding repeats
+    included) and their target size, so a video that extends an earlier one shares its leading parts.
+    The size also holds how many of the group's frames are real, so that under a caller's uuid (one
+    name for a growing stream) a padded last group is not taken for the full group that replaces it."""
+    t, h, w = grid_thw
+    per_group = h * w
+    padded = list(frames) + [frames[-1]] * (-len(frames) % temporal_patch_size)
+    return tuple(ItemPart(row_offsets[k], per_group // (merge * merge), per_group,
+                          payload(pixel_values[k * per_group:(k + 1) * per_group], (1, h, w)),
+                          padded[k * temporal_patch_size:(k + 1) * temporal_patch_size],
+                          (h, w, min(temporal_patch_size, len(frames) - k * temporal_patch_size)))
+                 for k in range(t))

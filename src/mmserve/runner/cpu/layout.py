@@ -1,31 +1,24 @@
 """Weight layouts and matmul paths that suit the CPU's kernels, chosen once after loading.
 
-Role: measured changes to how linear layers run on the CPU; the modules' math is unchanged.
-- float32, the language model (`pack_language_model`): mmserve's own kernel (`cpu_gemm.PanelLinear`,
-  measured there against the oneDNN path below) wherever it can be built. Else oneDNN's linear on
-  weights reordered once into its blocked layout. `F.linear` hands the weight to MKL's sgemm, which repacks it on every
-  call; at decode batch sizes that repacking is most of the product. The head of the 30M bench model
-  (32 rows x 320 x 32000) took 5.2 ms packed against 9.0 ms (2.2 against 7.5 ms at 8 rows). On the
-  engine, three alternating rounds each, head packed against every layer packed:
-  100m model, batch-32 decode step 66-70 -> 51-54 ms, the 32-request batch call 5.06-5.16 -> 4.74-
-  4.82 s, a batch-1 step 18.2-20.9 -> 17.0-19.1 ms; 30m model, batch call 1.105-1.135 -> 1.105-1.107
-  s, batch-1 step 7.0-7.1 -> 7.3 ms (oneDNN's ~15 us per call shows on its small weights). Products
-  differ from `F.linear`'s in the last bits (another summation order); greedy tokens stayed
-  transformers' in the parity suite and the peer benchmark. The vision tower is left on MKL: its
-  products are long (one row per patch), where packing measured slower (100m prefill steps
-  1.59/1.52 -> 1.68/1.60 s).
+Role: how linear layers run on the CPU; the modules' math is unchanged (products differ from
+`F.linear`'s in the last bits: another summation order).
+- float32, the language model (`pack_language_model`): mmserve's own kernel (`gemm.PanelLinear`)
+  wherever it can be built; else oneDNN's linear on weights reordered once into its blocked layout.
+  `F.linear` hands the weight to MKL's sgemm, which repacks it on every call, and at decode batch
+  sizes that repacking is most of the product. The vision tower is left on MKL: its products are long
+  (one row per patch), where packing is slower.
 - float32 without oneDNN (`relayout_for_cpu`): `F.linear(x, W)` with W stored (out, in) takes a slow
-  path at small batch; the same product with W's storage transposed (a view of a contiguous
-  (in, out) tensor) takes the gemm path: a 30M decode step 10.9/9.6 -> 6.2/7.1 ms at batch 1, bitwise
-  equal from batch 8 up.
-- bfloat16 on a CPU without bfloat16 arithmetic (`upcast_bfloat16_linears`): there PyTorch's
-  bfloat16 gemm is emulated and 4-6x slower than float32 from 32 rows up (the 30M head at 128
-  rows: 145 ms, against 24 ms in float32 and 31 ms through the path below). `BFloat16ViaFloat32Linear` keeps the bfloat16 weights and, for 16 rows or more,
-  multiplies in float32 a few MiB of weight rows at a time, rounding the result to bfloat16: the
-  contract of a bfloat16 gemm (bfloat16 operands, float32 accumulation, bfloat16 result), bitwise
-  equal to `F.linear(x.float(), W.float()).to(bfloat16)`. Under 16 rows the weight-bound native
-  kernel stays faster and is kept. Applied to the whole model, vision included.
-Embeddings tied to the head are left as they are (the head then reads the embedding table).
+  path at small batch; the same product with W's storage transposed (a view of a contiguous (in, out)
+  tensor) takes the gemm path.
+- bfloat16 on a CPU without bfloat16 arithmetic (`upcast_bfloat16_linears`): there PyTorch's bfloat16
+  gemm is emulated, several times slower than float32 from a few dozen rows up.
+  `BFloat16ViaFloat32Linear` keeps the bfloat16 weights and, for 16 rows or more, multiplies in float32
+  a few MiB of weight rows at a time, rounding the result to bfloat16: the contract of a bfloat16 gemm
+  (bfloat16 operands, float32 accumulation, bfloat16 result), bitwise equal to
+  `F.linear(x.float(), W.float()).to(bfloat16)`. Under 16 rows the weight-bound native kernel stays
+  faster and is kept. Applied to the whole model, vision included.
+Embeddings tied to the head are left as they are (the head then reads the embedding table). What each
+path measured is in the README ("Speed on CPUs") and `benchmarks/step_profile.py`.
 
 What it does not know: families, the engine, other devices (it does nothing off the CPU).
 """
@@ -39,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmserve.runner import cpu_gemm
+from mmserve.runner.cpu import gemm as cpu_gemm
 
 MIN_OUT_FEATURES = 0  # every projection: the narrow ones gained too once their weights were cold in cache
 MIN_UPCAST_ROWS = 16  # below this many rows the native bfloat16 kernel (weight-bound) is faster

@@ -1,8 +1,8 @@
-// mmserve's float32 CPU attention over the paged KV cache (runner/cpu_attention.py builds it), one query
-// row at a time: a step's decodes, and the tokens of its prefill chunks, each a query at its own
-// position. Each query attends over its sequence's keys where they lie, block by block through its
-// block table: nothing is gathered into a padded copy first, which cost more than the attention
-// itself at decode batch sizes.
+// mmserve's float32 CPU attention over the paged KV cache (runner/cpu/native.py builds it,
+// runner/cpu/attention.py calls it), one query row at a time: a step's decodes, and the tokens of its
+// prefill chunks, each a query at its own position. Each query attends over its sequence's keys where
+// they lie, block by block through its block table: nothing is gathered into a padded copy first,
+// which cost more than the attention itself at decode batch sizes.
 //
 // out[i, h] = softmax(scale * q[i, h] . K_i^T) V_i over the keys j of sequence i that its query at
 // position pos[i] sees: j <= pos[i] and, with a window w > 0, j > pos[i] - w. Key j of sequence i is

@@ -1,7 +1,8 @@
 """Bucket planning for captured graphs: which static shape a step's work is padded up to.
 
 Role: pure-Python arithmetic shared by the encoder and decode graph runners, unit-tested on the CPU.
-- Encoder: a captured vision-tower graph is keyed by `EncoderBucket` — the total encoder tokens and,
+- Encoder: a captured vision-tower graph is keyed by `EncoderBucket` (models/layers/encoder_batch.py,
+  where the families' graph layouts find it) — the total encoder tokens and,
   per attention kind, the number of contexts (attention segments). Qwen2-VL has one kind (full
   attention within each frame); Qwen2.5-VL has two (full, and window attention), whose context counts
   differ for the same tokens, so the key holds both. `plan_encoder_batch` picks the smallest bucket a
@@ -19,51 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+
+from mmserve.models.layers.encoder_batch import EncoderBucket, EncoderPlan
 
 DEFAULT_MIN_ENCODER_BUCKET_TOKENS = 256  # smallest captured encoder bucket; smaller batches pad up to it
 CONTEXT_LEVEL_GROWTH = 4  # context capacities per kind: 2, 8, 32, ...: few graphs, at most 4x dummy contexts
-
-
-@dataclass(frozen=True, order=True)
-class EncoderBucket:
-    """The key of one captured encoder graph: its static shapes."""
-
-    total_tokens: int  # encoder tokens (pre-merge patches), real and padding
-    num_contexts: tuple[int, ...]  # per attention kind, in the family's kind order: real and dummy contexts
-
-    def __post_init__(self) -> None:
-        if self.total_tokens <= 0 or not self.num_contexts or min(self.num_contexts) < 2:
-            raise ValueError(f"an encoder bucket needs tokens > 0 and >= 2 contexts per kind (one real, one "
-                             f"dummy); got {self}")
-        if max(self.num_contexts) > self.total_tokens:
-            raise ValueError(f"{self}: more contexts than tokens (every context holds at least one token)")
-
-
-@dataclass(frozen=True)
-class EncoderPlan:
-    """How one encoder batch is padded up to `bucket`."""
-
-    bucket: EncoderBucket
-    real_tokens: int
-    # per attention kind: the context lengths, the real ones in order, then the dummies (each >= 1 token)
-    context_tokens: tuple[tuple[int, ...], ...]
-
-    num_real_contexts: tuple[int, ...]  # per attention kind
-
-    @property
-    def pad_tokens(self) -> int:
-        return self.bucket.total_tokens - self.real_tokens
-
-    def dummy_context_tokens(self, kind: int) -> tuple[int, ...]:
-        return self.context_tokens[kind][self.num_real_contexts[kind]:]
-
-    def cu_seqlens(self, kind: int) -> list[int]:
-        """(num_contexts + 1) cumulative context starts of `kind`, the varlen kernel's layout."""
-        out = [0]
-        for length in self.context_tokens[kind]:
-            out.append(out[-1] + length)
-        return out
 
 
 def _dummies(pad_tokens: int, num_dummies: int) -> tuple[int, ...] | None:
@@ -215,18 +176,3 @@ def plan_decode_batch(num_blocks_per_sequence: Sequence[int], buckets: Sequence[
     """The smallest bucket holding these decodes (batch, then width); None: run eagerly."""
     batch, width = len(num_blocks_per_sequence), max(num_blocks_per_sequence)
     return next((b for b in sorted(buckets) if b.batch_size >= batch and b.num_blocks >= width), None)
-
-
-@dataclass(frozen=True)
-class EncoderGraphBatch:
-    """One encoder batch as a family lays it out for a captured graph: what the planner reads (the
-    context lengths per attention kind, the output rows per item) and the family's own host-side
-    arrays, which only the family reads."""
-
-    context_tokens: tuple[tuple[int, ...], ...]  # per attention kind, in the family's kind order
-    item_rows: tuple[int, ...]  # output rows of each item, in order
-    arrays: dict[str, Any]  # the family's CPU tensors (pixels, positions, orders, ...)
-
-    @property
-    def num_rows(self) -> int:
-        return sum(self.item_rows)

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from mmserve.runner.encoder_runner import EncodeJob
+from mmserve.runner.encoder.runner import EncodeJob
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,91 @@
+"""Build, cache and load mmserve's native CPU kernels (the C++ sources in `kernels/`).
+
+Role: compile a kernel source once per machine with the C++ compiler TorchInductor uses (flags for
+AVX2 and FMA, OpenMP from the library PyTorch already loaded), keep the shared library under the
+user's cache directory named by the source, flags and compiler, and hand it to a loader once per
+process. Where a kernel cannot run (no AVX2/FMA, no compiler, a failed build, or switched off with
+`MMSERVE_NATIVE_KERNELS=0`) the loader gets nothing and the caller keeps its fallback; the reason is
+logged once. One switch serves every kernel: a machine either builds mmserve's kernels or it does not.
+
+What it does not know: what a kernel computes, models, the engine.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+from mmserve import envs
+
+logger = logging.getLogger(__name__)
+
+KERNELS_DIR = Path(__file__).parent / "kernels"
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+BUILD_TIMEOUT_S = 300
+
+
+def _compiler() -> str | None:
+    return shutil.which(envs.cxx_compiler_name())
+
+
+def _cpu_supports_kernels() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def build(compiler: str, target_dir: Path, source: Path) -> Path:
+    """Compile `source` into `target_dir`, as a file named by the hash of source, flags and compiler; an
+    existing build is reused. Concurrent builders each write a temporary file and rename it."""
+    code = source.read_bytes()
+    key = hashlib.sha256(code + " ".join(FLAGS).encode() + compiler.encode()).hexdigest()[:16]
+    target = target_dir / f"{source.stem}-{key}.so"
+    if target.exists():
+        return target
+    target_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target_dir) as tmp:
+        built = Path(tmp) / target.name
+        subprocess.run([compiler, *FLAGS, str(source), "-o", str(built)], check=True, capture_output=True,
+                       timeout=BUILD_TIMEOUT_S)
+        os.replace(built, target)
+    return target
+
+
+def built_library(source: Path, fallback: str) -> Path | None:
+    """The built library of `source`, or None where mmserve's native kernels cannot run (see the module
+    docstring; logged, naming `fallback`, what runs instead)."""
+    if not envs.native_kernels_enabled() or not _cpu_supports_kernels():
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        logger.info("no C++ compiler found: %s", fallback)
+        return None
+    try:
+        return build(compiler, envs.cache_dir() / "kernels", source)
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        logger.warning("building %s failed (%s%s); %s", source.name, exc,
+                       (": " + detail.decode(errors="replace")[-500:]) if detail else "", fallback)
+        return None
+
+
+Loaded = TypeVar("Loaded")
+
+
+def cached_library(source: Path, fallback: str, load: Callable[[Path], Loaded]) -> Callable[[], Loaded | None]:
+    """A function returning `load(built library of source)`, or None where it cannot run (`built_library`):
+    one build and one load per process, the library being immutable once loaded (`cache_clear()` on the
+    function makes it decide anew, for tests)."""
+    @functools.cache
+    def loaded() -> Loaded | None:
+        path = built_library(source, fallback)
+        return None if path is None else load(path)
+    return loaded

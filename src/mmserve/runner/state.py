@@ -1,0 +1,67 @@
+"""The runner's per-request state, and what the engine sends it with each step.
+
+Role: `RunnerPrompt` is what the runner needs of a prompt to compute it (positions, the embed mask and
+cumsum, the items' content keys and rows, stop tokens, bidirectional spans; no pixels: those come as
+`EncodeJob`s); `StepInputs` is what the engine sends with a step besides the scheduler's output;
+`RunnerRequest` is a request as the runner holds it between steps (its tokens, blocks and progress).
+Shared by the model runner, which keeps them, and the batch builder, which reads them.
+
+What it does not know: scheduling, the model, devices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mmserve.inputs.items import PromptPositions
+from mmserve.runner.encoder.runner import EncodeJob
+from mmserve.runner.fusion import MultimodalRuntimeData
+from mmserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RunnerPrompt:
+    """What the runner needs of a prompt to compute it (no pixels: those come as `EncodeJob`s)."""
+
+    positions: PromptPositions
+    embed_mask: np.ndarray | None  # (num_prompt_tokens,) bool
+    embed_cumsum: np.ndarray | None  # (num_prompt_tokens,) int64
+    item_keys: tuple[str, ...]  # content key of each item, in item order
+    item_rows: tuple[int, ...]
+    stop_token_ids: tuple[int, ...]
+    attention_spans: tuple[tuple[int, int], ...] = ()  # [start, end) runs of tokens attending bidirectionally
+
+
+@dataclass
+class StepInputs:
+    """What the engine sends with a step besides the scheduler's output: each new (or resumed)
+    request's prompt, and the payloads of the items to encode, keyed by content key."""
+
+    prompts: dict[str, RunnerPrompt] = field(default_factory=dict)
+    encoder_jobs: list[EncodeJob] = field(default_factory=list)
+
+
+@dataclass
+class RunnerRequest:
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    prompt: RunnerPrompt
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    mm: MultimodalRuntimeData | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return self.prompt.stop_token_ids
+
+    def position_columns(self, start: int, end: int) -> np.ndarray:
+        """(num_position_rows, end - start) positions of tokens [start, end)."""
+        return self.prompt.positions.columns(start, end, self.num_prompt_tokens)
