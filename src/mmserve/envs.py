@@ -14,12 +14,13 @@ import os
 from pathlib import Path
 
 NATIVE_KERNELS = "MMSERVE_NATIVE_KERNELS"  # "0": never build or use mmserve's native CPU kernels
+NATIVE_KERNELS_EARLIER_NAME = "MMSERVE_CPU_GEMM"  # the same switch's earlier name, still read
 CACHE_DIR = "MMSERVE_CACHE_DIR"  # where built kernels are kept; default $XDG_CACHE_HOME/mmserve or ~/.cache/mmserve
 CXX = "CXX"  # the C++ compiler that builds them (default g++, as TorchInductor's)
 
 
 def native_kernels_enabled() -> bool:
-    return os.environ.get(NATIVE_KERNELS, "1") != "0"
+    return os.environ.get(NATIVE_KERNELS, os.environ.get(NATIVE_KERNELS_EARLIER_NAME, "1")) != "0"
 
 
 def cache_dir() -> Path:

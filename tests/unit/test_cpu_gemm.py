@@ -101,6 +101,10 @@ def test_switched_off_or_unbuildable_means_onednn(fresh_kernel, monkeypatch, tmp
     assert cpu_attention.kernel() is None  # one switch for every native kernel
     cpu_gemm.kernel.cache_clear()
     monkeypatch.delenv(envs.NATIVE_KERNELS)
+    monkeypatch.setenv(envs.NATIVE_KERNELS_EARLIER_NAME, "0")  # the switch's earlier name
+    assert cpu_gemm.kernel() is None
+    cpu_gemm.kernel.cache_clear()
+    monkeypatch.delenv(envs.NATIVE_KERNELS_EARLIER_NAME)
     monkeypatch.setenv(envs.CACHE_DIR, str(tmp_path))
     monkeypatch.setenv(envs.CXX, "false")  # a compiler that always fails
     with caplog.at_level(logging.WARNING, logger=native.__name__):

@@ -12,6 +12,7 @@ Each rule is also run on a planted violation, so a rule that could never fail wo
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -47,6 +48,9 @@ def _imports(path: Path, root: Path = SRC) -> set[str]:
 
 
 def _paths(*folders: str) -> list[Path]:
+    """The modules under these folders of src/mmserve (a folder that is gone fails here, not silently)."""
+    missing = [f for f in folders if not (SRC / f).is_dir()]
+    assert not missing, f"src/mmserve has no {missing}: the layering rules name folders that moved"
     return sorted(p for folder in folders for p in (SRC / folder).rglob("*.py"))
 
 
@@ -82,15 +86,55 @@ def _reaching(names: Iterable[str], *prefixes: str) -> set[str]:
     return {n for n in names if n.startswith(prefixes)}
 
 
+# folder -> the parts of mmserve it may not import (models, inputs and workers: at any depth)
+FORBIDDEN = {
+    "inputs": ("mmserve.core", "mmserve.runner", "mmserve.engine"),
+    "models": ("mmserve.runner", "mmserve.engine", "mmserve.workers", "mmserve.entrypoints"),
+    "workers": ("mmserve.core", "mmserve.engine", "mmserve.entrypoints"),
+    "entrypoints": ("mmserve.runner", "mmserve.workers", "mmserve.core"),
+}
+
+
+def _runner_core_violations(names: Iterable[str]) -> set[str]:
+    """What the runner takes from core/ besides the step contract."""
+    return {n for n in _reaching(names, "mmserve.core")
+            if n not in ("mmserve.core", "mmserve.core.step") and not n.startswith("mmserve.core.step.")}
+
+
+@functools.cache
+def _src_graph() -> dict[str, set[str]]:
+    return import_graph(SRC)
+
+
+def _reached(path: Path) -> set[str]:
+    """The modules of src/mmserve that importing `path` runs, at any depth."""
+    graph, seen = _src_graph(), set()
+    todo = [_module_name(path)]
+    while todo:
+        for target in graph[todo.pop()]:
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def _imports_torch(module: str) -> bool:
+    path = SRC.parent / (module.replace(".", "/") + ".py")
+    path = path if path.is_file() else path.with_suffix("") / "__init__.py"
+    return any(n.split(".")[0] == "torch" for n in _imports(path))
+
+
 @pytest.mark.parametrize("path", _paths("core"), ids=_ids)
 def test_core_imports_no_torch_and_no_runner(path):
-    bad = _core_violations(_imports(path))
+    """Directly or through anything it imports."""
+    reached = _reached(path)
+    bad = _core_violations(_imports(path) | reached) | {f"{m} (imports torch)" for m in reached if _imports_torch(m)}
     assert not bad, f"{_ids(path)} imports {sorted(bad)}"
 
 
 @pytest.mark.parametrize("path", _paths("inputs"), ids=_ids)
 def test_inputs_know_no_engine(path):
-    bad = _reaching(_imports(path), "mmserve.core", "mmserve.runner", "mmserve.engine")
+    bad = _reaching(_imports(path) | _reached(path), *FORBIDDEN["inputs"])
     assert not bad, f"{_ids(path)} imports {sorted(bad)}"
 
 
@@ -109,41 +153,44 @@ def test_only_the_registry_knows_families_and_no_family_imports_another(path):
 
 @pytest.mark.parametrize("path", _paths("models"), ids=_ids)
 def test_models_import_neither_the_runner_nor_the_engine(path):
-    bad = _reaching(_imports(path), "mmserve.runner", "mmserve.engine", "mmserve.workers", "mmserve.entrypoints")
+    """Directly or through anything they import."""
+    bad = _reaching(_imports(path) | _reached(path), *FORBIDDEN["models"])
     assert not bad, f"{_ids(path)} imports {sorted(bad)}"
 
 
 @pytest.mark.parametrize("path", _paths("runner"), ids=_ids)
 def test_runner_takes_from_core_only_the_step_contract(path):
-    bad = {n for n in _reaching(_imports(path), "mmserve.core")
-           if n not in ("mmserve.core", "mmserve.core.step") and not n.startswith("mmserve.core.step.")}
+    bad = _runner_core_violations(_imports(path))
     assert not bad, f"{_ids(path)} imports {sorted(bad)}"
 
 
 @pytest.mark.parametrize("path", _paths("workers"), ids=_ids)
 def test_workers_hold_no_request_state(path):
-    """Encoder workers see items only: nothing from the scheduler, the engine or the server."""
-    bad = _reaching(_imports(path), "mmserve.core", "mmserve.engine", "mmserve.entrypoints")
+    """Encoder workers see items only: nothing from the scheduler, the engine or the server, at any depth."""
+    bad = _reaching(_imports(path) | _reached(path), *FORBIDDEN["workers"])
     assert not bad, f"{_ids(path)} imports {sorted(bad)}"
 
 
 @pytest.mark.parametrize("path", _paths("entrypoints"), ids=_ids)
 def test_entrypoints_reach_the_engine_never_the_runner(path):
-    bad = _reaching(_imports(path), "mmserve.runner", "mmserve.workers", "mmserve.core")
+    bad = _reaching(_imports(path), *FORBIDDEN["entrypoints"])
     assert not bad, f"{_ids(path)} imports {sorted(bad)}"
 
 
 # ---- no import cycle -----------------------------------------------------------------------------
 def import_graph(root: Path) -> dict[str, set[str]]:
     """Module -> the modules of the same package tree it imports: `from pkg import mod` names `mod` (not
-    `pkg`, whose __init__ runs as the parent of anything imported: that is no dependency on it)."""
+    `pkg`, whose __init__ runs as the parent of anything imported: that is no dependency on it);
+    `from pkg import Name` names `pkg`."""
     modules = {_module_name(p, root): p for p in root.rglob("*.py")}
     graph = {}
     for name, path in modules.items():
         targets = set()
         for base, names in _statements(path, root):
             submodules = {f"{base}.{x}" for x in names} & modules.keys()
-            targets |= submodules or ({base} & modules.keys())
+            targets |= submodules
+            if len(submodules) < len(names) or not names:  # a name defined in `base` itself, or `import base`
+                targets |= {base} & modules.keys()
         graph[name] = targets - {name}
     return graph
 
@@ -216,6 +263,11 @@ def test_the_rules_catch_planted_violations(tmp_path):
     assert _reaching(_planted(tmp_path, "from mmserve.runner import model_runner\n"), "mmserve.runner")
     assert _core_violations(_planted(tmp_path, "import torch.nn\n")) == {"torch.nn"}
     assert _core_violations(_planted(tmp_path, "def f():\n    from mmserve.engine import llm_engine\n"))
+    for folder, prefixes in FORBIDDEN.items():
+        for prefix in prefixes:
+            assert _reaching(_planted(tmp_path, f"from {prefix}.some_module import Thing\n"), *prefixes), folder
+    assert _runner_core_violations(_planted(tmp_path, "from mmserve.core.scheduler import Scheduler\n"))
+    assert not _runner_core_violations(_planted(tmp_path, "from mmserve.core.step import SchedulerOutput\n"))
 
 
 def test_the_cycle_check_catches_a_lazy_cycle(tmp_path):
@@ -230,6 +282,10 @@ def test_the_cycle_check_catches_a_lazy_cycle(tmp_path):
     assert import_cycles(import_graph(package)) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
     (package / "c.py").write_text("")
     assert import_cycles(import_graph(package)) == []
+    # through a package's own __init__: `from pkg import Name` depends on pkg/__init__.py
+    (package / "__init__.py").write_text("from pkg.d import Thing\n")
+    (package / "d.py").write_text("from pkg import helper\nThing = 1\n")
+    assert import_cycles(import_graph(package)) == [["pkg", "pkg.d"]]
 
 
 # ---- tests and benchmarks share code through public names only -----------------------------------
@@ -268,3 +324,29 @@ def test_the_sharing_rule_catches_private_names(tmp_path):
     assert _private_reaches(probe, "tests") == {"tests.models.test_engine_parity",
                                                 "tests.models.test_engine_parity._workload"}
     assert _private_reaches(probe, "benchmarks") == {"benchmarks.offline._greedy"}
+
+
+# ---- the engine talks to the runner through its methods ------------------------------------------
+def _runner_methods() -> set[str]:
+    tree = ast.parse((SRC / "runner" / "model_runner.py").read_text())
+    runner = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ModelRunner")
+    return {n.name for n in runner.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")}
+
+
+def _runner_uses(source: str) -> set[str]:
+    """The names taken off `<anything>.runner` in `source`."""
+    return {node.attr for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "runner"}
+
+
+@pytest.mark.parametrize("path", _paths("engine", "entrypoints"), ids=_ids)
+def test_the_engine_uses_only_the_runners_methods(path):
+    """Never its attributes (`runner.encoder.store`, `runner.async_encoder.jobs`, ...): the seam stays typed."""
+    bad = _runner_uses(path.read_text()) - _runner_methods()
+    assert not bad, f"{_ids(path)} reaches into the runner for {sorted(bad)}"
+
+
+def test_the_seam_check_catches_an_attribute():
+    assert {"execute", "release", "take_outcomes"} <= _runner_methods()
+    assert _runner_uses("self.runner.encoder.store.clear()\nself.runner.release('r')\n") - _runner_methods() \
+        == {"encoder"}

@@ -75,6 +75,8 @@ class Engine:
         """`faults`: what a test plants (mmserve/faults.py); None in production."""
         self.config = config
         self.faults = faults or FaultPlan()
+        if self.faults.encoder_pool is not None and not config.encoder.encoder_workers:
+            raise ValueError("FaultPlan.encoder_pool replaces encoder workers: set encoder_workers too")
         torch.manual_seed(config.seed)
         self.device = torch.device(config.device)
         self.dtype = parse_dtype(config.dtype)
@@ -339,7 +341,7 @@ class Engine:
         """Read-only views of the engine's state for tests and benchmarks (engine/inspection.py)."""
         return EngineInspection(self.runner.request_views(), self.runner.encoder_outputs(),
                                 {rid: len(t.payloads) for rid, t in self.tracked.items()},
-                                self.runner.graph_stats(), self.kv_storage, self.runner.last_step)
+                                self.runner.graph_stats(), self.kv_storage, self.runner.last_step_timing())
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

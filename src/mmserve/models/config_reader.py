@@ -23,7 +23,7 @@ import enum
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from types import NoneType, UnionType
+from types import MappingProxyType, NoneType, UnionType
 from typing import Any, TypeVar
 
 from mmserve.errors import ModelLoadError
@@ -118,7 +118,7 @@ def _convert(value: Any, hint: Any) -> Any:
 
 @dataclass(frozen=True, kw_only=True)
 class DecoderTextConfig:
-    """What every family's decoder reads (`layers/decoder.py`'s `DecoderConfig`), and the check they share."""
+    """What every family's decoder reads (`layers/decoder.py`), and the check they share."""
 
     vocab_size: int
     hidden_size: int
@@ -148,10 +148,10 @@ def _hidden_per_head(fields: Mapping[str, Any]) -> int:
 
 # the usual reading of the decoder's head counts: kv heads default to the query heads, head_dim to
 # hidden / heads; a 0 or null in either reads as unset (transformers' writers leave them so)
-TEXT_KEYS: Mapping[str, Key] = {
+TEXT_KEYS: Mapping[str, Key] = MappingProxyType({
     "num_key_value_heads": Key(default=_heads, falsy_is_absent=True),
     "head_dim": Key(default=_hidden_per_head, falsy_is_absent=True),
-}
+})
 
 
 def rope_section(section: Mapping[str, Any]) -> dict[str, Any]:

@@ -100,7 +100,7 @@ class PagedAttentionBackend:
                     keys, values = keys.flatten(0, 1)[:ctx + q_len], values.flatten(0, 1)[:ctx + q_len]
                 out[start:end] = dense_attention(q[start:end], keys, values, ctx, meta.spans_of(i), layer)
             start = end
-        if not kernel:  # (with the kernel, the decodes were among its rows)
+        if not (kernel and self.cpu_plan.takes_decodes):  # else the decodes were among the kernel's rows
             for group in meta.decode_groups:
                 out[group.token_index] = self._decode(layer_idx, q, group, layer)
         return out

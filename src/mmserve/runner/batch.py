@@ -39,7 +39,7 @@ class Batch:
 
 class BatchBuilder:
     def __init__(self, block_size: int, device: torch.device, cpu_attention: CpuAttentionPlan | None = None) -> None:
-        """`cpu_attention`: which tokens the CPU attention kernel takes (None: none)."""
+        """`cpu_attention`: which tokens the CPU attention kernel takes (None, or a plan with it off: none)."""
         self.block_size = block_size
         self.device = device
         self.ids: list[np.ndarray] = []
@@ -51,7 +51,8 @@ class BatchBuilder:
         self.prefill_tables: list[list[int] | None] = []
         self.decode_rows: list[int] = []
         self.decode_tables: list[list[int]] = []
-        self.kernel_tokens = None if cpu_attention is None else KernelTokenTables(cpu_attention)
+        self.kernel_tokens = (KernelTokenTables(cpu_attention) if cpu_attention is not None and cpu_attention.enabled
+                              else None)
         self.fusion: list[tuple[torch.Tensor, np.ndarray]] = []
         self.sample_index: list[int] = []
         self.sample_rows: list[RunnerRequest] = []

@@ -7,7 +7,9 @@ CPU, ship it with non_blocking copies, run the model and the sampler. One host s
 sampled token ids. Reports which encoder keys it committed and which failed. With captured graphs
 (runner/graphs/) the encoder replays a bucket's graph and a decode-only step replays a (batch,
 width) graph; anything no graph holds runs eagerly. The engine talks to it through its methods only:
-`execute`, `release`, `free_encoder_outputs`, `take_outcomes` and the read-only views and counters.
+`execute`, `release`, `free_encoder_outputs`, `take_outcomes` and the views and counters
+(`encoder_outputs`, `request_views`, `encoder_counts`, `graph_stats`, `last_step_timing`,
+`num_encoder_items_in_flight`).
 
 What it does not know: scheduling policy, budgets, text, any family (the model is a
 `FamilyModel`; its facts come from the `FamilySpec`).
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 import torch
@@ -134,8 +136,16 @@ class ModelRunner:
         return EncoderCounts(self.encoder.num_items_encoded, self.encoder.num_tokens_encoded)
 
     def graph_stats(self) -> GraphStats:
-        return GraphStats(None if self.encoder_graphs is None else self.encoder_graphs.stats,
-                          None if self.decode_graphs is None else self.decode_graphs.stats)
+        """A copy of the graphs' counters as of now."""
+        encoder = None if self.encoder_graphs is None else self.encoder_graphs.stats
+        decode = None if self.decode_graphs is None else self.decode_graphs.stats
+        return GraphStats(None if encoder is None else replace(encoder, captured=list(encoder.captured),
+                                                                 skipped_over_budget=list(encoder.skipped_over_budget)),
+                          None if decode is None else replace(decode, captured=list(decode.captured)))
+
+    def last_step_timing(self) -> StepTiming:
+        """A copy of the last step's timing."""
+        return replace(self.last_step)
 
     def request_views(self) -> dict[str, RunnerRequestView]:
         """Every request the runner holds state for, read-only."""

@@ -169,7 +169,7 @@ class ProcessEncoderPool:
             if job.key in self._held or job.key in seen:
                 repeated.append(job.key[:12])
             seen.add(job.key)
-        if repeated:  # the engine never sends a key twice while it is in flight (encoder_pool's contract)
+        if repeated:  # the engine never sends a key twice while it is in flight (EncoderPool's contract)
             raise ValueError(f"items already in the encoder pool: {repeated}")
         now = time.monotonic()
         for job in jobs:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import ChainMap
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from mmserve.errors import ModelLoadError
@@ -116,27 +117,27 @@ def _layer_types(t: dict[str, Any], num_layers: int) -> tuple[str, ...]:
 
 
 # transformers' Gemma3TextConfig defaults (Gemma 3 4B's decoder)
-TEXT_KEYS = {
+TEXT_KEYS = MappingProxyType({
     "vocab_size": Key(default=262_208), "hidden_size": Key(default=2304), "intermediate_size": Key(default=9216),
     "num_hidden_layers": Key(default=26), "num_attention_heads": Key(default=8),
     "num_key_value_heads": Key(default=4, falsy_is_absent=True), "head_dim": Key(default=256, falsy_is_absent=True),
     "hidden_act": Key(names=("hidden_activation", "hidden_act"), default="gelu_pytorch_tanh", falsy_is_absent=True),
     "query_pre_attn_scalar": Key(default=256.0), "sliding_window": Key(default=4096, null=None),
     "max_position_embeddings": Key(default=131_072),
-}
+})
 # transformers' SiglipVisionConfig defaults; image and patch sizes may be given as a square (h, w)
-VISION_KEYS = {
+VISION_KEYS = MappingProxyType({
     "hidden_size": Key(default=768), "intermediate_size": Key(default=3072), "num_hidden_layers": Key(default=12),
     "num_attention_heads": Key(default=12),
     "image_size": Key(default=224, convert=lambda value: _square(value, "image_size")),
     "patch_size": Key(default=16, convert=lambda value: _square(value, "patch_size")),
     "num_channels": Key(default=3), "layer_norm_eps": Key(default=1e-6), "hidden_act": Key(default="gelu_pytorch_tanh"),
-}
-TOP_KEYS = {
+})
+TOP_KEYS = MappingProxyType({
     "mm_tokens_per_image": Key(default=256, falsy_is_absent=True),
     **{f"{name}_token_id": Key(names=(f"{name}_token_index", f"{name}_token_id"), default=default)
        for name, default in (("boi", 255_999), ("eoi", 256_000), ("image", 262_144))},
-}
+})
 
 
 def _parse_text(t: dict[str, Any], top: dict[str, Any]) -> TextConfig:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import ChainMap
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from mmserve.errors import ModelLoadError
@@ -52,19 +53,19 @@ class LlavaOnevisionConfig:
         return tuple(i % n for i in self.vision_feature_layers)
 
 
-TEXT_KEYS = {**BASE_TEXT_KEYS, "max_position_embeddings": Key(default=32768)}
+TEXT_KEYS = MappingProxyType({**BASE_TEXT_KEYS, "max_position_embeddings": Key(default=32768)})
 # LLaVA-OneVision's defaults for its SigLIP tower (SO400M at 384 px)
-VISION_KEYS = {
+VISION_KEYS = MappingProxyType({
     "hidden_size": Key(default=1152), "intermediate_size": Key(default=4304), "num_hidden_layers": Key(default=26),
     "num_attention_heads": Key(default=16), "image_size": Key(default=384), "patch_size": Key(default=14),
     "num_channels": Key(default=3), "layer_norm_eps": Key(default=1e-6), "hidden_act": Key(default="gelu_pytorch_tanh"),
-}
-TOP_KEYS = {
+})
+TOP_KEYS = MappingProxyType({
     "image_token_id": Key(names=("image_token_index", "image_token_id"), default=151646),
     "video_token_id": Key(names=("video_token_index", "video_token_id"), default=151647),
     "vision_aspect_ratio": Key(default="anyres_max_9"), "projector_hidden_act": Key(default="gelu"),
     "multimodal_projector_bias": Key(default=True),
-}
+})
 
 
 def _parse_text(raw: dict[str, Any], top: dict[str, Any]) -> TextConfig:

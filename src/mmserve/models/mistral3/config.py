@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import ChainMap
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from mmserve.errors import ModelLoadError
@@ -105,25 +106,25 @@ def _rope_theta(section: dict[str, Any], default: float, allowed: tuple[str, ...
 
 # MistralConfig's defaults for fields a present text section lacks; an explicit null num_key_value_heads
 # means one kv head per query head, a null sliding_window no window
-TEXT_KEYS = {
+TEXT_KEYS = MappingProxyType({
     "vocab_size": Key(default=32000), "hidden_size": Key(default=4096), "intermediate_size": Key(default=14336),
     "num_hidden_layers": Key(default=32), "num_attention_heads": Key(default=32),
     "num_key_value_heads": Key(default=8, null=lambda f: f["num_attention_heads"]),
     "head_dim": Key(default=lambda f: f["hidden_size"] // f["num_attention_heads"], falsy_is_absent=True),
     "sliding_window": Key(default=4096, null=None), "max_position_embeddings": Key(default=131072),
-}
+})
 # PixtralVisionConfig's defaults; a square patch size may be given as (p, p), the image size as (h, w)
-VISION_KEYS = {
+VISION_KEYS = MappingProxyType({
     "hidden_size": Key(default=1024), "intermediate_size": Key(default=4096), "num_hidden_layers": Key(default=24),
     "num_attention_heads": Key(default=16), "num_channels": Key(default=3),
     "image_size": Key(default=1024, convert=lambda size: int(max(size) if isinstance(size, (list, tuple)) else size)),
     "patch_size": Key(default=16, convert=lambda patch: int(_square_patch(patch))), "hidden_act": Key(default="gelu"),
-}
-TOP_KEYS = {
+})
+TOP_KEYS = MappingProxyType({
     "image_token_id": Key(names=("image_token_index", "image_token_id"), default=10),
     "spatial_merge_size": Key(default=2), "projector_hidden_act": Key(default="gelu"),
     "multimodal_projector_bias": Key(default=False),
-}
+})
 
 
 def _parse_text(raw: dict[str, Any]) -> TextConfig:

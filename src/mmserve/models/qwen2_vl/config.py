@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import ChainMap
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from mmserve.errors import ModelLoadError
@@ -87,20 +88,20 @@ def _rope_params(section: Mapping[str, Any]) -> tuple[float, tuple[int, ...] | N
     return float(theta), (tuple(int(x) for x in mrope) if mrope else None)
 
 
-TEXT_KEYS = {
+TEXT_KEYS = MappingProxyType({
     "num_key_value_heads": Key(default=lambda f: f["num_attention_heads"]),
     "head_dim": Key(computed=lambda f: f["hidden_size"] // f["num_attention_heads"]),
     "max_position_embeddings": Key(default=32768),
-}
+})
 # the vision section: Qwen2-VL's and Qwen2.5-VL's towers name the same widths differently
-VISION_KEYS = {
+VISION_KEYS = MappingProxyType({
     "patch_size": Key(default=14), "temporal_patch_size": Key(default=2), "spatial_merge_size": Key(default=2),
     "in_channels": Key(names=("in_channels", "in_chans"), default=3),
-}
-QWEN2_5_VISION_KEYS = {
+})
+QWEN2_5_VISION_KEYS = MappingProxyType({
     **VISION_KEYS, "embed_dim": Key(names=("hidden_size",)), "mlp_hidden_size": Key(names=("intermediate_size",)),
     "hidden_act": Key(default="silu"), "window_size": Key(default=112), "tokens_per_second": Key(default=2.0),
-}
+})
 
 
 def parse_config(raw: dict[str, Any]) -> Qwen2VLConfig:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import ChainMap
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from mmserve.errors import ModelLoadError
@@ -108,12 +109,12 @@ def _rope(section: dict[str, Any], default_theta: float) -> dict[str, Any]:
     return params
 
 
-TEXT_KEYS = {**BASE_TEXT_KEYS, "max_position_embeddings": Key(default=128000)}
-VISION_KEYS = {
+TEXT_KEYS = MappingProxyType({**BASE_TEXT_KEYS, "max_position_embeddings": Key(default=128000)})
+VISION_KEYS = MappingProxyType({
     "hidden_act": Key(default="gelu_pytorch_tanh"), "patch_size": Key(default=16), "temporal_patch_size": Key(default=2),
     "spatial_merge_size": Key(default=2), "in_channels": Key(default=3), "num_position_embeddings": Key(default=2304),
     "deepstack_visual_indexes": Key(default=(8, 16, 24)),
-}
+})
 
 
 def parse_config(raw: dict[str, Any]) -> Qwen3VLConfig:

@@ -131,8 +131,8 @@ extern "C" {
 // q (n, heads, D) contiguous; key/value: one layer's cache (num_blocks, block_size, kv_heads, D) contiguous;
 // table (sequences, width) block ids; seq (n,) the table row of each query, or null: query i uses row i;
 // pos (n,) each query's position; window <= 0: none; out (n, heads * D).
-// D must be a multiple of 8, positions >= 0 and within the table's blocks (cpu_attention.py checks the
-// shapes and dtypes; the positions are the engine's own).
+// D must be a multiple of 8, positions >= 0 and within the table's blocks (runner/cpu/attention.py checks
+// the shapes and dtypes; the positions are the engine's own).
 void mm_paged_attention(const float* q, int64_t n, int64_t heads, int64_t kv_heads, int64_t D,
                                const float* key, const float* value, int64_t block_size, const int64_t* table,
                                int64_t width, const int64_t* seq, const int64_t* pos, float scale, int64_t window,
