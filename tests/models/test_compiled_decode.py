@@ -33,10 +33,9 @@ def test_compiled_decode_gives_the_eager_tokens_for_every_family(served_family, 
     before = _compiled_graphs()
     llm = LLM(str(served_model_dir), compile_cpu_decode=True, decode_graph_batch_sizes=(1, 2, 4), **ARGS)
     assert _compiled_graphs() - before == 2
-    graphs = llm.engine.inspect().graphs.decode
-    assert len(graphs.captured) == 3 * 3  # batch sizes x block widths 4, 8, 16
+    assert len(llm.engine.inspect().graphs.decode.captured) == 3 * 3  # batch sizes x block widths 4, 8, 16
     assert [o.outputs[0].token_ids for o in llm.chat(_chats(), GREEDY, use_tqdm=False)] == want
-    assert graphs.num_replays > 0
+    assert llm.engine.inspect().graphs.decode.num_replays > 0  # (a copy as of each call)
     assert _compiled_graphs() - before == 2  # serving compiled nothing more
     llm.check_integrity()
 
