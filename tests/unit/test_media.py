@@ -67,8 +67,12 @@ def test_byte_cap():
 
 
 def test_unsupported_mode():
-    with pytest.raises(InvalidInputError, match="unsupported mode 'F'"):
-        load_image(Image.new("F", (8, 8)))
+    """A mode Pillow cannot convert to RGB is refused up front (16-bit, 32-bit and float modes convert, as in
+    transformers: clipped to 0..255)."""
+    with pytest.raises(InvalidInputError, match="unsupported mode 'La'"):
+        load_image(Image.new("La", (8, 8)))
+    for mode in ("I", "I;16", "F"):
+        assert load_image(Image.new(mode, (8, 8))).mode == mode
 
 
 def test_unsupported_type():

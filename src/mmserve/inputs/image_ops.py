@@ -34,10 +34,12 @@ _PIECE_BYTES = 4 << 20
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
-    """RGB view of `image`; transparent pixels are composited onto a white background."""
-    if image.mode == "RGB":
-        return image
+    """RGB view of `image`; transparent pixels are composited onto a white background. As transformers'
+    `convert_to_rgb`: an RGB image that still carries a transparent colour (`info["transparency"]`, kept by
+    Pillow from a palette file) is composited too."""
     has_alpha = "A" in image.getbands() or image.info.get("transparency") is not None
+    if image.mode == "RGB" and not has_alpha:
+        return image
     if has_alpha:
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))

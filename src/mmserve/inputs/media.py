@@ -5,6 +5,13 @@ local paths (only under an allowed root) — and return decoded RGB-convertible 
 raise `InvalidInputError` with a message that says what was wrong. The pixel cap is checked
 from the header before any pixel is decoded (decompression-bomb guard).
 
+Each kind of source becomes the pixels transformers makes of it, so answers match theirs: encoded
+images (bytes, data URIs, files, and the URLs the server fetches) go through transformers'
+`load_image` steps — turned upright by their EXIF orientation, then `convert("RGB")`, which drops an
+alpha channel rather than blending it; a PIL image is handed on as it is (the family's processor then
+composites transparency onto white, as transformers' image processors do); an RGBA array is composited
+onto white in float64 and rounded, as transformers' `convert_to_rgb` does for arrays.
+
 What it does not know: models, patch sizes, tokens. Network fetching lives with the server.
 """
 
@@ -20,15 +27,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
 
 from mmserve.errors import InvalidInputError
 from mmserve.inputs.frame_sampling import check_fps
 
-# Modes Pillow converts to RGB faithfully; 32-bit integer/float modes have no defined mapping.
-SUPPORTED_IMAGE_MODES = frozenset(
-    {"1", "L", "LA", "La", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX", "CMYK", "YCbCr", "LAB", "HSV"}
-)
+# The modes Pillow converts to RGB (as transformers does: 16-bit, 32-bit and float values are clipped to
+# 0..255, not rescaled). "La" (premultiplied) has no conversion to RGB in Pillow.
+SUPPORTED_IMAGE_MODES = frozenset({"1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX", "CMYK", "YCbCr", "LAB",
+                                   "HSV", "I", "I;16", "I;16L", "I;16B", "I;16N", "F"})
 
 
 @dataclass(frozen=True)
@@ -96,11 +103,22 @@ def decode_image_bytes(data: bytes, limits: MediaLimits, what: str = "image") ->
         raise InvalidInputError(f"{what} could not be decoded (not an image in a format Pillow reads)") from exc
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
         raise InvalidInputError(f"{what} could not be decoded (corrupt, truncated or not an image): {exc}") from exc
-    return validate_image(image, limits, what)
+    return as_loaded_by_transformers(validate_image(image, limits, what), what)
+
+
+def as_loaded_by_transformers(image: Image.Image, what: str = "image") -> Image.Image:
+    """What transformers' `load_image` makes of a decoded file: upright by its EXIF orientation, then RGB
+    by `convert("RGB")` (an alpha channel is dropped, not blended)."""
+    try:
+        upright = ImageOps.exif_transpose(image)
+        return upright if upright.mode == "RGB" else upright.convert("RGB")
+    except (OSError, SyntaxError, ValueError, EOFError) as exc:  # a corrupt EXIF block, a failed conversion
+        raise InvalidInputError(f"{what} could not be decoded (corrupt EXIF data or colour mode): {exc}") from exc
 
 
 def image_from_array(array: np.ndarray, limits: MediaLimits, what: str = "image") -> Image.Image:
-    """A channels-last uint8 array (H, W), (H, W, 1), (H, W, 3) or (H, W, 4) as a PIL image."""
+    """A channels-last uint8 array (H, W), (H, W, 1), (H, W, 3) or (H, W, 4) as a PIL image; four channels are
+    composited onto white as transformers' `convert_to_rgb` does for an array (float64, then rounded)."""
     if array.dtype != np.uint8:
         raise InvalidInputError(f"{what} array must be uint8, got {array.dtype}")
     if array.ndim == 3 and array.shape[2] == 1:
@@ -108,6 +126,9 @@ def image_from_array(array: np.ndarray, limits: MediaLimits, what: str = "image"
     if array.ndim not in (2, 3) or (array.ndim == 3 and array.shape[2] not in (3, 4)):
         raise InvalidInputError(f"{what} array must be (H, W), (H, W, 1), (H, W, 3) or (H, W, 4); got {array.shape}")
     _check_size(array.shape[1], array.shape[0], limits, what)
+    if array.ndim == 3 and array.shape[2] == 4:
+        alpha = array[..., 3:4] / 255
+        array = np.round(alpha * array[..., :3] + (1 - alpha) * 255).astype(np.uint8)
     return Image.fromarray(np.ascontiguousarray(array))
 
 
