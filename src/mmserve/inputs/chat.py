@@ -39,8 +39,12 @@ def _normalize_message(message: dict[str, Any], media: ChatInput) -> dict[str, A
     if not isinstance(message, dict) or "role" not in message:
         raise InvalidInputError(f"a chat message must be a dict with a 'role', got {message!r:.80}")
     content = message.get("content")
-    if content is None or isinstance(content, str):
-        return {"role": message["role"], "content": content or ""}
+    # the message's other fields (name, reasoning_content, ...) go to the template as transformers passes them
+    rest = {k: v for k, v in message.items() if k not in ("role", "content")}
+    if content is None:  # as transformers: the template sees no content key
+        return {"role": message["role"], **rest}
+    if isinstance(content, str):
+        return {"role": message["role"], "content": content, **rest}
     if not isinstance(content, list):
         raise InvalidInputError("message content must be a string or a list of content parts")
     parts = []
@@ -60,4 +64,4 @@ def _normalize_message(message: dict[str, Any], media: ChatInput) -> dict[str, A
         else:
             raise InvalidInputError(f"unsupported content part type {kind!r}; supported: text, image_url, "
                                     "image_pil, image, video")
-    return {"role": message["role"], "content": parts}
+    return {"role": message["role"], "content": parts, **rest}

@@ -1,23 +1,21 @@
 """Tokenizer and chat template read from a checkpoint directory, without transformers.
 
-Role: `tokenizer.json` through the `tokenizers` library; the chat template from
-`chat_template.jinja`, `chat_template.json` or `tokenizer_config.json`, rendered with jinja2 in a
-sandbox the way Hugging Face renders it (trim_blocks, lstrip_blocks, `tojson`,
-`raise_exception`). What it does not know: images, placeholders' meaning, models.
+Role: `tokenizer.json` through the `tokenizers` library; the special tokens of `tokenizer_config.json`;
+the chat template found and rendered as transformers does (`chat_template.py`). What it does not know:
+images, placeholders' meaning, models.
 """
 
 from __future__ import annotations
 
 import json
-from datetime import datetime
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from mmserve.errors import InvalidInputError, ModelLoadError
+from mmserve.inputs.chat_template import ChatTemplate, load_chat_template
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -31,26 +29,14 @@ def _token_content(value: Any) -> str | None:
     return value
 
 
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Any = None, sort_keys: bool = False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def load_chat_template(model_dir: Path) -> str | None:
-    jinja_file = model_dir / "chat_template.jinja"
-    if jinja_file.is_file():
-        return jinja_file.read_text()
-    for source in (read_json(model_dir / "chat_template.json"), read_json(model_dir / "tokenizer_config.json")):
-        template = source.get("chat_template")
-        if isinstance(template, list):  # named templates: take "default"
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        if template:
-            return template
-    return None
+def special_tokens(config: Mapping[str, Any]) -> dict[str, str]:
+    """The named special tokens of a `tokenizer_config.json` (`bos_token`, `eos_token`, ..., and a model's own,
+    such as `image_token`), as transformers hands them to a chat template."""
+    named = {k: v for k, v in config.items() if k.endswith("_token")}
+    extra = config.get("extra_special_tokens")
+    if isinstance(extra, Mapping):  # a model's named tokens may come here instead
+        named.update(extra)
+    return {k: c for k, v in named.items() if isinstance(c := _token_content(v), str)}
 
 
 class TextTokenizer:
@@ -66,12 +52,8 @@ class TextTokenizer:
         self.eos_token_id: int | None = self.token_to_id(self.eos_token) if self.eos_token else None
         self.special_token_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
         self.chat_template = load_chat_template(root)
-        self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                  extensions=["jinja2.ext.loopcontrols"])
-        self._env.filters["tojson"] = _tojson
-        self._env.globals["raise_exception"] = _raise_exception
-        self._env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        self._compiled = self._env.from_string(self.chat_template) if self.chat_template else None
+        self._template = None if self.chat_template is None else ChatTemplate(self.chat_template,
+                                                                                special_tokens(config))
 
     @property
     def vocab_size(self) -> int:
@@ -91,11 +73,6 @@ class TextTokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
-        if self._compiled is None:
+        if self._template is None:
             raise InvalidInputError("this model has no chat template; pass a plain prompt instead")
-        try:
-            # the special tokens transformers hands every template (Mistral's and Gemma's open with bos_token)
-            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **{"bos_token": self.bos_token, "eos_token": self.eos_token, **kwargs})
-        except jinja2.exceptions.TemplateError as exc:
-            raise InvalidInputError(f"chat template rejected the messages: {exc}") from exc
+        return self._template.render(messages, add_generation_prompt, **kwargs)
