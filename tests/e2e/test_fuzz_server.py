@@ -8,6 +8,7 @@ deadline), and the engine healthy and idle after each batch of cases.
 from __future__ import annotations
 
 import base64
+import io
 import json
 import time
 
@@ -16,6 +17,7 @@ import pytest
 import schemathesis
 from hypothesis import event, given
 from hypothesis import strategies as st
+from PIL import Image
 from schemathesis.checks import not_a_server_error
 
 from tests.e2e.conftest import running_server
@@ -25,6 +27,7 @@ from tests.fixtures.fuzz import (
     fuzz_settings,
     hostile_images,
     json_values,
+    processor_kwargs,
     sampling_fields,
 )
 
@@ -88,6 +91,12 @@ def _chat_body(messages: object, **fields: object) -> dict:
     return {"messages": messages, "max_tokens": 3, "temperature": 0, **fields}
 
 
+def _png() -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (40, 30), (200, 30, 90)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
 def _ask(url: str) -> list:
     return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                          {"type": "text", "text": "What is it?"}]}]
@@ -110,6 +119,14 @@ def test_data_uris(http, idle_after, uri):
 @given(messages=chat_messages(data_uris() | st.text(max_size=20)), stream=st.booleans())
 def test_chat_message_structures(http, idle_after, messages, stream):
     _post(http, "/v1/chat/completions", _chat_body(messages, stream=stream))
+
+
+@fuzz_settings(80)
+@given(kwargs=processor_kwargs, stream=st.booleans())
+def test_processor_kwargs(http, idle_after, kwargs, stream):
+    png = base64.b64encode(_png()).decode()
+    _post(http, "/v1/chat/completions", _chat_body(_ask("data:image/png;base64," + png), stream=stream,
+                                                   mm_processor_kwargs=kwargs))
 
 
 @fuzz_settings(150)

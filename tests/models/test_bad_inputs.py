@@ -85,3 +85,58 @@ def test_corrupt_image_in_chat_then_good_request(processor, img):
     with pytest.raises(InvalidInputError, match="image 0 could not be decoded"):
         processor.process(prompt, images=[b"\x89PNG\r\n\x1a\n garbage"])
     assert processor.process(prompt, images=[img]).items[0].output_rows == 4
+
+
+@pytest.mark.parametrize("kwargs, param", [({"min_pixels": 2**40}, "mm_processor_kwargs.min_pixels"),
+                                           ({"max_pixels": 10**300}, "mm_processor_kwargs.max_pixels"),
+                                           ({"max_pixels": "many"}, "mm_processor_kwargs.max_pixels"),
+                                           ({"sharpen": 1}, "mm_processor_kwargs.sharpen"),
+                                           ({"fps": -1}, "mm_processor_kwargs.fps")])
+def test_processor_kwargs_are_checked_against_the_limits_before_anything_is_resized(processor, img, kwargs, param):
+    """An absurd pixel count would allocate terabytes: it is refused first, naming the key."""
+    prompt = processor.render_chat(user(image_part(img), text_part("hi"))).prompt
+    with pytest.raises(InvalidInputError) as caught:
+        processor.process(prompt, images=[img], mm_processor_kwargs=kwargs)
+    assert caught.value.param == param
+
+
+def test_text_that_is_not_unicode_is_refused_naming_the_field(processor):
+    with pytest.raises(InvalidInputError, match="not valid Unicode") as caught:
+        processor.render_chat([{"role": "user", "content": [text_part("fine"), text_part("lone \ud800")]}])
+    assert caught.value.param == "messages[0].content[1].text"
+
+
+def test_the_server_answers_400_naming_the_field(checkpoint_dirs):
+    import json
+
+    from fastapi.testclient import TestClient
+
+    from mmserve import LLM
+    from mmserve.entrypoints.openai.media import MediaRules
+    from mmserve.entrypoints.openai.server import build_app
+    from mmserve.entrypoints.openai.serving import ServerConfig
+
+    llm = LLM(str(checkpoint_dirs["qwen2_vl"]))
+    app = build_app(llm.engine, ServerConfig("m", MediaRules(llm.engine.config.media)))
+    with TestClient(app) as client:
+        surrogate = '{"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "a \\ud800"}]}'
+        reply = client.post("/v1/chat/completions", content=surrogate, headers={"content-type": "application/json"})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages[0].content", reply.text
+        body = {"model": "m", "max_tokens": 2, "mm_processor_kwargs": {"min_pixels": 2**40},
+                "messages": [{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": _png_uri()}}, {"type": "text", "text": "hi"}]}]}
+        reply = client.post("/v1/chat/completions", content=json.dumps(body), headers={"content-type": "application/json"})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "mm_processor_kwargs.min_pixels"
+        ok = client.post("/v1/chat/completions", json={"model": "m", "max_tokens": 2,
+                                                       "messages": [{"role": "user", "content": "hi"}]})
+        assert ok.status_code == 200
+    llm.check_integrity()
+
+
+def _png_uri() -> str:
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (40, 30), (10, 200, 90)).save(buffer, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()

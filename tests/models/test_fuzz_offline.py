@@ -1,5 +1,5 @@
 """Fuzzing the offline API (seeded, bounded): hostile image bytes, data URIs, chat message structures
-and sampling parameters through `LLM.chat`. Property, case by case: an answer or an
+(text from every code point), sampling parameters and processor kwargs through `LLM.chat`. Property, case by case: an answer or an
 `InvalidInputError` — never another exception, never a hang — and the engine idle and intact after.
 """
 
@@ -18,6 +18,7 @@ from tests.fixtures.fuzz import (
     data_uris,
     fuzz_settings,
     hostile_images,
+    processor_kwargs,
     sampling_fields,
     within,
 )
@@ -51,6 +52,19 @@ def _answer_or_refusal(llm: LLM, call) -> object:
     return result
 
 
+def _png() -> bytes:
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (40, 30), (200, 30, 90)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+_PNG = _png()
+
+
 def _ask(image_url: str) -> list:
     return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url}},
                                          {"type": "text", "text": "What is it?"}]}]
@@ -75,6 +89,16 @@ def test_data_uris(llm, uri):
 @given(messages=chat_messages(data_uris() | st.text(max_size=20)))
 def test_chat_message_structures(llm, messages):
     _answer_or_refusal(llm, lambda: llm.chat(messages, GREEDY, use_tqdm=False))
+
+
+@fuzz_settings(120)
+@given(kwargs=processor_kwargs)
+def test_processor_kwargs(llm, kwargs):
+    """Checked against the media limits before anything is resized; a refusal names the key."""
+    uri = "data:image/png;base64," + base64.b64encode(_PNG).decode()
+    result = _answer_or_refusal(llm, lambda: llm.chat(_ask(uri), GREEDY, use_tqdm=False, mm_processor_kwargs=kwargs))
+    if isinstance(result, InvalidInputError) and isinstance(kwargs, dict) and kwargs:
+        assert result.param is None or result.param.startswith("mm_processor_kwargs"), result.param
 
 
 @fuzz_settings(200)

@@ -17,6 +17,7 @@ import numpy as np
 from PIL import Image
 
 from mmserve.errors import InvalidInputError
+from mmserve.inputs.chat import require_unicode
 from mmserve.inputs.media import VideoFrames
 
 _PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids"}
@@ -52,8 +53,10 @@ def _as_videos(value: Any) -> list[Any]:
 
 
 def parse_prompt(raw: Any, mm_processor_kwargs: dict[str, Any] | None = None) -> PromptInput:
+    if mm_processor_kwargs is not None and not isinstance(mm_processor_kwargs, dict):
+        raise InvalidInputError("mm_processor_kwargs must be a dict", param="mm_processor_kwargs")
     if isinstance(raw, str):
-        return PromptInput(prompt=raw, mm_processor_kwargs=dict(mm_processor_kwargs or {}))
+        return PromptInput(prompt=require_unicode(raw, "prompt"), mm_processor_kwargs=dict(mm_processor_kwargs or {}))
     if not isinstance(raw, dict):
         raise InvalidInputError(f"a prompt must be a str or a dict, got {type(raw).__name__}")
     unknown = sorted(set(raw) - _PROMPT_KEYS)
@@ -71,9 +74,15 @@ def parse_prompt(raw: Any, mm_processor_kwargs: dict[str, Any] | None = None) ->
     images = [] if image is None else list(image) if isinstance(image, (list, tuple)) else [image]
     videos = [] if data.get("video") is None else _as_videos(data["video"])
     kwargs = dict(mm_processor_kwargs or {})
-    kwargs.update(raw.get("mm_processor_kwargs") or {})
+    per_prompt = raw.get("mm_processor_kwargs") or {}
+    if not isinstance(per_prompt, dict):
+        raise InvalidInputError("a prompt's mm_processor_kwargs must be a dict", param="mm_processor_kwargs")
+    kwargs.update(per_prompt)
     uuids = raw.get("multi_modal_uuids") or {}
     if not isinstance(uuids, dict):
         raise InvalidInputError("multi_modal_uuids must be a dict like multi_modal_data")
     uuids = {m: (list(v) if isinstance(v, (list, tuple)) else [v]) for m, v in uuids.items()}
-    return PromptInput(raw.get("prompt"), list(ids) if ids is not None else None, images, videos, kwargs, uuids)
+    prompt = raw.get("prompt")
+    if isinstance(prompt, str):
+        require_unicode(prompt, "prompt")
+    return PromptInput(prompt, list(ids) if ids is not None else None, images, videos, kwargs, uuids)

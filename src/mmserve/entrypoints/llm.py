@@ -66,7 +66,7 @@ class LLM:
             try:
                 processed.append(self.engine.process(raw, mm_processor_kwargs))
             except InvalidInputError as exc:
-                raise InvalidInputError(f"prompt {i}: {exc}") from exc
+                raise InvalidInputError(f"prompt {i}: {exc}", param=exc.param) from exc
         return self._run(processed, self._per_prompt_params(sampling_params, len(processed)), use_tqdm)
 
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -81,7 +81,7 @@ class LLM:
             try:
                 processed.append(self.engine.process_chat(conv, mm_processor_kwargs, **(chat_template_kwargs or {})))
             except InvalidInputError as exc:
-                raise InvalidInputError(f"conversation {i}: {exc}") from exc
+                raise InvalidInputError(f"conversation {i}: {exc}", param=exc.param) from exc
         return self._run(processed, self._per_prompt_params(sampling_params, len(processed)), use_tqdm)
 
     def _run(self, processed: list[ProcessedPrompt], params: list[SamplingParams],

@@ -28,14 +28,24 @@ class ChatInput:
     uuids: dict[str, list[str | None]] = field(default_factory=lambda: {IMAGE: [], VIDEO: []})  # per-part "uuid"
 
 
+def require_unicode(text: str, param: str | None) -> str:
+    """`text`, if it can be encoded (a lone surrogate such as JSON's "\\ud800" cannot): else a clear error."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidInputError(f"{param or 'the text'} is not valid Unicode: {exc.reason} at position {exc.start} "
+                                "(a lone surrogate?)", param=param) from exc
+    return text
+
+
 def normalize_messages(messages: list[dict[str, Any]], media: ChatInput) -> list[dict[str, Any]]:
     """Template-ready messages; media parts are appended to `media` in order."""
     if not isinstance(messages, list) or not messages:
         raise InvalidInputError(f"a conversation must be a non-empty list of messages, got {messages!r:.80}")
-    return [_normalize_message(m, media) for m in messages]
+    return [_normalize_message(m, media, f"messages[{i}]") for i, m in enumerate(messages)]
 
 
-def _normalize_message(message: dict[str, Any], media: ChatInput) -> dict[str, Any]:
+def _normalize_message(message: dict[str, Any], media: ChatInput, where: str) -> dict[str, Any]:
     if not isinstance(message, dict) or "role" not in message:
         raise InvalidInputError(f"a chat message must be a dict with a 'role', got {message!r:.80}")
     content = message.get("content")
@@ -44,14 +54,14 @@ def _normalize_message(message: dict[str, Any], media: ChatInput) -> dict[str, A
     if content is None:  # as transformers: the template sees no content key
         return {"role": message["role"], **rest}
     if isinstance(content, str):
-        return {"role": message["role"], "content": content, **rest}
+        return {"role": message["role"], "content": require_unicode(content, f"{where}.content"), **rest}
     if not isinstance(content, list):
         raise InvalidInputError("message content must be a string or a list of content parts")
     parts = []
-    for part in content:
+    for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text":
-            parts.append({"type": "text", "text": str(part.get("text", ""))})
+            parts.append({"type": "text", "text": require_unicode(str(part.get("text", "")), f"{where}.content[{j}].text")})
         elif kind in IMAGE_PART_TYPES:
             value = part.get(kind)
             media.images.append(value.get("url") if kind == "image_url" and isinstance(value, dict) else value)

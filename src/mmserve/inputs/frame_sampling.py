@@ -31,14 +31,14 @@ def check_sampling(value: object) -> str:
         return "auto"
     if value not in SAMPLERS:
         raise InvalidInputError(f"mm_processor_kwargs.{SAMPLING_KWARG} must be one of {', '.join(SAMPLERS)}; "
-                                f"got {value!r}")
+                                f"got {value!r:.40}", param=f"mm_processor_kwargs.{SAMPLING_KWARG}")
     return str(value)
 
 
-def check_fps(value: object, what: str = "fps") -> float:
-    """A frame rate: a positive finite number (not a bool); InvalidInputError otherwise."""
+def check_fps(value: object, what: str = "fps", param: str | None = None) -> float:
+    """A frame rate: a positive finite number (not a bool); InvalidInputError (naming `param`) otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise InvalidInputError(f"{what} must be a positive number, got {value!r}")
+        raise InvalidInputError(f"{what} must be a positive number, got {value!r:.40}", param=param)
     return float(value)
 
 

@@ -122,7 +122,8 @@ class MultimodalProcessor:
         """Validate mm_processor_kwargs (InvalidInputError on unknown keys or bad values) and return what,
         besides the pixels, decides what the encoder sees for this modality."""
         if kwargs:
-            raise InvalidInputError(f"unsupported mm_processor_kwargs {sorted(kwargs)}")
+            raise InvalidInputError(f"unsupported mm_processor_kwargs {sorted(kwargs)}",
+                                    param=f"mm_processor_kwargs.{sorted(kwargs)[0]}")
         return {}
 
     def expand_image(self, image: Image.Image, kwargs: dict[str, Any], num_images: int) -> ItemExpansion:
@@ -158,8 +159,11 @@ class MultimodalProcessor:
         those items; the key still covers the processor kwargs and the model."""
         images, videos = list(images or []), list(videos or [])
         self._check_modalities(len(images), len(videos))
+        if mm_processor_kwargs is not None and not isinstance(mm_processor_kwargs, dict):
+            raise InvalidInputError(f"mm_processor_kwargs must be an object, got {type(mm_processor_kwargs).__name__}",
+                                    param="mm_processor_kwargs")
         kwargs = dict(mm_processor_kwargs or {})
-        fps = check_fps(kwargs.pop("fps", self.default_video_fps))
+        fps = check_fps(kwargs.pop("fps", self.default_video_fps), "mm_processor_kwargs.fps", "mm_processor_kwargs.fps")
         check_sampling(kwargs.pop(SAMPLING_KWARG, None))  # it chose the frames of a decoded file
         if prompt is None and prompt_token_ids is None:
             raise InvalidInputError("need a prompt or prompt_token_ids")

@@ -15,6 +15,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from mmserve.errors import InvalidInputError, ModelLoadError
+from mmserve.inputs.chat import require_unicode
 from mmserve.inputs.chat_template import ChatTemplate, load_chat_template
 
 
@@ -63,7 +64,7 @@ class TextTokenizer:
         return self._tok.token_to_id(token)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._tok.encode(require_unicode(text, None), add_special_tokens=False).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -132,7 +132,7 @@ def _resolve_part(part: dict[str, Any], rules: MediaRules, fps: float, sampling:
 def _video_sampling(mm_processor_kwargs: dict[str, Any] | None, default_fps: float) -> tuple[float, str]:
     """(fps, sampler) a request's video files are decoded with."""
     kwargs = mm_processor_kwargs or {}
-    fps = check_fps(kwargs.get("fps", default_fps), "mm_processor_kwargs.fps")
+    fps = check_fps(kwargs.get("fps", default_fps), "mm_processor_kwargs.fps", "mm_processor_kwargs.fps")
     return fps, check_sampling(kwargs.get(SAMPLING_KWARG))
 
 

@@ -72,7 +72,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error(exc.status_code, exc.message, exc.type, exc.param, exc.code)
 
     async def invalid_input(_: Request, exc: Exception) -> JSONResponse:
-        return _error(400, str(exc))
+        return _error(400, str(exc), param=getattr(exc, "param", None))
 
     async def http_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)

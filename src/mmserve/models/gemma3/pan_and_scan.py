@@ -41,7 +41,8 @@ def _positive(kwargs: dict[str, Any], name: str, kind: type, default: float, mos
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)) \
             or value <= 0 or (most is not None and value > most):
         bound = f" and at most {most}" if most is not None else ""
-        raise InvalidInputError(f"{name} must be a positive {kind.__name__}{bound}, got {value!r}")
+        raise InvalidInputError(f"{name} must be a positive {kind.__name__}{bound}, got {value!r:.40}",
+                                param=f"mm_processor_kwargs.{name}")
     return kind(value)
 
 
@@ -50,10 +51,12 @@ def parse_pan_and_scan(kwargs: dict[str, Any], max_num_crops_limit: int) -> PanA
     bad values; a request may ask for at most `max_num_crops_limit` crops (the budgets are sized for it)."""
     unknown = sorted(set(kwargs) - set(KWARGS))
     if unknown:
-        raise InvalidInputError(f"unsupported mm_processor_kwargs {unknown}; supported: {list(KWARGS)}")
+        raise InvalidInputError(f"unsupported mm_processor_kwargs {unknown}; supported: {list(KWARGS)}",
+                                param=f"mm_processor_kwargs.{unknown[0]}")
     enabled = kwargs.get("do_pan_and_scan", False)
     if not isinstance(enabled, bool):
-        raise InvalidInputError(f"do_pan_and_scan must be a boolean, got {enabled!r}")
+        raise InvalidInputError(f"do_pan_and_scan must be a boolean, got {enabled!r:.40}",
+                                param="mm_processor_kwargs.do_pan_and_scan")
     settings = PanAndScan(
         _positive(kwargs, "pan_and_scan_min_crop_size", int, DEFAULT_MIN_CROP_SIZE),
         _positive(kwargs, "pan_and_scan_max_num_crops", int, DEFAULT_MAX_NUM_CROPS, max_num_crops_limit),

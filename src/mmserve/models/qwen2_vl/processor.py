@@ -52,7 +52,7 @@ class Qwen2VLProcessor(MultimodalProcessor):
         self.merge = config.vision.spatial_merge_size
 
     def processing_key(self, modality: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-        cfg = self.image_processor.cfg.with_overrides(kwargs)  # validates kwargs
+        cfg = self.image_processor.cfg.with_overrides(kwargs, self.limits.max_image_pixels)  # validates kwargs
         return {"min_pixels": cfg.min_pixels, "max_pixels": cfg.max_pixels}
 
     def _expansion(self, modality: str, pixel_values: np.ndarray, grid: tuple[int, int, int],

@@ -120,7 +120,7 @@ class Qwen3VLProcessor(MultimodalProcessor):
 
     def processing_key(self, modality: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         proc = self.image_processor if modality == IMAGE else self.video_processor
-        cfg = proc.cfg.with_overrides(kwargs)  # validates kwargs
+        cfg = proc.cfg.with_overrides(kwargs, self.limits.max_image_pixels)  # validates kwargs
         return {"min_pixels": cfg.min_pixels, "max_pixels": cfg.max_pixels}
 
     def expand_image(self, image: Image.Image, kwargs: dict[str, Any], num_images: int) -> ItemExpansion:

@@ -73,19 +73,33 @@ class ImageProcessorConfig:
                 kwargs[key] = tuple(float(x) for x in raw[key])
         return cls(**kwargs)
 
-    def with_overrides(self, overrides: dict[str, Any] | None) -> ImageProcessorConfig:
-        """Apply per-request processor kwargs (min_pixels, max_pixels); unknown keys are an error."""
+    def with_overrides(self, overrides: dict[str, Any] | None, pixel_limit: int | None = None) -> ImageProcessorConfig:
+        """Apply per-request processor kwargs (min_pixels, max_pixels); unknown keys are an error, and so is a
+        value over `pixel_limit` (checked before anything is resized: such a target would not fit memory)."""
         if not overrides:
             return self
         allowed = {"min_pixels", "max_pixels"}
         unknown = sorted(set(overrides) - allowed)
         if unknown:
-            raise InvalidInputError(f"unsupported mm_processor_kwargs {unknown}; supported: {sorted(allowed)}")
+            raise InvalidInputError(f"unsupported mm_processor_kwargs {unknown}; supported: {sorted(allowed)}",
+                                    param=f"mm_processor_kwargs.{unknown[0]}")
+        values = {}
+        for key, value in overrides.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+                raise InvalidInputError(f"mm_processor_kwargs.{key} must be an integer, got {value!r:.40}",
+                                        param=f"mm_processor_kwargs.{key}")
+            try:
+                values[key] = int(value)
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise InvalidInputError(f"mm_processor_kwargs.{key} must be an integer, got {value!r:.40}",
+                                        param=f"mm_processor_kwargs.{key}") from exc
+            if values[key] < 1 or (pixel_limit is not None and values[key] > pixel_limit):
+                raise InvalidInputError(f"mm_processor_kwargs.{key}={value!r:.40} is outside 1 to {pixel_limit} pixels "
+                                        "(max_image_pixels)", param=f"mm_processor_kwargs.{key}")
         try:
-            values = {k: int(v) for k, v in overrides.items()}
-        except (TypeError, ValueError) as exc:
-            raise InvalidInputError(f"mm_processor_kwargs must be integers, got {overrides}") from exc
-        return replace(self, **values)
+            return replace(self, **values)
+        except InvalidInputError as exc:
+            raise InvalidInputError(str(exc), param="mm_processor_kwargs") from exc
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
