@@ -174,3 +174,54 @@ def test_health_says_degraded_without_workers_and_text_is_still_served(all_check
         reply = client.post("/v1/chat/completions", json={"model": "m", "max_tokens": 3, "temperature": 0,
                                                           "messages": [{"role": "user", "content": "Hello"}]})
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+
+
+_WORKER_RUN = """
+import sys
+import numpy as np
+from mmserve import LLM, SamplingParams
+from mmserve.faults import FaultPlan
+from tests.fixtures.conversations import random_image
+
+def main(model_dir, kill):
+    rng = np.random.default_rng(5)
+    chats = [[{"role": "user", "content": [{"type": "image_pil", "image_pil": random_image(rng, 60 + i, 40)},
+                                           {"type": "text", "text": "Hi?"}]}] for i in range(6)]
+    faults = None
+    if kill:  # the first generation of a worker exits hard on the first picture: SIGKILL-like, mid-item
+        with LLM(model_dir) as inline:
+            faults = FaultPlan(encoder_worker_dies_on_key=inline.engine.process_chat(chats[0]).items[0].content_hash)
+    with LLM(model_dir, encoder_workers=2, faults=faults) as llm:
+        outputs = llm.chat(chats, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+        assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2] == "kill")
+"""
+
+
+def _shm_names() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(("sem.mp-", "torch_", "psm_"))} \
+        if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.mark.parametrize("case", ["plain", "kill"])
+def test_a_worker_run_leaves_stderr_clean_and_shared_memory_empty(all_checkpoints, tmp_path, case):
+    """A run with process workers (and one where a worker dies mid-item) then a shutdown: no traceback from
+    the resource tracker or anything else on stderr, and no shared-memory segment or semaphore left."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "run.py"
+    script.write_text(_WORKER_RUN)
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    before = _shm_names()
+    run = subprocess.run([sys.executable, str(script), str(all_checkpoints["qwen2_vl"]), case], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for marker in ("Traceback", "resource_tracker", "leaked", "KeyError"):
+        assert marker not in run.stderr, run.stderr[-3000:]
+    assert _shm_names() - before == set()
