@@ -3,11 +3,13 @@
 Generates one image with the demo task's generator, saves it to .run/example.png, prints the
 question, the expected answer and the model's answer (through `mmserve generate`), then starts
 `mmserve serve` on the demo model, with its chat page at http://127.0.0.1:8000/ (Ctrl-C stops it).
-`--no-serve` stops after the answer.
+`--no-serve` stops after the answer; `--port N` serves on another port. Ctrl-C ends it quietly, at any
+point.
 """
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +19,10 @@ WORK = ROOT / ".run"
 
 
 def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description="answer a question about a shapes picture, then serve the demo model")
+    parser.add_argument("--no-serve", action="store_true", help="stop after the answer")
+    parser.add_argument("--port", type=int, default=8000, help="the server's port (default: 8000)")
+    args = parser.parse_args(argv)
     from mmserve.demo import shapes
 
     WORK.mkdir(exist_ok=True)
@@ -30,12 +36,16 @@ def main(argv: list[str]) -> int:
                            "32"], stdout=subprocess.PIPE, text=True)
     answer = done.stdout.strip()
     print(f"model's answer: {answer} ({'right' if answer == sample.answer else 'wrong'})", flush=True)
-    if done.returncode != 0 or "--no-serve" in argv:
+    if done.returncode != 0 or args.no_serve:
         return done.returncode
-    # `mmserve serve` prints the chat page's address itself ("chat in your browser: http://...")
-    print("\nserving the demo model as mmserve-demo at http://127.0.0.1:8000/v1 (Ctrl-C to stop)", flush=True)
-    return subprocess.call([*cli, "serve", "--host", "127.0.0.1", "--port", "8000"])
+    # `mmserve serve` prints what it serves and the chat page's address once its port answers
+    print("\nstarting the server on the demo model (Ctrl-C stops it) ...", flush=True)
+    return subprocess.call([*cli, "serve", "--host", "127.0.0.1", "--port", str(args.port)])
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except KeyboardInterrupt:  # the child saw the same Ctrl-C and stops on its own
+        print("\nstopped", file=sys.stderr)
+        sys.exit(130)

@@ -13,16 +13,20 @@ from typing import Any
 
 from mmserve.errors import ModelLoadError
 from mmserve.inputs.media import MediaLimits
+from mmserve.options import option
 
 # the bundled demo VLM, installed as package data
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "demo-model"
 DEMO_MODEL_NAME = "mmserve-demo"  # what the server calls the bundled model when none is given
 
 
-def resolve_model(model: str | None) -> str:
-    """The checkpoint directory to load: `model`, or the bundled demo model when none is given."""
+def resolve_model(model: str | None, revision: str | None = None) -> str:
+    """The checkpoint directory to load: `model` (a directory, or a Hugging Face repository id `ORG/NAME`
+    found in the local cache or downloaded, at `revision`), or the bundled demo model when none is given."""
     if model:
-        return str(model)
+        from mmserve.hub import checkpoint_dir
+
+        return str(checkpoint_dir(str(model), revision))
     if (DEMO_MODEL_DIR / "config.json").is_file():
         return str(DEMO_MODEL_DIR)
     raise ModelLoadError("no model given and the bundled demo model is not installed; pass a checkpoint directory")
@@ -34,11 +38,15 @@ ENCODER_BACKENDS = ("process", "ray")  # where encoder workers run (workers/proc
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    kv_cache_bytes: int | None = None  # sizes the KV pool; default DEFAULT_KV_CACHE_BYTES
-    num_kv_blocks: int | None = None  # overrides kv_cache_bytes
-    enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"  # "auto" (the model dtype), "int8" or "fp8_e4m3" (per-token-per-head scales)
+    block_size: int = option(16, "tokens per KV-cache block")
+    kv_cache_bytes: int | None = option(None, "bytes of the KV cache, scales included (sizes the block pool)",
+                                        shown="256MiB")
+    num_kv_blocks: int | None = option(None, "KV blocks to allocate (instead of kv_cache_bytes)",
+                                       shown="from kv_cache_bytes")
+    enable_prefix_caching: bool = option(True, "reuse KV blocks of earlier requests' identical prefixes (images "
+                                               "included)")
+    kv_cache_dtype: str = option("auto", "how keys and values are stored: the model dtype (auto), or int8 / fp8_e4m3 "
+                                         "codes with a scale per token and kv head", choices=KV_CACHE_DTYPES)
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -53,10 +61,12 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_seqs: int = option(64, "most requests computed in one step")
+    max_num_batched_tokens: int = option(2048, "most tokens computed in one step (lifted to the longest span an "
+                                               "image must be prefilled in whole)")
+    enable_chunked_prefill: bool = option(True, "prefill long prompts a chunk per step, beside decodes")
+    max_model_len: int | None = option(None, "longest prompt plus output of a request",
+                                       shown="the model's, capped to what the KV cache holds")
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
@@ -67,14 +77,20 @@ class SchedulerConfig:
 class EncoderConfig:
     """The encoder budgets of docs/architecture.md §5; None means 'derive from the model' (see core/budget.py)."""
 
-    max_encoder_items_per_step: int = 16
-    max_encoder_tokens_per_step: int | None = None  # pre-merge patches; lifted to the largest item
-    encoder_output_budget_bytes: int | None = None  # encoder outputs referenced by live requests
-    encoder_cache_bytes: int | None = None  # the one pool (referenced + reusable entries)
-    encoder_workers: int = 0  # 0: encode inline in the engine's step; N: N worker processes / Ray actors
-    encoder_backend: str = "process"  # "process" (local processes) or "ray" (Ray actors)
-    ray_address: str | None = None  # an existing Ray cluster to join; None: start a local one
-    encoder_timeout_s: float = 30.0  # no live worker for this long: the requests waiting on items fail
+    max_encoder_items_per_step: int = option(16, "most images or video parts encoded in one step")
+    max_encoder_tokens_per_step: int | None = option(None, "most encoder tokens (pre-merge patches) in one step; "
+                                                           "lifted to the largest item",
+                                                     shown="the larger of 16384 and the model's largest item")
+    encoder_output_budget_bytes: int | None = option(None, "bytes of encoder outputs live requests may hold",
+                                                     shown="the larger of 256MiB and one legal encoder step")
+    encoder_cache_bytes: int | None = option(None, "bytes of the encoder-output pool, live and kept for reuse",
+                                             shown="twice encoder_output_budget_bytes")
+    encoder_workers: int = option(0, "encoder processes or Ray actors (0: encode in the engine's step)")
+    encoder_backend: str = option("process", "where encoder workers run: local processes or Ray actors",
+                                  choices=ENCODER_BACKENDS)
+    ray_address: str | None = option(None, "a Ray cluster to join", shown="start a local one")
+    encoder_timeout_s: float = option(30.0, "seconds without a live encoder worker before the requests waiting "
+                                            "on images fail")
 
     def __post_init__(self) -> None:
         for name in ("max_encoder_items_per_step", "max_encoder_tokens_per_step", "encoder_output_budget_bytes",
@@ -97,15 +113,20 @@ class GraphConfig:
     device is CUDA, off on the CPU; True on the CPU runs the graph path with a replay-equivalent (the
     same bucketing and static buffers, no speed-up: for tests)."""
 
-    enable_encoder_cuda_graphs: bool | None = None
+    enable_encoder_cuda_graphs: bool | None = option(None, "capture the vision encoder as CUDA graphs",
+                                                     shown="on for CUDA, off on the CPU")
     # (total_tokens, contexts) or (total_tokens, contexts per attention kind...); None: from the encoder budgets
-    encoder_graph_buckets: tuple[tuple[int, ...], ...] | None = None
-    encoder_graph_memory_bytes: int = DEFAULT_ENCODER_GRAPH_MEMORY_BYTES
-    enable_decode_cuda_graphs: bool | None = None
-    decode_graph_batch_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs
-    # CPU: compile the padded decode step with TorchInductor (turns decode graphs on; costs ~20-60 s at
-    # start-up, as vLLM-CPU's compile does). Off: the CPU runs every step eagerly
-    compile_cpu_decode: bool = False
+    encoder_graph_buckets: tuple[tuple[int, ...], ...] | None = option(
+        None, "encoder graph buckets as TOKENSxCONTEXTS,...", shown="from the encoder budgets")
+    encoder_graph_memory_bytes: int = option(DEFAULT_ENCODER_GRAPH_MEMORY_BYTES,
+                                             "device memory encoder graph captures may take", shown="2GiB")
+    enable_decode_cuda_graphs: bool | None = option(None, "capture decode steps as CUDA graphs",
+                                                    shown="on for CUDA, off on the CPU")
+    decode_graph_batch_sizes: tuple[int, ...] | None = option(None, "decode graph batch sizes",
+                                                              shown="1, 2, 4, 8, 16, 24, ... up to max_num_seqs")
+    # compiling costs start-up time, as vLLM-CPU's compile does; off, the CPU runs every step eagerly
+    compile_cpu_decode: bool = option(False, "CPU: compile the decode step with TorchInductor (start-up takes "
+                                             "longer)")
 
     def __post_init__(self) -> None:
         if self.encoder_graph_memory_bytes <= 0:

@@ -5,6 +5,9 @@ one before building an engine is heard. Engine behaviour is configured by `confi
 what lives here is only what belongs to the machine rather than to an engine: where built kernels are
 cached, which C++ compiler builds them, and the switch that keeps mmserve's native kernels off.
 
+Hugging Face's own variables are read here too (`HF_HOME`, `HF_HUB_CACHE`, `HF_HUB_OFFLINE`), at call
+time, and handed to `huggingface_hub` as arguments: its constants are fixed when it is imported.
+
 What it does not know: what the values are used for beyond their documentation.
 """
 
@@ -32,3 +35,16 @@ def cache_dir() -> Path:
 
 def cxx_compiler_name() -> str:
     return os.environ.get(CXX, "g++")
+
+
+def hf_hub_cache() -> Path:
+    """Where Hugging Face keeps downloaded repositories (its default: $HF_HOME/hub, ~/.cache/huggingface/hub)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or
+                                                     os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
+    return Path(home) / "hub"
+
+
+def hf_hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")

@@ -6,15 +6,38 @@ raises `InvalidInputError` (a `ValueError`), never an error from deep inside tor
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class InvalidInputError(ValueError):
     """A request's input is unusable: bad media, mismatched placeholders, limits exceeded, ...
 
-    `param` names the request field at fault when there is one (the server's error JSON carries it)."""
+    `param` names the request field at fault when there is one, as a path like
+    `messages[0].content[1].image_url` (the server's error JSON carries it). `setting` names the
+    engine setting whose value refused the input, spelled in the message as it is (e.g.
+    `allowed_local_media_path`), so that a front end can name its own spelling instead (the server:
+    `--allowed-local-media-path`)."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, setting: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.setting = setting
+
+    def reworded(self, message: str) -> InvalidInputError:
+        """The same error (field, setting) with another message, e.g. prefixed with where it arose."""
+        return InvalidInputError(message, self.param, self.setting)
+
+
+@contextmanager
+def at_param(param: str) -> Iterator[None]:
+    """Name `param` as the field at fault of an InvalidInputError raised inside that names none."""
+    try:
+        yield
+    except InvalidInputError as exc:
+        if exc.param is None:
+            exc.param = param
+        raise
 
 
 class ModelLoadError(RuntimeError):

@@ -296,7 +296,7 @@ BAD_REQUESTS = {
     "malformed_json": (b'{"model": "x", "messages": [', 400, "not valid JSON"),
     "messages_not_a_list": ({"messages": "hi"}, 400, "messages"),
     "unknown_part_type": (_chat_body([{"type": "audio_url", "audio_url": {"url": "x"}}]), 400,
-                          "unsupported content part type"),
+                          "content[0].type 'audio_url' is not a supported content part type"),
     "corrupt_base64": (_chat_body([{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}]),
                        400, "invalid base64"),
     "undecodable_image": (_chat_body([{"type": "image_url", "image_url": {"url": data_uri(b"not a png")}}]), 400,
@@ -305,7 +305,13 @@ BAD_REQUESTS = {
                                                                                         "video/mp4")}}]),
                           400, "could not be decoded"),
     "path_outside_root": (_chat_body([{"type": "image_url", "image_url": {"url": "/etc/hostname"}}]), 400,
-                          "outside the allowed"),
+                          "outside the allowed media directory (--allowed-local-media-path)"),
+    "unknown_role": ({**_chat_body("hi"), "messages": [{"role": "robot", "content": "hi"}]}, 400,
+                     "messages[0].role 'robot' is not one of system, developer, user, assistant, tool"),
+    "message_without_role": ({**_chat_body("hi"), "messages": [{"content": "hi"}]}, 400, "must be an object with a"),
+    "empty_messages": ({**_chat_body("hi"), "messages": []}, 400, "messages must not be empty"),
+    "second_part_is_bad": (_chat_body([{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {
+        "url": data_uri(b"not a png")}}]), 400, "messages[0].content[1].image_url could not be decoded"),
     "too_many_images": (_chat_body([{"type": "image_url", "image_url": {"url": data_uri(png_bytes((1, 2, 3)))}}] * 3),
                         400, "at most 2 image"),
     "image_too_large": (_chat_body([{"type": "image_url",
@@ -333,9 +339,23 @@ BAD_REQUESTS = {
     "bad_temperature": ({**_chat_body("hi"), "temperature": -1}, 400, "temperature"),
     "bad_stop": ({**_chat_body("hi"), "stop": ["ok", ""]}, 400, "stop must not contain empty strings"),
 }
-# the field each 400 names in `param`, where the request has one at fault
-BAD_REQUEST_PARAMS = {"max_tokens_beyond_context": "max_tokens", "n_above_one": "n", "tools": "tools",
-                      "bad_temperature": "temperature", "bad_stop": "stop", "logit_bias": "logit_bias"}
+PART = "messages[0].content[0]"
+# the field each 4xx names in `param`: every one whose request has a field at fault (a body that is not
+# JSON has none)
+BAD_REQUEST_PARAMS = {
+    "malformed_json": None, "messages_not_a_list": "messages", "unknown_part_type": f"{PART}.type",
+    "corrupt_base64": f"{PART}.image_url", "undecodable_image": f"{PART}.image_url",
+    "undecodable_video": f"{PART}.video_url", "path_outside_root": f"{PART}.image_url",
+    "unknown_role": "messages[0].role", "message_without_role": "messages[0]", "empty_messages": "messages",
+    "second_part_is_bad": "messages[0].content[1].image_url",
+    "too_many_images": "messages[0].content[2].image_url", "image_too_large": f"{PART}.image_url",
+    "unknown_model": "model", "max_tokens_beyond_context": "max_tokens", "n_above_one": "n", "tools": "tools",
+    "json_response_format": "response_format", "presence_penalty": "presence_penalty", "logit_bias": "logit_bias",
+    "video_frames_without_urls": f"{PART}.video_frames", "video_frames_over_the_limit": f"{PART}.video_frames.urls",
+    "video_frames_bad_fps": f"{PART}.video_frames.fps", "video_frames_bad_frame": f"{PART}.video_frames",
+    "unknown_video_sampling": "mm_processor_kwargs.video_sampling", "bad_temperature": "temperature",
+    "bad_stop": "stop",
+}
 
 
 @pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
@@ -349,8 +369,7 @@ def test_bad_request_gets_error_json_and_server_serves_on(server, case):
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert needle in error["message"], error["message"]
-    if case in BAD_REQUEST_PARAMS:
-        assert error["param"] == BAD_REQUEST_PARAMS[case], error
+    assert error["param"] == BAD_REQUEST_PARAMS[case], error
     assert httpx.get(server.url + "/health").status_code == 200
 
 

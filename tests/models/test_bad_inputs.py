@@ -42,13 +42,17 @@ def test_expanded_run_of_wrong_length_names_both_counts(processor, img):
     pad = processor.pad_ids["image"]
     start = ids.index(pad)
     broken = ids[:start] + [pad] * (rows - 1) + ids[start + rows:]
-    with pytest.raises(InvalidInputError, match=rf"image 0.*{rows - 1} placeholder positions.*{rows} embedding rows"):
+    with pytest.raises(InvalidInputError, match=rf"multi_modal_data.image\[0\].*{rows - 1} placeholder positions.*"
+                                                rf"{rows} embedding rows") as caught:
         processor.process(prompt_token_ids=broken, images=[img])
+    assert caught.value.param == "multi_modal_data.image[0]"
 
 
 def test_unknown_content_part_type(processor):
-    with pytest.raises(InvalidInputError, match="unsupported content part type 'audio_url'"):
+    with pytest.raises(InvalidInputError, match=r"messages\[0\].content\[0\].type 'audio_url' is not a supported "
+                                                r"content part type") as caught:
         processor.render_chat(user({"type": "audio_url", "audio_url": {"url": "x"}}))
+    assert caught.value.param == "messages[0].content[0].type"
 
 
 def test_extreme_aspect_ratio(processor):
@@ -82,8 +86,9 @@ def test_token_ids_outside_vocab(processor):
 
 def test_corrupt_image_in_chat_then_good_request(processor, img):
     prompt = processor.render_chat(user(image_part(img))).prompt
-    with pytest.raises(InvalidInputError, match="image 0 could not be decoded"):
+    with pytest.raises(InvalidInputError, match=r"multi_modal_data.image\[0\] could not be decoded") as caught:
         processor.process(prompt, images=[b"\x89PNG\r\n\x1a\n garbage"])
+    assert caught.value.param == "multi_modal_data.image[0]"
     assert processor.process(prompt, images=[img]).items[0].output_rows == 4
 
 

@@ -182,3 +182,24 @@ def test_pixels_per_request_limit(checkpoint_dirs):
     assert not llm.engine.has_unfinished_requests()
     assert len(llm.chat(two, greedy(2), use_tqdm=False)[0].outputs[0].token_ids) == 2
     llm.check_integrity()
+
+
+def test_a_hugging_face_repository_id_loads_from_the_local_cache(checkpoint_dirs, tmp_path, monkeypatch):
+    """`LLM("ORG/NAME")`, offline, from a Hugging Face cache the test fills with a tiny checkpoint."""
+    import shutil
+
+    from mmserve import LLM, SamplingParams
+
+    commit = "89abcdef0123456789abcdef0123456789abcdef"
+    repo = tmp_path / "hub" / "models--tiny-org--qwen2-vl"
+    shutil.copytree(checkpoint_dirs["qwen2_vl"], repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    by_id = LLM("tiny-org/qwen2-vl")
+    by_dir = LLM(str(checkpoint_dirs["qwen2_vl"]))
+    params = SamplingParams(temperature=0, max_tokens=4)
+    chat = [{"role": "user", "content": "Hello!"}]
+    assert by_id.chat(chat, params, use_tqdm=False)[0].outputs[0].token_ids == \
+        by_dir.chat(chat, params, use_tqdm=False)[0].outputs[0].token_ids

@@ -4,9 +4,11 @@ captured-graph tuples parse into the engine args `EngineConfig.from_kwargs` take
 import argparse
 
 import pytest
+import torch
 
 from mmserve.config import EngineConfig
 from mmserve.entrypoints import cli
+from mmserve.errors import InvalidInputError
 
 
 def _parse(*argv: str) -> dict:
@@ -15,8 +17,9 @@ def _parse(*argv: str) -> dict:
     return cli._engine_kwargs(parser.parse_args(list(argv)))
 
 
-def test_unset_flags_keep_the_config_defaults():
-    assert _parse() == {}
+def test_unset_flags_keep_the_config_defaults_and_the_device_is_cuda_where_there_is_one():
+    assert _parse() == {"device": "cuda" if torch.cuda.is_available() else "cpu"}
+    assert _parse("--device", "cpu") == {"device": "cpu"}
 
 
 def test_graph_flags_reach_the_graph_config():
@@ -41,3 +44,39 @@ def test_malformed_values_are_refused_by_the_parser(flag, value, says, capsys):
     with pytest.raises(SystemExit):
         _parse(flag, value)
     assert f"argument {flag}: {says}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "chat"])
+def test_every_command_takes_the_model_as_positional_or_flag(command, tmp_path):
+    parser = cli._build_parser()
+    extra = ["--prompt", "hi"] if command == "generate" else []
+    for argv in ([command, str(tmp_path), *extra], [command, "--model", str(tmp_path), *extra]):
+        args = parser.parse_args(argv)
+        assert cli._model(args) == str(tmp_path)
+    with pytest.raises(InvalidInputError, match="two models given"):
+        cli._model(parser.parse_args([command, str(tmp_path), "--model", "other", *extra]))
+
+
+def test_bare_mmserve_prints_help_and_version_is_known(capsys):
+    assert cli.main([]) == 0
+    out = capsys.readouterr().out
+    assert "usage: mmserve" in out and all(c in out for c in ("serve", "generate", "chat"))
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.startswith("mmserve ")
+
+
+def test_serve_help_gives_every_flag_a_line_with_its_choices_and_real_default(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "--kv-cache-dtype {auto,int8,fp8_e4m3}" in text and "--encoder-backend {process,ray}" in text
+    assert "(default: 256MiB)" in text  # --kv-cache-bytes: the size it takes, not "automatic"
+    assert "default: cuda where it is available, else cpu" in text
+    assert text.rstrip().endswith("curl http://127.0.0.1:8000/v1/models")  # ends with the examples
+    parser = cli._build_parser()
+    serve = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith("serve"))
+    for action in serve._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help, f"{action.option_strings[0]} has no help"

@@ -119,9 +119,10 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, self.engine.process_chat, messages, mm_processor_kwargs)
 
-    async def process(self, raw_prompt: Any, mm_processor_kwargs: dict[str, Any] | None = None) -> ProcessedPrompt:
+    async def process(self, raw_prompt: Any, mm_processor_kwargs: dict[str, Any] | None = None,
+                      item_params: dict[str, list[str]] | None = None) -> ProcessedPrompt:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, self.engine.process, raw_prompt, mm_processor_kwargs)
+        return await loop.run_in_executor(None, self.engine.process, raw_prompt, mm_processor_kwargs, item_params)
 
     async def generate(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                        arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:

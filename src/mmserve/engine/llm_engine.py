@@ -139,23 +139,26 @@ class Engine:
             self.encoder_pool.shutdown()
 
     # ---- input ----------------------------------------------------------------------------------
-    def process(self, raw_prompt: Any, mm_processor_kwargs: dict[str, Any] | None = None) -> ProcessedPrompt:
+    def process(self, raw_prompt: Any, mm_processor_kwargs: dict[str, Any] | None = None,
+                item_params: dict[str, list[str]] | None = None) -> ProcessedPrompt:
+        """`item_params`: the request fields the media items came from (errors name them)."""
         p = parse_prompt(raw_prompt, mm_processor_kwargs)
         return self.processor.process(p.prompt, p.prompt_token_ids, p.images, p.videos, p.mm_processor_kwargs,
-                                      p.uuids)
+                                      p.uuids, item_params)
 
     def process_chat(self, messages: list[dict[str, Any]], mm_processor_kwargs: dict[str, Any] | None = None,
                      **template_kwargs: Any) -> ProcessedPrompt:
         chat = self.processor.render_chat(messages, **template_kwargs)
-        return self.processor.process(chat.prompt, None, chat.images, chat.videos, mm_processor_kwargs, chat.uuids)
+        return self.processor.process(chat.prompt, None, chat.images, chat.videos, mm_processor_kwargs, chat.uuids,
+                                      chat.params)
 
     def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                     arrival_time: float | None = None) -> None:
         if prompt.num_tokens == 0:
-            raise InvalidInputError("the prompt is empty")
+            raise InvalidInputError("the prompt is empty", param="prompt")
         if prompt.num_tokens + 1 > self.max_model_len:
             raise InvalidInputError(f"the prompt has {prompt.num_tokens} tokens; the model's context is "
-                                    f"{self.max_model_len} tokens")
+                                    f"{self.max_model_len} tokens", param="prompt")
         if request_id in self.tracked:
             raise InvalidInputError(f"request id {request_id!r} is already in use")
         items = tuple(ItemSpec(i, it.offset, it.length, it.content_hash, it.encoder_tokens, it.output_rows)

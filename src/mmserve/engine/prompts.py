@@ -49,7 +49,7 @@ def _as_videos(value: Any) -> list[Any]:
     if isinstance(value, (list, tuple)):
         return list(value)
     raise InvalidInputError(f"multi_modal_data['video'] must be a list of frames or of videos, "
-                            f"got {type(value).__name__}")
+                            f"got {type(value).__name__}", param="multi_modal_data.video")
 
 
 def parse_prompt(raw: Any, mm_processor_kwargs: dict[str, Any] | None = None) -> PromptInput:
@@ -58,18 +58,19 @@ def parse_prompt(raw: Any, mm_processor_kwargs: dict[str, Any] | None = None) ->
     if isinstance(raw, str):
         return PromptInput(prompt=require_unicode(raw, "prompt"), mm_processor_kwargs=dict(mm_processor_kwargs or {}))
     if not isinstance(raw, dict):
-        raise InvalidInputError(f"a prompt must be a str or a dict, got {type(raw).__name__}")
+        raise InvalidInputError(f"a prompt must be a str or a dict, got {type(raw).__name__}", param="prompt")
     unknown = sorted(set(raw) - _PROMPT_KEYS)
     if unknown:
-        raise InvalidInputError(f"unknown prompt keys {unknown}; expected some of {sorted(_PROMPT_KEYS)}")
+        raise InvalidInputError(f"unknown prompt keys {unknown}; expected some of {sorted(_PROMPT_KEYS)}", param=unknown[0])
     if ("prompt" in raw) == ("prompt_token_ids" in raw):
-        raise InvalidInputError("a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'")
+        raise InvalidInputError("a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'", param="prompt")
     ids = raw.get("prompt_token_ids")
     if ids is not None and not (isinstance(ids, (list, tuple)) and all(isinstance(t, int) for t in ids)):
-        raise InvalidInputError("prompt_token_ids must be a list of ints")
+        raise InvalidInputError("prompt_token_ids must be a list of ints", param="prompt_token_ids")
     data = raw.get("multi_modal_data") or {}
     if not isinstance(data, dict) or set(data) - {"image", "video"}:
-        raise InvalidInputError("multi_modal_data must be a dict with keys 'image' and/or 'video'")
+        raise InvalidInputError("multi_modal_data must be a dict with keys 'image' and/or 'video'",
+                                param="multi_modal_data")
     image = data.get("image")
     images = [] if image is None else list(image) if isinstance(image, (list, tuple)) else [image]
     videos = [] if data.get("video") is None else _as_videos(data["video"])
@@ -80,7 +81,7 @@ def parse_prompt(raw: Any, mm_processor_kwargs: dict[str, Any] | None = None) ->
     kwargs.update(per_prompt)
     uuids = raw.get("multi_modal_uuids") or {}
     if not isinstance(uuids, dict):
-        raise InvalidInputError("multi_modal_uuids must be a dict like multi_modal_data")
+        raise InvalidInputError("multi_modal_uuids must be a dict like multi_modal_data", param="multi_modal_uuids")
     uuids = {m: (list(v) if isinstance(v, (list, tuple)) else [v]) for m, v in uuids.items()}
     prompt = raw.get("prompt")
     if isinstance(prompt, str):

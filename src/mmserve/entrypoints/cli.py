@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import re
 import sys
 import time
@@ -35,10 +36,18 @@ ENGINE_ARG_GROUPS = (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("e
                      ("media limits", MediaLimits), ("captured graphs (CUDA), compiled decode (CPU)", GraphConfig))
 SIZE_SUFFIXES = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
 EPILOG = """examples:
-  mmserve serve ./my-qwen2-vl --port 8000 --max-num-seqs 32
-  mmserve generate --model ./my-qwen2-vl --image cat.png --prompt "What is this?"
-  mmserve chat ./my-qwen2-vl            (then: /image cat.png, a question, /quit)
+  mmserve serve                         the bundled demo model, at http://127.0.0.1:8000/v1 and a chat page at /
+  mmserve serve Qwen/Qwen2-VL-2B-Instruct --port 8000 --max-num-seqs 32
+  mmserve generate ./my-qwen2-vl --image cat.png --prompt "What is this?"
+  mmserve chat ./my-qwen2-vl            (then: /image cat.png, a question, /help, /quit)
 run `mmserve COMMAND --help` for the flags of one command."""
+SERVE_EXAMPLES = """examples:
+  mmserve serve                                     the demo model on 127.0.0.1:8000, chat page at /
+  mmserve serve ./my-qwen2-vl --served-model-name qwen2-vl --api-key secret
+  mmserve serve Qwen/Qwen2-VL-2B-Instruct --dtype bfloat16 --max-model-len 8192
+  mmserve serve ./ckpt --host 0.0.0.0 --encoder-workers 2 --kv-cache-bytes 2GiB
+then:
+  curl http://127.0.0.1:8000/v1/models"""
 
 
 def _int_or_size(text: str) -> int:
@@ -71,26 +80,41 @@ def _int_tuples(text: str) -> tuple[tuple[int, ...], ...]:
 FLAG_ALIASES = {"encoder_timeout_s": ("--encoder-timeout",)}
 
 
+def _help(f: dataclasses.Field) -> str:
+    """The field's help line, its choices and its default as a user reads it."""
+    meta = f.metadata
+    default = f.default if f.default is not dataclasses.MISSING else None
+    shown = meta.get("shown") or (default if default is not None else "none")
+    if isinstance(shown, bool):
+        shown = "on" if shown else "off"
+    choices = f" (one of: {', '.join(meta['choices'])})" if meta.get("choices") else ""
+    return f"{meta.get('help', '')}{choices} (default: {shown})".strip()
+
+
 def _add_field_flag(group: argparse._ArgumentGroup, f: dataclasses.Field, hint: Any) -> None:
     flags = ("--" + f.name.replace("_", "-"), *FLAG_ALIASES.get(f.name, ()))
-    default = f.default if f.default is not dataclasses.MISSING else None
-    shown = "automatic" if default is None else default
     args = typing.get_args(hint)
     base = next((a for a in args if a is not type(None)), hint) if args else hint
+    common = {"default": argparse.SUPPRESS, "dest": f.name, "help": _help(f)}
     if base is bool:
-        group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                           help=f"(default: {shown})", dest=f.name)
+        group.add_argument(*flags, action=argparse.BooleanOptionalAction, **common)
     elif base is int:
-        group.add_argument(*flags, type=_int_or_size, default=argparse.SUPPRESS, metavar="N",
-                           help=f"(default: {shown})", dest=f.name)
+        group.add_argument(*flags, type=_int_or_size, metavar="N", **common)
     elif typing.get_origin(base) is tuple:
         nested = typing.get_origin(typing.get_args(base)[0]) is tuple
-        group.add_argument(*flags, type=_int_tuples if nested else _int_tuple, default=argparse.SUPPRESS,
-                           metavar="TxC,..." if nested else "N,...", help=f"(default: {shown})", dest=f.name)
+        group.add_argument(*flags, type=_int_tuples if nested else _int_tuple,
+                           metavar="TxC,..." if nested else "N,...", **common)
+    elif f.metadata.get("choices"):
+        group.add_argument(*flags, choices=f.metadata["choices"], **common)
     else:
-        group.add_argument(*flags, type=base if base in (float, str) else str, default=argparse.SUPPRESS,
-                           metavar="PATH" if f.name.endswith("_path") else "VALUE", help=f"(default: {shown})",
-                           dest=f.name)
+        group.add_argument(*flags, type=base if base in (float, str) else str,
+                           metavar="PATH" if f.name.endswith("_path") else "VALUE", **common)
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -98,7 +122,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     top = parser.add_argument_group("engine")
     top.add_argument("--dtype", default=argparse.SUPPRESS, choices=["float32", "bfloat16", "float16"],
                      help="weights and activations (default: float32)")
-    top.add_argument("--device", default=argparse.SUPPRESS, help="torch device, e.g. cpu or cuda (default: cpu)")
+    top.add_argument("--device", default=argparse.SUPPRESS,
+                     help="torch device, e.g. cpu, cuda or cuda:1 (default: cuda where it is available, else cpu)")
     top.add_argument("--seed", type=int, default=argparse.SUPPRESS, help="random seed (default: 0)")
     for title, cls in ENGINE_ARG_GROUPS:
         group = parser.add_argument_group(title)
@@ -109,27 +134,43 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names = {"dtype", "device", "seed"} | {f.name for _, cls in ENGINE_ARG_GROUPS for f in dataclasses.fields(cls)}
-    return {k: v for k, v in vars(args).items() if k in names}
+    kwargs = {k: v for k, v in vars(args).items() if k in names}
+    kwargs.setdefault("device", _default_device())
+    return kwargs
 
 
 def _model_arg(parser: argparse.ArgumentParser) -> None:
+    """The model as the positional MODEL or as --model (vLLM's spelling), and its --revision."""
     parser.add_argument("model", nargs="?", metavar="MODEL",
-                        help="checkpoint directory (config.json, *.safetensors, tokenizer); "
-                             "default: the bundled demo model")
+                        help="a checkpoint directory (config.json, *.safetensors, tokenizer) or a Hugging Face "
+                             "repository id ORG/NAME (from the local cache, else downloaded); default: the bundled "
+                             "demo model")
+    parser.add_argument("--model", dest="model_flag", metavar="MODEL", default=None,
+                        help="the same as the positional MODEL")
+    parser.add_argument("--revision", default=None, help="the repository's branch, tag or commit (default: main)")
+
+
+def _model(args: argparse.Namespace) -> str:
+    """The checkpoint directory the command loads."""
+    if args.model and args.model_flag and args.model != args.model_flag:
+        raise InvalidInputError(f"two models given: {args.model!r} and --model {args.model_flag!r}")
+    return resolve_model(args.model or args.model_flag, args.revision)
 
 
 def _add_serve_parser(sub: Any) -> None:
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                            description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
                                        "/v1/completions, /v1/models, /health, /metrics), with a chat page "
-                                       "at /.")
+                                       "at /.", epilog=SERVE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     _model_arg(serve)
     http = serve.add_argument_group("server")
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     http.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     http.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     http.add_argument("--served-model-name", default=None, help=f"the model name clients send (default: MODEL, or {DEMO_MODEL_NAME} for the demo model)")
-    http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                      help="what the server logs: at info, each request and each refused one with its reason "
+                           "(default: info)")
     http.add_argument("--no-web-ui", dest="web_ui", action="store_false",
                       help="do not serve the browser chat page at / (served by default; it needs no build)")
     media = serve.add_argument_group("media fetching")
@@ -158,19 +199,21 @@ def _build_parser() -> argparse.ArgumentParser:
                     "Gemma 3, Mistral 3) on PyTorch.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=f"mmserve {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_serve_parser(sub)
     gen = sub.add_parser("generate", help="answer one prompt about an image and print the answer",
                          description="Load a model, ask one question about an image, print the answer.")
-    gen.add_argument("--model", default=None,
-                     help="checkpoint directory (config.json, *.safetensors, tokenizer); default: the demo model")
+    _model_arg(gen)
     gen.add_argument("--image", action="append", default=[], metavar="PATH",
                      help="image file to show the model (repeat for several)")
     gen.add_argument("--prompt", required=True, help="the question or instruction")
     gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default 64)")
     gen.add_argument("--min-tokens", type=int, default=0, help="generate at least this many tokens")
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    gen.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                     help="weights and activations (default: float32)")
+    gen.add_argument("--device", default=None,
+                     help="torch device, e.g. cpu or cuda (default: cuda where it is available, else cpu)")
     chat = sub.add_parser("chat", help="chat with a model in the terminal",
                           description="An interactive chat. Type a message and press Enter. Commands: "
                                       "/image PATH attaches an image to your next message, /clear forgets the "
@@ -188,20 +231,30 @@ def _generate(args: argparse.Namespace) -> int:
     from mmserve.sampling_params import SamplingParams
 
     started = time.perf_counter()
-    model = resolve_model(args.model)
+    images = [_read_image(Path(p), MediaLimits()) for p in args.image]  # a bad file fails before the model loads
+    model = _model(args)
     print(f"loading {model} ...", file=sys.stderr, flush=True)
-    images = [str(Path(p).resolve()) for p in args.image]
-    roots = {str(Path(p).parent) for p in images}
-    llm = LLM(model, dtype=args.dtype, device=args.device,
-              allowed_local_media_path=roots.pop() if len(roots) == 1 else "/")
+    llm = LLM(model, dtype=args.dtype, device=args.device or _default_device())
     print(f"loaded in {time.perf_counter() - started:.1f}s; generating ...", file=sys.stderr, flush=True)
-    content = [{"type": "image_url", "image_url": {"url": p}} for p in images] + [{"type": "text", "text": args.prompt}]
+    content = [{"type": "image", "image": data} for data in images] + [{"type": "text", "text": args.prompt}]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, min_tokens=args.min_tokens)
     output = llm.chat([{"role": "user", "content": content}], params, use_tqdm=False)[0]
     if output.error:
         raise InvalidInputError(output.error)
     print(output.outputs[0].text)
     return 0
+
+
+def _read_image(path: Path, limits: MediaLimits) -> bytes:
+    """The bytes of an image file the user named, checked to decode under the limits."""
+    from mmserve.inputs.media import decode_image_bytes
+
+    path = path.expanduser()
+    if not path.is_file():
+        raise InvalidInputError(f"no such file: {path}")
+    data = path.read_bytes()
+    decode_image_bytes(data, limits, what=str(path))
+    return data
 
 
 def _limit_per_prompt(text: str) -> dict[str, int]:
@@ -222,22 +275,55 @@ def _serve(args: argparse.Namespace) -> int:
     from mmserve.entrypoints.openai.serving import ServerConfig
     from mmserve.inputs.fetch import FetchPolicy
 
-    model = resolve_model(args.model)
+    _log_to_stderr(args.log_level)
+    model = _model(args)
     limits = {"image": 16, "video": 4, **_limit_per_prompt(args.limit_mm_per_prompt)}
     config = EngineConfig.from_kwargs(model, **_engine_kwargs(args))
     fetch = FetchPolicy(timeout_s=args.media_fetch_timeout, allowed_domains=tuple(args.allowed_media_domains),
                         allow_private=args.allow_private_media_urls)
-    name = args.served_model_name or args.model or DEMO_MODEL_NAME
+    name = args.served_model_name or args.model or args.model_flag or DEMO_MODEL_NAME
     print(f"loading {model} ...", file=sys.stderr, flush=True)
     engine = Engine(config)
     rules = MediaRules(config.media, fetch, args.max_video_bytes, limits, engine.spec.default_video_fps)
     server_config = ServerConfig(name, rules, args.api_key, extra_model_names=(model,) if name != model else (),
                                  max_request_bytes=args.max_request_bytes, web_ui=args.web_ui,
                                  demo_model=Path(model).resolve() == DEMO_MODEL_DIR.resolve())
-    if args.web_ui:
-        print(f"chat in your browser: http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
-    serve(engine, server_config, args.host, args.port, args.log_level, args.shutdown_timeout)
+    summary = startup_summary(engine, name, f"http://{args.host}:{args.port}", web_ui=args.web_ui)
+    serve(engine, server_config, args.host, args.port, args.log_level, args.shutdown_timeout,
+          on_ready=lambda: print(summary, file=sys.stderr, flush=True))
     return 0
+
+
+def _log_to_stderr(level: str) -> None:
+    """mmserve's own log lines (a refused request and why, shutdown) beside uvicorn's, at its level."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)-9s %(name)s: %(message)s"))
+    root = logging.getLogger("mmserve")
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+
+
+def startup_summary(engine: Any, served_name: str, base_url: str, *, web_ui: bool) -> str:
+    """What `mmserve serve` prints once its port answers: the model, where its memory went, and the
+    addresses to use."""
+    stats = engine.get_stats()
+    config = engine.config
+    workers = config.encoder.encoder_workers
+    encoder = (f"{workers} {config.encoder.encoder_backend} worker(s)" if workers else "in the engine's step")
+    lines = [
+        f"model         {served_name} ({engine.spec.name}, {config.dtype} on {config.device})",
+        f"context       {engine.max_model_len} tokens per request",
+        f"KV cache      {stats['kv_capacity_tokens']} tokens ({stats['kv_cache_dtype']})",
+        f"image cache   {_mib(engine.budget.cache_bytes)}; encoder {encoder}",
+        f"API           {base_url}/v1  (OpenAI-compatible: /v1/chat/completions, /v1/completions)",
+    ]
+    if web_ui:
+        lines.append(f"chat in your browser: {base_url}/")
+    return "\n".join(["mmserve is ready", *("  " + line for line in lines)])
+
+
+def _mib(n_bytes: int) -> str:
+    return f"{n_bytes / 2**20:.0f} MiB"
 
 
 def _chat_turn(engine: Any, history: list[dict[str, Any]], params: Any, turn: int) -> str:
@@ -255,37 +341,60 @@ def _chat_turn(engine: Any, history: list[dict[str, Any]], params: Any, turn: in
     return text
 
 
+CHAT_COMMANDS = {
+    "/image PATH": "attach a picture to your next message",
+    "/clear": "forget the conversation (and any attached picture)",
+    "/help": "list these commands",
+    "/quit": "leave (also /exit or Ctrl-D)",
+}
+
+
 def _chat(args: argparse.Namespace) -> int:
     from mmserve.config import EngineConfig
     from mmserve.engine.llm_engine import Engine
     from mmserve.sampling_params import SamplingParams
 
-    model = resolve_model(args.model)
+    model = _model(args)
     print(f"loading {model} ...", file=sys.stderr, flush=True)
     engine = Engine(EngineConfig.from_kwargs(model, **_engine_kwargs(args)))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict[str, Any]] = list(system)
     images: list[bytes] = []
-    print("type a message; /image PATH attaches an image, /clear starts over, /quit leaves", file=sys.stderr)
+
+    def say(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    say("type a message; /help lists the commands")
     for turn in range(sys.maxsize):
         try:
             line = input("you> ").strip()
         except EOFError:
             print()
             break
-        if line in ("/quit", "/exit"):
+        command, _, rest = line.partition(" ")
+        if command in ("/quit", "/exit"):
             break
-        if line == "/clear":
-            history, images = list(system), []
+        if command == "/help":
+            say("\n".join(f"  {name:<12} {what}" for name, what in CHAT_COMMANDS.items()))
             continue
-        if line.startswith("/image"):
-            path = Path(line.removeprefix("/image").strip()).expanduser()
-            if not path.is_file():
-                print(f"no such file: {path}", file=sys.stderr)
+        if command == "/clear":
+            history, images = list(system), []
+            say("conversation cleared")
+            continue
+        if command == "/image":
+            if not rest.strip():
+                say("usage: /image PATH")
                 continue
-            images.append(path.read_bytes())
-            print(f"attached {path.name} to your next message", file=sys.stderr)
+            try:  # refused now, so a bad file never rides along with the later messages
+                images.append(_read_image(Path(rest.strip()), engine.config.media))
+            except InvalidInputError as exc:
+                say(f"not attached: {exc}")
+            else:
+                say(f"attached {Path(rest.strip()).name} to your next message")
+            continue
+        if line.startswith("/"):
+            say(f"unknown command {command}; /help lists the commands")
             continue
         if not line:
             continue
@@ -295,16 +404,31 @@ def _chat(args: argparse.Namespace) -> int:
         try:
             answer = _chat_turn(engine, history, params, turn)
         except InvalidInputError as exc:
-            print(f"\nerror: {exc}", file=sys.stderr)
+            print()
+            say(f"error: {exc}" + ("; the attached picture(s) were dropped" if images else ""))
             history.pop()
+            images = []
             continue
         images = []
         history.append({"role": "assistant", "content": answer})
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mmserve")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # `mmserve` alone: what it can do
+        parser.print_help()
+        return 0
     commands = {"serve": _serve, "generate": _generate, "chat": _chat}
     try:
         return commands[args.command](args)

@@ -41,10 +41,12 @@ class _Progress:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, faults: FaultPlan | None = None, **engine_args: Any) -> None:
-        """`model`: a checkpoint directory; None loads the bundled demo model. `faults`: a test's planted
-        faults (mmserve/faults.py), never set in production."""
-        self.engine = Engine(EngineConfig.from_kwargs(resolve_model(model), **engine_args), faults)
+    def __init__(self, model: str | None = None, *, revision: str | None = None, faults: FaultPlan | None = None,
+                 **engine_args: Any) -> None:
+        """`model`: a checkpoint directory, or a Hugging Face repository id (`ORG/NAME`, at `revision`: from the
+        local cache, else downloaded); None loads the bundled demo model. `faults`: a test's planted faults
+        (mmserve/faults.py), never set in production."""
+        self.engine = Engine(EngineConfig.from_kwargs(resolve_model(model, revision), **engine_args), faults)
         self._ids = itertools.count()
 
     @staticmethod
@@ -66,7 +68,7 @@ class LLM:
             try:
                 processed.append(self.engine.process(raw, mm_processor_kwargs))
             except InvalidInputError as exc:
-                raise InvalidInputError(f"prompt {i}: {exc}", param=exc.param) from exc
+                raise exc.reworded(f"prompt {i}: {exc}") from exc
         return self._run(processed, self._per_prompt_params(sampling_params, len(processed)), use_tqdm)
 
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -81,7 +83,7 @@ class LLM:
             try:
                 processed.append(self.engine.process_chat(conv, mm_processor_kwargs, **(chat_template_kwargs or {})))
             except InvalidInputError as exc:
-                raise InvalidInputError(f"conversation {i}: {exc}", param=exc.param) from exc
+                raise exc.reworded(f"conversation {i}: {exc}") from exc
         return self._run(processed, self._per_prompt_params(sampling_params, len(processed)), use_tqdm)
 
     def _run(self, processed: list[ProcessedPrompt], params: list[SamplingParams],

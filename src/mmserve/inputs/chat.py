@@ -2,7 +2,9 @@
 
 Role: check each message, turn every media content part into a bare `{"type": "image"}` or
 `{"type": "video"}` part for the chat template (the family's template writes its own
-placeholder there), and collect the media and any per-part `uuid` in placeholder order.
+placeholder there), and collect the media, any per-part `uuid` and each part's field path
+(`messages[i].content[j].image_url`, which errors about that item name) in placeholder order.
+A `video_url` part is taken only as the server leaves it: with its frames already decoded.
 What it does not know: templates, tokenizers, models.
 """
 
@@ -15,7 +17,8 @@ from mmserve.errors import InvalidInputError
 from mmserve.inputs.items import IMAGE, VIDEO
 
 IMAGE_PART_TYPES = ("image_url", "image_pil", "image")
-VIDEO_PART_TYPES = ("video", "video_frames")
+VIDEO_PART_TYPES = ("video", "video_frames", "video_url")
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's; others are refused
 
 
 @dataclass
@@ -26,6 +29,7 @@ class ChatInput:
     images: list[Any] = field(default_factory=list)
     videos: list[Any] = field(default_factory=list)
     uuids: dict[str, list[str | None]] = field(default_factory=lambda: {IMAGE: [], VIDEO: []})  # per-part "uuid"
+    params: dict[str, list[str]] = field(default_factory=lambda: {IMAGE: [], VIDEO: []})  # each part's field path
 
 
 def require_unicode(text: str, param: str | None) -> str:
@@ -39,39 +43,57 @@ def require_unicode(text: str, param: str | None) -> str:
 
 
 def normalize_messages(messages: list[dict[str, Any]], media: ChatInput) -> list[dict[str, Any]]:
-    """Template-ready messages; media parts are appended to `media` in order."""
+    """Template-ready messages; media parts are appended to `media` in order, each with its field path."""
     if not isinstance(messages, list) or not messages:
-        raise InvalidInputError(f"a conversation must be a non-empty list of messages, got {messages!r:.80}")
+        raise InvalidInputError(f"messages must be a non-empty list of messages, got {messages!r:.80}", param="messages")
     return [_normalize_message(m, media, f"messages[{i}]") for i, m in enumerate(messages)]
 
 
-def _normalize_message(message: dict[str, Any], media: ChatInput, where: str) -> dict[str, Any]:
+def check_message(message: Any, where: str) -> str:
+    """The role of `message` (the one at `where`), which must be an object with one of OpenAI's roles."""
     if not isinstance(message, dict) or "role" not in message:
-        raise InvalidInputError(f"a chat message must be a dict with a 'role', got {message!r:.80}")
+        raise InvalidInputError(f"{where} must be an object with a 'role', got {message!r:.80}", param=where)
+    role = message["role"]
+    if role not in ROLES:
+        raise InvalidInputError(f"{where}.role {role!r:.40} is not one of {', '.join(ROLES)}", param=f"{where}.role")
+    return role
+
+
+def _normalize_message(message: dict[str, Any], media: ChatInput, where: str) -> dict[str, Any]:
+    role = check_message(message, where)
     content = message.get("content")
     # the message's other fields (name, reasoning_content, ...) go to the template as transformers passes them
     rest = {k: v for k, v in message.items() if k not in ("role", "content")}
     if content is None:  # as transformers: the template sees no content key
-        return {"role": message["role"], **rest}
+        return {"role": role, **rest}
     if isinstance(content, str):
-        return {"role": message["role"], "content": require_unicode(content, f"{where}.content"), **rest}
+        return {"role": role, "content": require_unicode(content, f"{where}.content"), **rest}
     if not isinstance(content, list):
-        raise InvalidInputError("message content must be a string or a list of content parts")
-    parts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text":
-            parts.append({"type": "text", "text": require_unicode(str(part.get("text", "")), f"{where}.content[{j}].text")})
-        elif kind in IMAGE_PART_TYPES:
-            value = part.get(kind)
-            media.images.append(value.get("url") if kind == "image_url" and isinstance(value, dict) else value)
-            media.uuids[IMAGE].append(part.get("uuid"))
-            parts.append({"type": "image"})
-        elif kind in VIDEO_PART_TYPES:
-            media.videos.append(part.get(kind))
-            media.uuids[VIDEO].append(part.get("uuid"))
-            parts.append({"type": "video"})
-        else:
-            raise InvalidInputError(f"unsupported content part type {kind!r}; supported: text, image_url, "
-                                    "image_pil, image, video")
-    return {"role": message["role"], "content": parts, **rest}
+        raise InvalidInputError(f"{where}.content must be a string or a list of content parts", param=f"{where}.content")
+    return {"role": role, "content": [_normalize_part(part, media, f"{where}.content[{j}]")
+                                      for j, part in enumerate(content)], **rest}
+
+
+def _normalize_part(part: Any, media: ChatInput, where: str) -> dict[str, Any]:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text":
+        return {"type": "text", "text": require_unicode(str(part.get("text", "")), f"{where}.text")}
+    if kind in IMAGE_PART_TYPES:
+        value = part.get(kind)
+        media.images.append(value.get("url") if kind == "image_url" and isinstance(value, dict) else value)
+        media.uuids[IMAGE].append(part.get("uuid"))
+        media.params[IMAGE].append(f"{where}.{kind}")
+        return {"type": "image"}
+    if kind in VIDEO_PART_TYPES:
+        value = part.get(kind)
+        if kind == "video_url" and isinstance(value, (dict, str)):
+            raise InvalidInputError(f"{where}: a video file (video_url) is decoded only by the server; offline, "
+                                    "give its frames as a 'video' part", param=f"{where}")
+        media.videos.append(value)
+        media.uuids[VIDEO].append(part.get("uuid"))
+        media.params[VIDEO].append(f"{where}.{kind}")
+        return {"type": "video"}
+    if not isinstance(part, dict):
+        raise InvalidInputError(f"{where} must be an object with a 'type'", param=where)
+    raise InvalidInputError(f"{where}.type {kind!r:.40} is not a supported content part type; supported: text, "
+                            f"{', '.join(IMAGE_PART_TYPES + VIDEO_PART_TYPES)}", param=f"{where}.type")

@@ -31,6 +31,7 @@ from PIL import Image, ImageOps
 
 from mmserve.errors import InvalidInputError
 from mmserve.inputs.frame_sampling import check_fps
+from mmserve.options import option
 
 # The modes Pillow converts to RGB (as transformers does: 16-bit, 32-bit and float values are clipped to
 # 0..255, not rescaled). "La" (premultiplied) has no conversion to RGB in Pillow.
@@ -40,11 +41,12 @@ SUPPORTED_IMAGE_MODES = frozenset({"1", "L", "LA", "P", "PA", "RGB", "RGBA", "RG
 
 @dataclass(frozen=True)
 class MediaLimits:
-    max_image_bytes: int = 32 * 1024 * 1024  # encoded size
-    max_image_pixels: int = 64_000_000  # width * height, checked before decoding
-    max_video_frames: int = 32  # frames per video (and, where a video is one item, its largest size)
-    max_pixels_per_request: int = 256_000_000  # decoded pixels of all images and video frames of one request
-    allowed_local_media_path: str | None = None  # local files only below this directory
+    max_image_bytes: int = option(32 * 1024 * 1024, "largest encoded image", shown="32MiB")
+    max_image_pixels: int = option(64_000_000, "largest image in width x height pixels, checked before decoding")
+    max_video_frames: int = option(32, "most frames of one video (also sizes a whole-video item)")
+    max_pixels_per_request: int = option(256_000_000, "decoded pixels of all images and video frames of a request")
+    allowed_local_media_path: str | None = option(None, "local files may be read only below this directory",
+                                                  shown="none")
 
     def __post_init__(self) -> None:
         if min(self.max_image_bytes, self.max_image_pixels, self.max_video_frames, self.max_pixels_per_request) <= 0:
@@ -62,7 +64,8 @@ class PixelBudget:
         self.used += sum(im.width * im.height for im in images)
         if self.used > self.limit:
             raise InvalidInputError(f"the request's images and video frames hold {self.used} pixels by {what}, over "
-                                    f"the limit of {self.limit} pixels per request (max_pixels_per_request)")
+                                    f"the limit of {self.limit} pixels per request (max_pixels_per_request)",
+                                    setting="max_pixels_per_request")
 
 
 def _check_size(width: int, height: int, limits: MediaLimits, what: str) -> None:
@@ -71,7 +74,7 @@ def _check_size(width: int, height: int, limits: MediaLimits, what: str) -> None
     if width * height > limits.max_image_pixels:
         raise InvalidInputError(
             f"{what} is {width}x{height} = {width * height} pixels, over the limit of "
-            f"{limits.max_image_pixels} pixels"
+            f"{limits.max_image_pixels} pixels (max_image_pixels)", setting="max_image_pixels"
         )
 
 
@@ -88,7 +91,8 @@ def decode_image_bytes(data: bytes, limits: MediaLimits, what: str = "image") ->
     if not data:
         raise InvalidInputError(f"{what} is empty (0 bytes)")
     if len(data) > limits.max_image_bytes:
-        raise InvalidInputError(f"{what} is {len(data)} bytes, over the limit of {limits.max_image_bytes} bytes")
+        raise InvalidInputError(f"{what} is {len(data)} bytes, over the limit of {limits.max_image_bytes} bytes "
+                                "(max_image_bytes)", setting="max_image_bytes")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -148,16 +152,19 @@ def read_local_file(path_or_url: str, limits: MediaLimits, what: str = "image") 
     """Read a local path or file:// URL, only inside `limits.allowed_local_media_path`."""
     raw = path_or_url[len("file://"):] if path_or_url.startswith("file://") else path_or_url
     if limits.allowed_local_media_path is None:
-        raise InvalidInputError(f"{what}: local files are not allowed (set allowed_local_media_path)")
+        raise InvalidInputError(f"{what}: local files are not allowed (set allowed_local_media_path)",
+                                setting="allowed_local_media_path")
     root = Path(limits.allowed_local_media_path).resolve()
     path = Path(raw).resolve()
     if not path.is_relative_to(root):
-        raise InvalidInputError(f"{what}: path {raw!r} is outside the allowed media directory")
+        raise InvalidInputError(f"{what}: path {raw!r} is outside the allowed media directory "
+                                "(allowed_local_media_path)", setting="allowed_local_media_path")
     if not path.is_file():
         raise InvalidInputError(f"{what}: no such file {raw!r}")
     size = path.stat().st_size
     if size > limits.max_image_bytes:
-        raise InvalidInputError(f"{what} is {size} bytes, over the limit of {limits.max_image_bytes} bytes")
+        raise InvalidInputError(f"{what} is {size} bytes, over the limit of {limits.max_image_bytes} bytes "
+                                "(max_image_bytes)", setting="max_image_bytes")
     return path.read_bytes()
 
 
@@ -223,7 +230,8 @@ def load_video(source: Any, limits: MediaLimits | None = None,
     if not source:
         raise InvalidInputError(f"{what} has no frames")
     if len(source) > limits.max_video_frames:
-        raise InvalidInputError(f"{what} has {len(source)} frames, over the limit of {limits.max_video_frames}")
+        raise InvalidInputError(f"{what} has {len(source)} frames, over the limit of {limits.max_video_frames} "
+                                "(max_video_frames)", setting="max_video_frames")
     frames = [load_image(f, limits, f"{what} frame {i}") for i, f in enumerate(source)]
     sizes = {f.size for f in frames}
     if len(sizes) > 1:

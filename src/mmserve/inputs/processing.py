@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from mmserve.errors import InvalidInputError
+from mmserve.errors import InvalidInputError, at_param
 from mmserve.inputs.chat import ChatInput, normalize_messages
 from mmserve.inputs.frame_sampling import SAMPLING_KWARG, check_fps, check_sampling
 from mmserve.inputs.hashing import hash_item
@@ -144,7 +144,7 @@ class MultimodalProcessor:
         """OpenAI-format messages -> prompt with one placeholder per item, media in order."""
         out = ChatInput(prompt="")
         normalized = normalize_messages(messages, out)
-        self._check_modalities(len(out.images), len(out.videos))
+        self._check_modalities(len(out.images), len(out.videos), out.params)
         out.prompt = self.tokenizer.apply_chat_template(normalized, add_generation_prompt, **template_kwargs)
         return out
 
@@ -152,13 +152,18 @@ class MultimodalProcessor:
     def process(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
                 images: list[Any] | None = None, videos: list[Any] | None = None,
                 mm_processor_kwargs: dict[str, Any] | None = None,
-                uuids: dict[str, list[str | None]] | None = None) -> ProcessedPrompt:
+                uuids: dict[str, list[str | None]] | None = None,
+                item_params: dict[str, list[str]] | None = None) -> ProcessedPrompt:
         """Process a prompt (text or token ids) with its media into a ProcessedPrompt.
 
         `uuids` ({"image": [...], "video": [...]}, None entries allowed) replace content hashing for
-        those items; the key still covers the processor kwargs and the model."""
+        those items; the key still covers the processor kwargs and the model. `item_params` (shaped
+        the same) are the request fields the items came from, which an error about an item names
+        (default: `multi_modal_data.image[i]`)."""
         images, videos = list(images or []), list(videos or [])
-        self._check_modalities(len(images), len(videos))
+        params = {m: list((item_params or {}).get(m) or [f"multi_modal_data.{m}[{i}]" for i in range(count)])
+                  for m, count in ((IMAGE, len(images)), (VIDEO, len(videos)))}
+        self._check_modalities(len(images), len(videos), params)
         if mm_processor_kwargs is not None and not isinstance(mm_processor_kwargs, dict):
             raise InvalidInputError(f"mm_processor_kwargs must be an object, got {type(mm_processor_kwargs).__name__}",
                                     param="mm_processor_kwargs")
@@ -166,7 +171,7 @@ class MultimodalProcessor:
         fps = check_fps(kwargs.pop("fps", self.default_video_fps), "mm_processor_kwargs.fps", "mm_processor_kwargs.fps")
         check_sampling(kwargs.pop(SAMPLING_KWARG, None))  # it chose the frames of a decoded file
         if prompt is None and prompt_token_ids is None:
-            raise InvalidInputError("need a prompt or prompt_token_ids")
+            raise InvalidInputError("need a prompt or prompt_token_ids", param="prompt")
         pieces = self._split_prompt(prompt) if prompt is not None else self._split_ids(prompt_token_ids)
         self._check_counts(pieces, len(images), len(videos))
         ids = self._item_uuids(uuids, len(images), len(videos))
@@ -175,25 +180,29 @@ class MultimodalProcessor:
         expanded: dict[str, list[tuple[ItemExpansion, list[str]]]] = {IMAGE: [], VIDEO: []}
         pixels = PixelBudget(self.limits)
         for i, source in enumerate(images):
-            img = load_image(source, self.limits, f"image {i}")
-            pixels.take([img], f"image {i}")
-            exp = self.expand_image(img, kwargs, len(images))
+            with at_param(where := params[IMAGE][i]):
+                img = load_image(source, self.limits, where)
+                pixels.take([img], where)
+                exp = self.expand_image(img, kwargs, len(images))
             expanded[IMAGE].append((exp, self._keys(IMAGE, ids[IMAGE][i], img, {**image_shaping, **exp.key_extra}, exp)))
         for i, source in enumerate(videos):
-            frames, stated_fps = load_video(source, self.limits, f"video {i}")
-            pixels.take(frames, f"video {i}")
-            video_fps = stated_fps or fps
-            exp = self.expand_video(frames, video_fps, kwargs)
+            with at_param(where := params[VIDEO][i]):
+                frames, stated_fps = load_video(source, self.limits, where)
+                pixels.take(frames, where)
+                video_fps = stated_fps or fps
+                exp = self.expand_video(frames, video_fps, kwargs)
             shaping = {**video_shaping, "fps": video_fps, **exp.key_extra}
             expanded[VIDEO].append((exp, self._keys(VIDEO, ids[VIDEO][i], frames, shaping, exp)))
-        token_ids, items = self._expand(pieces, expanded)
+        token_ids, items = self._expand(pieces, expanded, params)
         return self._finish(prompt, token_ids, items)
 
-    def _check_modalities(self, num_images: int, num_videos: int) -> None:
+    def _check_modalities(self, num_images: int, num_videos: int,
+                          params: dict[str, list[str]] | None = None) -> None:
         for modality, count in ((IMAGE, num_images), (VIDEO, num_videos)):
             if count and modality not in self.modalities:
+                where = (params or {}).get(modality) or [None]
                 raise InvalidInputError(f"this model does not take {modality}s ({count} given); it takes: "
-                                        f"{', '.join(self.modalities)}")
+                                        f"{', '.join(self.modalities)}", param=where[0])
 
     def _key(self, modality: str, uuid: str | None, content: Any, shaping: dict[str, Any]) -> str:
         """Content key: what the model sees (pixels or the caller's uuid), how it is shaped, which model."""
@@ -220,16 +229,16 @@ class MultimodalProcessor:
         uuids = uuids or {}
         unknown = sorted(set(uuids) - {IMAGE, VIDEO})
         if unknown:
-            raise InvalidInputError(f"multi_modal_uuids has unknown modalities {unknown}")
+            raise InvalidInputError(f"multi_modal_uuids has unknown modalities {unknown}", param="multi_modal_uuids")
         out = {}
         for modality, count in ((IMAGE, num_images), (VIDEO, num_videos)):
             given = uuids.get(modality)
             given = [given] if isinstance(given, str) else list(given or [None] * count)
             if len(given) != count:
                 raise InvalidInputError(f"multi_modal_uuids['{modality}'] has {len(given)} entries for {count} "
-                                        f"{modality}(s)")
+                                        f"{modality}(s)", param=f"multi_modal_uuids.{modality}")
             if any(u is not None and not isinstance(u, str) for u in given):
-                raise InvalidInputError("multi_modal_uuids entries must be strings or None")
+                raise InvalidInputError("multi_modal_uuids entries must be strings or None", param="multi_modal_uuids")
             out[modality] = given
         return out
 
@@ -278,11 +287,11 @@ class MultimodalProcessor:
                 what = repr(self.pad_text.get(modality, "")) if modality in self.pad_ids else "none: not supported"
                 raise InvalidInputError(
                     f"the prompt has {found} {modality} placeholder(s) ({what}) but {given} "
-                    f"{modality}(s) were given; put one placeholder per {modality} in the prompt"
+                    f"{modality}(s) were given; put one placeholder per {modality} in the prompt", param="prompt"
                 )
 
-    def _expand(self, pieces: list[str | list[int]],
-                expanded: dict[str, list[tuple[ItemExpansion, list[str]]]]) -> tuple[list[int], list[MMItem]]:
+    def _expand(self, pieces: list[str | list[int]], expanded: dict[str, list[tuple[ItemExpansion, list[str]]]],
+                params: dict[str, list[str]]) -> tuple[list[int], list[MMItem]]:
         ids: list[int] = []
         items: list[MMItem] = []
         seen = {IMAGE: 0, VIDEO: 0}
@@ -308,10 +317,12 @@ class MultimodalProcessor:
             span = exp.token_ids
             given = isinstance(piece, _Run) and (piece.length != 1 or piece.expanded)
             if given:  # input already expanded: keep it as given, surrounding text included
+                where = params[str(piece)][index]
                 if span != [self.embed_ids[piece]] * len(span):
-                    raise InvalidInputError(f"{piece} {index}: give one placeholder id per {piece}; this "
-                                            f"model's {piece} spans hold more than placeholder ids")
-                check_item_rows(f"{piece} {index}", piece.length, exp.rows)
+                    raise InvalidInputError(f"{where}: give one placeholder id per {piece}; this "
+                                            f"model's {piece} spans hold more than placeholder ids", param="prompt")
+                with at_param(where):
+                    check_item_rows(where, piece.length, exp.rows)
             else:
                 text += exp.text_before
             flush()
@@ -330,7 +341,8 @@ class MultimodalProcessor:
     def _finish(self, prompt: str | None, token_ids: list[int], items: list[MMItem]) -> ProcessedPrompt:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise InvalidInputError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+            raise InvalidInputError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}",
+                                    param="prompt")
         ids = np.asarray(token_ids, dtype=np.int64)
         embed_mask = np.isin(ids, np.asarray(list(self.embed_ids.values()), dtype=np.int64))
         mm_mask = np.zeros(len(token_ids), dtype=bool)

@@ -17,7 +17,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmserve.errors import InvalidInputError
+from mmserve.errors import InvalidInputError, at_param
+from mmserve.inputs.chat import check_message
 from mmserve.inputs.fetch import FetchPolicy, fetch_url
 from mmserve.inputs.frame_sampling import SAMPLING_KWARG, check_fps, check_sampling
 from mmserve.inputs.items import IMAGE, VIDEO
@@ -52,51 +53,61 @@ class ResolvedMedia:
     images: list[Any] = field(default_factory=list)
     videos: list[Any] = field(default_factory=list)
     uuids: dict[str, list[str | None]] = field(default_factory=lambda: {IMAGE: [], VIDEO: []})
+    params: dict[str, list[str]] = field(default_factory=lambda: {IMAGE: [], VIDEO: []})  # each item's field path
 
 
 def _url_of(part: dict[str, Any], kind: str, where: str) -> str:
     value = part.get(kind)
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str) or not url:
-        raise InvalidInputError(f"{where}: a {kind} part needs {{'{kind}': {{'url': '...'}}}}")
+        raise InvalidInputError(f"{where}.{kind}: a {kind} part needs {{'{kind}': {{'url': '...'}}}}",
+                                param=f"{where}.{kind}")
     return url
 
 
 def _check_counts(parts: list[tuple[str, dict[str, Any]]], rules: MediaRules) -> None:
     for modality, kinds in ((IMAGE, ("image_url",)), (VIDEO, VIDEO_PARTS)):
-        count = sum(1 for _, p in parts if p.get("type") in kinds)
+        located = [(where, p["type"]) for where, p in parts if p.get("type") in kinds]
         limit = rules.limit_per_prompt.get(modality)
-        if limit is not None and count > limit:
-            raise InvalidInputError(f"at most {limit} {modality}(s) may be provided in one prompt; got {count}")
+        if limit is not None and len(located) > limit:
+            where, kind = located[limit]
+            raise InvalidInputError(f"at most {limit} {modality}(s) may be provided in one prompt; got "
+                                    f"{len(located)} (--limit-mm-per-prompt)", param=f"{where}.{kind}")
 
 
 def _listed_frames(part: dict[str, Any], rules: MediaRules, where: str) -> VideoFrames:
     """A `video_frames` part: each frame's URL fetched (http) or kept (data URI, local path: the
     processor decodes those under the image limits), with the part's fps."""
+    where = f"{where}.video_frames"
     value = part.get("video_frames")
     urls = value.get("urls") if isinstance(value, dict) else None
     if not isinstance(urls, list) or not urls or not all(isinstance(u, str) and u for u in urls):
         raise InvalidInputError(f"{where}: a video_frames part needs {{'video_frames': {{'urls': ['...', ...], "
-                                "'fps': <number>}}")
+                                "'fps': <number>}}", param=where)
     unknown = sorted(set(value) - {"urls", "fps"})
     if unknown:
-        raise InvalidInputError(f"{where}: video_frames has unknown keys {unknown}")
+        raise InvalidInputError(f"{where} has unknown keys {unknown}", param=where)
     if len(urls) > rules.limits.max_video_frames:
-        raise InvalidInputError(f"{where}: video_frames has {len(urls)} frames, over the limit of "
-                                f"{rules.limits.max_video_frames}")
+        raise InvalidInputError(f"{where} has {len(urls)} frames, over the limit of "
+                                f"{rules.limits.max_video_frames} (max_video_frames)", param=f"{where}.urls",
+                                setting="max_video_frames")
     fps = value.get("fps")
-    fps = None if fps is None else check_fps(fps, f"{where}: video_frames.fps")
-    frames = [fetch_url(u, rules.limits.max_image_bytes, rules.fetch, f"{where} frame {k}")
-              if u.startswith(HTTP_SCHEMES) else u for k, u in enumerate(urls)]
+    fps = None if fps is None else check_fps(fps, f"{where}.fps", f"{where}.fps")
+    frames = []
+    for k, url in enumerate(urls):
+        with at_param(f"{where}.urls[{k}]"):
+            frames.append(fetch_url(url, rules.limits.max_image_bytes, rules.fetch, f"{where}.urls[{k}]")
+                          if url.startswith(HTTP_SCHEMES) else url)
     return VideoFrames(frames, fps)
 
 
 def _video_frames(url: str, rules: MediaRules, fps: float, sampling: str, where: str) -> list[Any]:
-    what = f"{where} (video)"
+    what = f"{where}.video_url"
     if url.startswith("data:"):
         data = decode_data_uri(url, what)
         if len(data) > rules.max_video_bytes:
-            raise InvalidInputError(f"{what} is {len(data)} bytes, over the limit of {rules.max_video_bytes} bytes")
+            raise InvalidInputError(f"{what} is {len(data)} bytes, over the limit of {rules.max_video_bytes} bytes "
+                                    "(--max-video-bytes)")
     elif url.startswith(HTTP_SCHEMES):
         data = fetch_url(url, rules.max_video_bytes, rules.fetch, what)
     else:
@@ -106,27 +117,29 @@ def _video_frames(url: str, rules: MediaRules, fps: float, sampling: str, where:
 
 def _resolve_part(part: dict[str, Any], rules: MediaRules, fps: float, sampling: str,
                   where: str) -> dict[str, Any]:
+    """A processor part of the same type (so that an error about it names the client's field), its
+    media fetched or decoded."""
     kind = part.get("type")
     uuid = part.get("uuid")
     if uuid is not None and not isinstance(uuid, str):
-        raise InvalidInputError(f"{where}: uuid must be a string")
+        raise InvalidInputError(f"{where}.uuid must be a string", param=f"{where}.uuid")
     if kind == "text":
         if not isinstance(part.get("text"), str):
-            raise InvalidInputError(f"{where}: a text part needs a string 'text'")
+            raise InvalidInputError(f"{where}.text: a text part needs a string 'text'", param=f"{where}.text")
         return {"type": "text", "text": part["text"]}
-    if kind == "image_url":
-        url = _url_of(part, kind, where)
-        if url.startswith(HTTP_SCHEMES):
-            data = fetch_url(url, rules.limits.max_image_bytes, rules.fetch, f"{where} (image)")
-            return {"type": "image", "image": data, "uuid": uuid}
-        return {"type": "image_url", "image_url": {"url": url}, "uuid": uuid}
-    if kind == "video_url":
-        return {"type": "video", "video": _video_frames(_url_of(part, kind, where), rules, fps, sampling, where),
-                "uuid": uuid}
-    if kind == "video_frames":
-        return {"type": "video", "video": _listed_frames(part, rules, where), "uuid": uuid}
-    raise InvalidInputError(f"{where}: unsupported content part type {kind!r}; supported: "
-                            f"{', '.join(SUPPORTED_PARTS)}")
+    if kind not in SUPPORTED_PARTS:
+        raise InvalidInputError(f"{where}.type {kind!r:.40} is not a supported content part type; supported: "
+                                f"{', '.join(SUPPORTED_PARTS)}", param=f"{where}.type")
+    with at_param(f"{where}.{kind}"):
+        if kind == "image_url":
+            url = _url_of(part, kind, where)
+            if url.startswith(HTTP_SCHEMES):
+                url = fetch_url(url, rules.limits.max_image_bytes, rules.fetch, f"{where}.{kind}")
+            return {"type": kind, kind: {"url": url}, "uuid": uuid}
+        if kind == "video_url":
+            return {"type": kind, kind: _video_frames(_url_of(part, kind, where), rules, fps, sampling, where),
+                    "uuid": uuid}
+        return {"type": kind, kind: _listed_frames(part, rules, where), "uuid": uuid}
 
 
 def _video_sampling(mm_processor_kwargs: dict[str, Any] | None, default_fps: float) -> tuple[float, str]:
@@ -140,16 +153,16 @@ def resolve_messages(messages: list[dict[str, Any]], rules: MediaRules,
                      mm_processor_kwargs: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Chat messages with every media part replaced by a processor part (fetched, decoded)."""
     if not messages:
-        raise InvalidInputError("messages must not be empty")
+        raise InvalidInputError("messages must not be empty", param="messages")
     located: list[tuple[str, dict[str, Any]]] = []
     for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise InvalidInputError(f"messages[{i}] must be an object with a 'role' and 'content'")
+        check_message(message, f"messages[{i}]")  # before anything is fetched
         content = message.get("content")
         if isinstance(content, list):
             for j, part in enumerate(content):
                 if not isinstance(part, dict):
-                    raise InvalidInputError(f"messages[{i}].content[{j}] must be an object")
+                    raise InvalidInputError(f"messages[{i}].content[{j}] must be an object",
+                                            param=f"messages[{i}].content[{j}]")
                 located.append((f"messages[{i}].content[{j}]", part))
     _check_counts(located, rules)
     fps, sampling = _video_sampling(mm_processor_kwargs, rules.default_video_fps)
@@ -169,16 +182,16 @@ def resolve_media(parts: list[dict[str, Any]], rules: MediaRules,
     located = [(f"media[{j}]", p) for j, p in enumerate(parts)]
     for where, part in located:
         if not isinstance(part, dict) or part.get("type") not in ("image_url", *VIDEO_PARTS):
-            raise InvalidInputError(f"{where}: media parts must be image_url, video_url or video_frames objects")
+            raise InvalidInputError(f"{where}: media parts must be image_url, video_url or video_frames objects",
+                                    param=f"{where}.type" if isinstance(part, dict) else where)
     _check_counts(located, rules)
     fps, sampling = _video_sampling(mm_processor_kwargs, rules.default_video_fps)
     out = ResolvedMedia()
     for where, part in located:
         item = _resolve_part(part, rules, fps, sampling, where)
-        if item["type"] == "video":
-            out.videos.append(item["video"])
-            out.uuids[VIDEO].append(item["uuid"])
-        else:
-            out.images.append(item["image"] if item["type"] == "image" else item["image_url"]["url"])
-            out.uuids[IMAGE].append(item["uuid"])
+        kind = item["type"]
+        modality = IMAGE if kind == "image_url" else VIDEO
+        (out.images if modality == IMAGE else out.videos).append(item[kind]["url"] if modality == IMAGE else item[kind])
+        out.uuids[modality].append(item["uuid"])
+        out.params[modality].append(f"{where}.{kind}")
     return out

@@ -18,7 +18,7 @@ import hmac
 import logging
 import signal
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -49,35 +49,61 @@ logger = logging.getLogger("mmserve.server")
 
 
 def _error(status_code: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-           code: str | None = None) -> JSONResponse:
+           code: str | None = None, request: Request | None = None) -> JSONResponse:
+    if request is not None and 400 <= status_code < 500:  # the request's own fault: why, for whoever reads the log
+        logger.info("%s %s -> %d%s: %s", request.method, request.url.path, status_code,
+                    f" ({param})" if param else "", message)
     body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
     return JSONResponse(body.model_dump(), status_code=status_code)
 
 
-def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+def field_path(loc: Sequence[Any]) -> str:
+    """A pydantic error location as the request field it names: ('messages', 0, 'content') ->
+    'messages[0].content', the style every error's `param` uses."""
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
+def server_flag(setting: str) -> str:
+    """An engine setting as `mmserve serve` spells its flag."""
+    return "--" + setting.replace("_", "-")
+
+
+def _client_message(exc: InvalidInputError) -> str:
+    """The error's text as a client of this server reads it: engine settings named as server flags."""
+    message = str(exc)
+    return message.replace(exc.setting, server_flag(exc.setting)) if exc.setting else message
+
+
+def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     errors = exc.errors() if isinstance(exc, RequestValidationError) else []
+
+    def where(error: dict[str, Any]) -> str:
+        return field_path([p for p in error.get("loc", ()) if p != "body"])
+
     first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
-        return _error(400, f"the request body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
-    where = ".".join(loc)
-    message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: {e.get('msg')}"
-                        for e in errors[:5]) or "invalid request"
-    return _error(400, message, param=where or None)
+        return _error(400, f"the request body is not valid JSON: {first.get('msg', '')}", code="invalid_json",
+                      request=request)
+    message = "; ".join(f"{where(e)}: {e.get('msg')}" for e in errors[:5]) or "invalid request"
+    return _error(400, message, param=where(first) or None, request=request)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
-    async def request_error(_: Request, exc: Exception) -> JSONResponse:
+    async def request_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestError)
-        return _error(exc.status_code, exc.message, exc.type, exc.param, exc.code)
+        return _error(exc.status_code, exc.message, exc.type, exc.param, exc.code, request)
 
-    async def invalid_input(_: Request, exc: Exception) -> JSONResponse:
-        return _error(400, str(exc), param=getattr(exc, "param", None))
+    async def invalid_input(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, InvalidInputError)
+        return _error(400, _client_message(exc), param=exc.param, request=request)
 
-    async def http_error(_: Request, exc: Exception) -> JSONResponse:
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error(exc.status_code, str(exc.detail), kind)
+        return _error(exc.status_code, str(exc.detail), kind, request=request)
 
     async def engine_dead(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, EngineDeadError)
@@ -176,8 +202,10 @@ def _shutdown_margin_s(timeout_s: float) -> float:
 
 
 def serve(engine: Engine, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "info", shutdown_timeout_s: float = 30.0) -> None:
-    """Serve until interrupted (blocks). On SIGTERM or Ctrl-C the server stops accepting connections,
+          log_level: str = "info", shutdown_timeout_s: float = 30.0,
+          on_ready: Callable[[], None] | None = None) -> None:
+    """Serve until interrupted (blocks); `on_ready` runs once the port is bound and requests are
+    answered (the CLI prints its start-up summary there). On SIGTERM or Ctrl-C the server stops accepting connections,
     lets the requests in flight finish for up to `shutdown_timeout_s`, then fails the rest with a 503
     `server_shutting_down` error (an error event on a stream) and aborts them in the engine, stops the
     engine and its workers, and returns."""
@@ -200,6 +228,11 @@ def serve(engine: Engine, config: ServerConfig, host: str = "127.0.0.1", port: i
                 timer.daemon = True
                 timer.start()
             super().handle_exit(sig, frame)
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets=sockets)
+            if on_ready is not None and self.started:  # not when binding the port failed
+                on_ready()
 
     logger.info("serving %s on http://%s:%d", config.served_model_name, host, port)
     # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal under the handler it found: a

@@ -247,11 +247,12 @@ class OpenAIServing:
 
     async def _completion_prompt(self, body: CompletionRequest) -> ProcessedPrompt:
         raw_prompt = self._raw_prompt(body)
-        if body.media:
-            media = await self._in_worker(resolve_media, body.media, self.config.media, body.mm_processor_kwargs)
-            raw_prompt["multi_modal_data"] = {"image": media.images, "video": media.videos}
-            raw_prompt["multi_modal_uuids"] = media.uuids
-        return await self.engine.process(raw_prompt, body.mm_processor_kwargs)
+        if not body.media:
+            return await self.engine.process(raw_prompt, body.mm_processor_kwargs)
+        media = await self._in_worker(resolve_media, body.media, self.config.media, body.mm_processor_kwargs)
+        raw_prompt["multi_modal_data"] = {"image": media.images, "video": media.videos}
+        raw_prompt["multi_modal_uuids"] = media.uuids
+        return await self.engine.process(raw_prompt, body.mm_processor_kwargs, media.params)
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Any:
         arrival_time = time.time()

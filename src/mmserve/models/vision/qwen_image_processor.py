@@ -95,7 +95,8 @@ class ImageProcessorConfig:
                                         param=f"mm_processor_kwargs.{key}") from exc
             if values[key] < 1 or (pixel_limit is not None and values[key] > pixel_limit):
                 raise InvalidInputError(f"mm_processor_kwargs.{key}={value!r:.40} is outside 1 to {pixel_limit} pixels "
-                                        "(max_image_pixels)", param=f"mm_processor_kwargs.{key}")
+                                        "(max_image_pixels)", param=f"mm_processor_kwargs.{key}",
+                                        setting="max_image_pixels")
         try:
             return replace(self, **values)
         except InvalidInputError as exc:
