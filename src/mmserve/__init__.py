@@ -3,8 +3,8 @@
 from mmserve.entrypoints.llm import LLM
 from mmserve.errors import InvalidInputError, ModelLoadError
 from mmserve.inputs.media import VideoFrames
-from mmserve.outputs import CompletionOutput, RequestOutput
+from mmserve.outputs import CompletionOutput, Logprob, RequestOutput
 from mmserve.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "InvalidInputError", "ModelLoadError", "RequestOutput", "SamplingParams", "VideoFrames"]
+__all__ = ["LLM", "CompletionOutput", "InvalidInputError", "Logprob", "ModelLoadError", "RequestOutput", "SamplingParams", "VideoFrames"]
 __version__ = "0.1.0"

@@ -5,6 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability under the model's raw distribution (float32), its rank in that
+    distribution (1: the most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -12,6 +22,9 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort", "error"; None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # with SamplingParams.logprobs: one dict per token of token_ids (the sampled token and the top ones)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None  # the sum of the sampled tokens' logprobs (with logprobs)
 
 
 @dataclass

@@ -9,7 +9,7 @@ tokenizer (eos ids and stop strings are matched elsewhere), the scheduler.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from mmserve.errors import InvalidInputError
@@ -18,6 +18,9 @@ from mmserve.errors import InvalidInputError
 # softmax turns into NaN, while the distribution is argmax for all practical purposes anyway.
 GREEDY_TEMPERATURE_EPS = 1e-5
 SEED_RANGE = (-(2**63), 2**64)  # what a torch.Generator takes
+MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI's top_logprobs (vLLM's max_logprobs default)
+PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty, as OpenAI defines them
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
 
 
 def _is_int(value: object) -> bool:
@@ -43,6 +46,20 @@ class SamplingParams:
     so it can be shared between the engine and the runner without copies.
 
     `top_k` of 0 or -1 disables top-k; `top_p` of 1.0 and `min_p` of 0.0 disable theirs.
+
+    Penalties and biases (each neutral by default, and then costs nothing):
+    - `presence_penalty` / `frequency_penalty` (OpenAI's, -2..2): subtracted from the logit of each token
+      the request has generated, once / once per occurrence;
+    - `repetition_penalty` (transformers' and vLLM's, > 0): the logit of each token in the prompt or the
+      output is divided by it where positive, multiplied where negative;
+    - `logit_bias`: token id -> -100..100, added to that token's logit; `allowed_token_ids`: only these may
+      be generated; `bad_words`: strings never generated (the last token of each, where the output ends in
+      the tokens before it).
+    `logprobs` (0..20): per generated token, the sampled token's logprob and this many top alternatives.
+    Logprobs are of the model's raw distribution (the
+    log-softmax of its logits before temperature, penalties, biases or masks), in float32.
+    After construction `logit_bias` is a `dict[int, float]`, `allowed_token_ids` a tuple or None and
+    `bad_words` a tuple of strings.
     """
 
     n: int = 1
@@ -58,11 +75,21 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | None = None
+    allowed_token_ids: Sequence[int] | None = None
+    bad_words: Sequence[str] | None = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self._validate_numbers()
         object.__setattr__(self, "stop", _normalise_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
+        object.__setattr__(self, "allowed_token_ids", _normalise_allowed(self.allowed_token_ids))
+        object.__setattr__(self, "bad_words", _normalise_bad_words(self.bad_words))
 
     def _validate_numbers(self) -> None:
         _check(_is_int(self.n) and self.n == 1, f"n must be 1 (only n=1 is supported), got n={self.n!r}")
@@ -84,11 +111,57 @@ class SamplingParams:
                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and PENALTY_RANGE[0] <= value <= PENALTY_RANGE[1],
+                   f"{name} must be a number in [-2, 2], got {value!r}")
+        _check(_is_number(self.repetition_penalty) and math.isfinite(self.repetition_penalty)
+               and self.repetition_penalty > 0,
+               f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+               f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+
+    @property
+    def needs_penalties(self) -> bool:
+        """Does any penalty change a logit (they all default to neutral)?"""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def is_greedy(self) -> bool:
         """True when the choice is deterministic argmax: temperature ~0 or top_k == 1."""
         return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
+
+
+def _normalise_logit_bias(bias: Mapping[int, float] | None) -> dict[int, float]:
+    if bias is None:
+        return {}
+    _check(isinstance(bias, Mapping), f"logit_bias must map token ids to numbers, got {bias!r:.80}")
+    normalised = {}
+    for token_id, value in bias.items():
+        _check(_is_int(token_id) and token_id >= 0, f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
+        _check(_is_number(value) and LOGIT_BIAS_RANGE[0] <= value <= LOGIT_BIAS_RANGE[1],
+               f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token_id}")
+        normalised[token_id] = float(value)
+    return normalised
+
+
+def _normalise_allowed(allowed: Sequence[int] | None) -> tuple[int, ...] | None:
+    if allowed is None:
+        return None
+    _check(isinstance(allowed, (list, tuple)) and len(allowed) > 0,
+           f"allowed_token_ids must be a non-empty list of token ids, got {allowed!r:.80}")
+    for token_id in allowed:
+        _check(_is_int(token_id) and token_id >= 0, f"allowed_token_ids must be token ids (integers >= 0), got {token_id!r}")
+    return tuple(dict.fromkeys(allowed))
+
+
+def _normalise_bad_words(words: Sequence[str] | None) -> tuple[str, ...]:
+    if words is None:
+        return ()
+    _check(isinstance(words, (list, tuple)), f"bad_words must be a list of strings, got {words!r:.80}")
+    for word in words:
+        _check(isinstance(word, str) and word.strip() != "", f"bad_words must be non-empty strings, got {word!r:.80}")
+    return tuple(words)
 
 
 def _normalise_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:

@@ -1,7 +1,18 @@
+import dataclasses
+
 import pytest
 import torch
 
-from mmserve.runner.sampler import Sampler, SamplingMetadata, greedy_argmax, make_generator
+from mmserve.runner.sampler import (
+    PenaltyBatch,
+    Sampler,
+    SamplingMetadata,
+    _apply_penalties,
+    greedy_argmax,
+    make_generator,
+    sampled_logprobs,
+)
+from mmserve.runner.sampling_state import bad_word_bans
 
 VOCAB = 50
 
@@ -167,3 +178,81 @@ def test_greedy_argmax_is_argmax(vocab):
     assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1))
     half = logits.to(torch.bfloat16)
     assert torch.equal(greedy_argmax(half), half.argmax(dim=-1))
+
+
+# ---- the processing stages and logprobs -----------------------------------------------------------
+def _with(meta, **fields):
+    return dataclasses.replace(meta, **fields)
+
+
+def _penalties(rows, counts, seen, presence, frequency, repetition):
+    def col(values):
+        return torch.tensor(values, dtype=torch.float32).unsqueeze(1)
+    return PenaltyBatch(torch.tensor(rows), torch.stack(counts), torch.stack(seen), col(presence), col(frequency),
+                        col(repetition))
+
+
+def test_penalties_follow_openai_and_transformers_definitions():
+    """Repetition (transformers' RepetitionPenaltyLogitsProcessor over prompt + output), then OpenAI's
+    frequency and presence penalties over the output's counts, on the penalised rows only."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    logits = random_logits(3, seed=7)
+    prompt, output = [1, 2, 3, 3], [4, 4, 4, 9, 1]
+    counts = torch.zeros(VOCAB)
+    for t in output:
+        counts[t] += 1
+    seen = torch.zeros(VOCAB, dtype=torch.bool)
+    seen[prompt + output] = True
+    meta = _with(meta_for(3, temperature=0.0), penalties=_penalties([1], [counts], [seen], [0.5], [0.7], [1.3]))
+    got = Sampler()(logits, meta)
+    reference = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([prompt + output]), logits[1:2].clone())[0]
+    for token in set(output):
+        reference[token] -= 0.7 * output.count(token) + 0.5
+    assert got[1].item() == reference.argmax().item()
+    assert got[0].item() == logits[0].argmax().item() and got[2].item() == logits[2].argmax().item()
+    # the stage itself, value for value
+    processed = logits.clone()
+    _apply_penalties(processed, meta.penalties)
+    torch.testing.assert_close(processed[1], reference, rtol=0, atol=1e-6)
+    assert torch.equal(processed[[0, 2]], logits[[0, 2]])
+
+
+def test_bias_allowed_masks_and_bans_apply_to_their_rows():
+    logits = torch.zeros(3, VOCAB)
+    allowed = torch.zeros(VOCAB, dtype=torch.bool)
+    allowed[[7, 8]] = True
+    logits[0, 8] = 1.0
+    meta = _with(meta_for(3, temperature=0.0, banned=[(), (), (3,)]), allowed_masks=[(0, allowed)],
+                 logit_bias=[(1, {11: 5.0, 12: 4.0}), (2, {3: 100.0, 4: 1.0})])
+    assert Sampler()(logits, meta).tolist() == [8, 11, 4]  # row 2: its biased token is banned
+    # sampled rows keep to their allowed tokens too
+    sampled = _with(meta_for(1, temperature=1.5), allowed_masks=[(0, allowed)])
+    assert {Sampler()(torch.zeros(1, VOCAB), sampled).item() for _ in range(50)} <= {7, 8}
+
+
+def test_logprobs_are_the_raw_distribution_whatever_the_processing():
+    """The sampled token's logprob, its rank and the top-k come from the log-softmax of the logits before
+    temperature, bias or masks; rows that did not ask get none."""
+    logits = random_logits(4, seed=3)
+    meta = _with(meta_for(4, temperature=0.0), logit_bias=[(0, {5: 100.0})], num_logprobs=[3, None, 0, 5])
+    tokens = Sampler()(logits, meta)
+    assert tokens[0].item() == 5
+    out = sampled_logprobs(logits, tokens, meta.num_logprobs)
+    assert out.rows == [0, 2, 3]
+    raw = logits.log_softmax(dim=-1)
+    for i, row in enumerate(out.rows):
+        token = tokens[row].item()
+        assert out.logprobs[i].item() == pytest.approx(raw[row, token].item(), abs=1e-6)
+        assert out.ranks[i].item() == 1 + int((raw[row] > raw[row, token]).sum())
+        top = raw[row].topk(5)
+        assert torch.equal(out.top_ids[i], top.indices) and torch.allclose(out.top_logprobs[i], top.values)
+    assert out.ranks[0].item() > 1  # the bias picked a token the model did not rank first
+    assert sampled_logprobs(logits, tokens, None) is None and sampled_logprobs(logits, tokens, [None] * 4) is None
+
+
+def test_bad_word_bans_match_the_output_tail():
+    words = ((5,), (1, 2, 3), (2, 9))
+    assert bad_word_bans(words, []) == (5,)
+    assert bad_word_bans(words, [7, 1, 2]) == (5, 3, 9)
+    assert bad_word_bans(words, [1, 2, 4]) == (5,)

@@ -15,6 +15,16 @@ def test_defaults_match_vllm():
     assert not p.is_greedy
 
 
+def test_penalty_and_bias_defaults_are_neutral_and_normalised():
+    p = SamplingParams()
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert p.logit_bias == {} and p.allowed_token_ids is None and p.bad_words == () and p.logprobs is None
+    assert not p.needs_penalties
+    q = SamplingParams(logit_bias={3: 1}, allowed_token_ids=[4, 4, 2], bad_words=["x"], repetition_penalty=1.1)
+    assert q.logit_bias == {3: 1.0} and q.allowed_token_ids == (4, 2) and q.bad_words == ("x",)
+    assert q.needs_penalties
+
+
 def test_stop_forms_are_normalised_to_tuples():
     assert SamplingParams(stop="###").stop == ("###",)
     assert SamplingParams(stop=["a", "bc"]).stop == ("a", "bc")
@@ -51,6 +61,21 @@ def test_frozen():
     ({"ignore_eos": {"x": 1}}, "ignore_eos must be true or false"),
     ({"skip_special_tokens": None}, "skip_special_tokens must be true or false"),
     ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output must be true or false"),
+    ({"presence_penalty": 2.5}, r"presence_penalty must be a number in \[-2, 2\]"),
+    ({"frequency_penalty": -2.01}, "frequency_penalty"),
+    ({"frequency_penalty": "1"}, "frequency_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be a finite number > 0"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias keys must be token ids"),
+    ({"logit_bias": {5: 101}}, r"logit_bias values must be numbers in \[-100, 100\]"),
+    ({"logit_bias": [5]}, "logit_bias must map token ids to numbers"),
+    ({"allowed_token_ids": []}, "allowed_token_ids must be a non-empty list"),
+    ({"allowed_token_ids": [1, -1]}, "allowed_token_ids must be token ids"),
+    ({"bad_words": "word"}, "bad_words must be a list of strings"),
+    ({"bad_words": ["ok", " "]}, "bad_words must be non-empty strings"),
+    ({"logprobs": 21}, r"logprobs must be null or an integer in \[0, 20\]"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"logprobs": True}, "logprobs"),
 ])
 def test_validation_errors(kwargs, message):
     with pytest.raises(InvalidInputError, match=message) as raised:

@@ -260,8 +260,10 @@ class Scheduler:
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
+            logprobs = result.sampled_logprobs.get(rid)
             outputs.append(EngineCoreOutput(rid, (token,), status.finish_reason if status else None,
-                                            token if status == RequestStatus.FINISHED_STOPPED else None))
+                                            token if status == RequestStatus.FINISHED_STOPPED else None,
+                                            new_logprobs=() if logprobs is None else (logprobs,)))
         for rid, error in result.failed.items():  # failed without tokens this step (a faulted step's waiting requests)
             if rid not in sched.num_scheduled_tokens and rid in self.requests:
                 outputs.append(self._fail(self.requests[rid], error))

@@ -62,6 +62,8 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     # one sampled token per request whose scheduled tokens reached its end (decode or last prefill chunk)
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # of those, the requests that asked for logprobs: the sampled token's and the top ones
+    sampled_logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # requests that failed in the runner, with the reason; they finish with an error
     failed: dict[str, str] = field(default_factory=dict)
     # encoder outputs validated and committed to the runner's store this step: only these become READY
@@ -77,6 +79,17 @@ class ModelRunnerOutput:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled token's logprob under the model's raw distribution, its rank (1: the most likely), and
+    the `k` most likely tokens with theirs, most likely first."""
+
+    logprob: float
+    rank: int
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
 class EngineCoreOutput:
     """What one step did to one request."""
 
@@ -85,3 +98,4 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     stop_token_id: int | None = None
     error: str | None = None
+    new_logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token, when the request asked for logprobs

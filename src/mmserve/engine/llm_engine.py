@@ -27,7 +27,7 @@ from mmserve.core.item_scheduler import ItemScheduler
 from mmserve.core.kv_cache import KVCacheManager
 from mmserve.core.request import ItemSpec, Request, RequestStatus
 from mmserve.core.scheduler import Scheduler, SchedulerLimits
-from mmserve.core.step import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from mmserve.core.step import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from mmserve.engine.detokenizer import IncrementalDetokenizer
 from mmserve.engine.graph_settings import resolve_runner_graphs
 from mmserve.engine.inspection import EngineInspection
@@ -39,7 +39,7 @@ from mmserve.inputs.items import ProcessedPrompt
 from mmserve.inputs.placeholders import embed_runs
 from mmserve.models.loader import generation_eos_ids, load_model, parse_dtype, read_config
 from mmserve.models.registry import resolve
-from mmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from mmserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from mmserve.runner.attention import PagedAttentionBackend
 from mmserve.runner.cpu.layout import prepare_for_cpu
 from mmserve.runner.encoder.pool import EncoderPool, ItemOutcome
@@ -68,6 +68,8 @@ class _Tracked:
     payloads: dict[int, Any]  # item index -> the family's encoder input, until the item is encoded and held
     stop_reason: int | str | None = None
     internal_error: bool = False  # failed by a fault in a model step, not by its input
+    logprobs: list[dict[int, Logprob]] | None = None  # one per output token, when the request asked
+    cumulative_logprob: float = 0.0
 
 
 class Engine:
@@ -161,6 +163,7 @@ class Engine:
                                     f"{self.max_model_len} tokens", param="prompt")
         if request_id in self.tracked:
             raise InvalidInputError(f"request id {request_id!r} is already in use")
+        self._check_token_ids(params)
         items = tuple(ItemSpec(i, it.offset, it.length, it.content_hash, it.encoder_tokens, it.output_rows)
                       for i, it in enumerate(prompt.items))
         request = Request(request_id, list(prompt.prompt_token_ids), params, self.eos_token_ids, items,
@@ -171,14 +174,24 @@ class Engine:
         runner_prompt = RunnerPrompt(prompt.positions, prompt.embed_mask, prompt.embed_cumsum,
                                      tuple(i.content_hash for i in prompt.items),
                                      tuple(i.output_rows for i in prompt.items), tuple(sorted(request.stop_token_ids)),
-                                     spans)
+                                     spans, self.processor.tokenizer.bad_words_token_ids(params.bad_words))
         tracked = _Tracked(request, prompt.prompt, detok, RequestMetrics(request.arrival_time), runner_prompt,
-                           {i: it.payload for i, it in enumerate(prompt.items)})
+                           {i: it.payload for i, it in enumerate(prompt.items)},
+                           logprobs=None if params.logprobs is None else [])
         rejection = self.scheduler.add_request(request)
         if rejection is not None:  # can never fit the encoder budgets: finish now, others run on
             self._pending_outputs.append(self._make_output(tracked, "error", rejection))
             return
         self.tracked[request_id] = tracked
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        """Token ids a request names must be in the model's vocabulary."""
+        vocab_size = self.spec.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or ())):
+            outside = [t for t in ids if t >= vocab_size]
+            if outside:
+                raise InvalidInputError(f"{name} names token id {outside[0]}, outside the vocabulary "
+                                        f"(ids 0..{vocab_size - 1})", param=name)
 
     # ---- stepping -------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -256,6 +269,10 @@ class Engine:
         if core.new_token_ids and tracked.metrics.first_token_time is None:
             tracked.metrics.first_token_time = now
         finish = core.finish_reason
+        if tracked.logprobs is not None:
+            for token_id, logprobs in zip(core.new_token_ids, core.new_logprobs):
+                tracked.logprobs.append(self._logprob_entry(token_id, logprobs))
+                tracked.cumulative_logprob += logprobs.logprob
         if core.new_token_ids:
             stop_string = tracked.detokenizer.update(list(core.new_token_ids))
             if stop_string is not None and finish is None:
@@ -264,6 +281,15 @@ class Engine:
         if core.stop_token_id is not None:
             tracked.stop_reason = core.stop_token_id
         return self._make_output(tracked, finish, core.error)
+
+    def _logprob_entry(self, token_id: int, logprobs: TokenLogprobs) -> dict[int, Logprob]:
+        """The sampled token first, then the top ones (the sampled one among them keeps its entry)."""
+        decode = self.processor.tokenizer.decode
+        entry = {token_id: Logprob(logprobs.logprob, logprobs.rank, decode([token_id], skip_special_tokens=False))}
+        for rank, (top_id, value) in enumerate(zip(logprobs.top_token_ids, logprobs.top_logprobs), start=1):
+            if top_id not in entry:
+                entry[top_id] = Logprob(value, rank, decode([top_id], skip_special_tokens=False))
+        return entry
 
     def _make_output(self, tracked: _Tracked, finish: str | None, error: str | None = None) -> RequestOutput:
         request = tracked.request
@@ -275,7 +301,9 @@ class Engine:
             self.runner.release(request.request_id)
         delta = tracked.detokenizer.take_delta(finished)
         completion = CompletionOutput(0, tracked.detokenizer.output_text, list(request.output_token_ids), finish,
-                                      tracked.stop_reason if finish == "stop" else None)
+                                      tracked.stop_reason if finish == "stop" else None,
+                                      None if tracked.logprobs is None else list(tracked.logprobs),
+                                      None if tracked.logprobs is None else tracked.cumulative_logprob)
         return RequestOutput(request.request_id, tracked.prompt, request.prompt_token_ids, [completion], finished,
                              max(request.num_cached_tokens, 0), tracked.metrics, error, delta,
                              internal_error=tracked.internal_error, num_mm_items=request.num_mm_items,

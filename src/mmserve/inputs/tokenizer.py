@@ -72,6 +72,19 @@ class TextTokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
+    def bad_words_token_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's token ids as vLLM finds them: the word, and the word after a space where that
+        starts with another token and has as many."""
+        found: list[tuple[int, ...]] = []
+        for word in words:
+            plain = tuple(self.encode(word.lstrip()))
+            if plain:
+                found.append(plain)
+            spaced = tuple(self.encode(" " + word.lstrip()))
+            if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+                found.append(spaced)
+        return tuple(found)
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
         if self._template is None:

@@ -63,6 +63,7 @@ class FamilySpec:
     position_scheme: PositionScheme
     max_position_embeddings: int
     default_video_fps: float
+    vocab_size: int  # the width of the logits: token ids a request may name are below it
     # each run of an item's encoder rows attends to itself in both directions (Gemma 3): the language
     # model must see an item's span in one prefill chunk
     bidirectional_media: bool = False
@@ -75,7 +76,7 @@ class FamilySpec:
         return cls(name=name, num_layers=text.num_hidden_layers, num_kv_heads=text.num_key_value_heads,
                    head_dim=text.head_dim, embed_dim=text.hidden_size if embed_dim is None else embed_dim,
                    eos_token_ids=eos_token_ids, max_position_embeddings=text.max_position_embeddings,
-                   default_video_fps=default_video_fps, **facts)
+                   default_video_fps=default_video_fps, vocab_size=text.vocab_size, **facts)
 
     def __post_init__(self) -> None:
         if self.num_embedding_streams < 1:

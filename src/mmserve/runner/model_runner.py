@@ -24,7 +24,7 @@ from types import MappingProxyType
 
 import torch
 
-from mmserve.core.step import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from mmserve.core.step import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
 from mmserve.faults import FaultPlan
 from mmserve.models.spec import FamilyModel, FamilySpec
 from mmserve.runner.attention import PagedAttentionBackend
@@ -40,7 +40,8 @@ from mmserve.runner.graphs.encoder_graphs import (
     build_encoder_graphs,
     graphed_encode_fn,
 )
-from mmserve.runner.sampler import Sampler, SamplingMetadata, make_generator
+from mmserve.runner.sampler import SampledLogprobs, Sampler, make_generator, sampled_logprobs
+from mmserve.runner.sampling_state import RequestSampling, SampledRow, needs_state, sampling_metadata
 from mmserve.runner.state import RunnerPrompt, RunnerRequest, StepInputs
 
 
@@ -219,11 +220,18 @@ class ModelRunner:
             logits, forward_started = self._eager_logits(builder)
         if builder.sample_rows:
             rows = builder.sample_rows
-            tokens = self.sampler(logits, self._sampling_metadata(rows)).tolist()  # the one sync
+            meta = sampling_metadata([self._sampled_row(r, logits.shape[1]) for r in rows], self.device)
+            token_ids = self.sampler(logits, meta)
+            logprobs = sampled_logprobs(logits, token_ids, meta.num_logprobs)
+            tokens = token_ids.tolist()  # the one sync (two with logprobs)
             self.last_step.forward_s = time.perf_counter() - forward_started
             for state, token in zip(rows, tokens):
                 state.token_ids.append(token)
+                if state.sampling is not None:
+                    state.sampling.record(token)
                 result.sampled_token_ids[state.request_id] = token
+            if logprobs is not None:
+                result.sampled_logprobs = _token_logprobs(logprobs, rows, meta.num_logprobs)
         for rid, num in scheduled.items():
             self.requests[rid].num_computed_tokens += num
 
@@ -251,17 +259,14 @@ class ModelRunner:
         hidden = self.model(embeds, batch.positions, self.attention, batch.attn, extra)
         return (self.model.compute_logits(hidden[batch.sample_index]) if batch.sample_rows else None), forward_started
 
-    def _sampling_metadata(self, rows: list[RunnerRequest]) -> SamplingMetadata:
-        params = [r.sampling_params for r in rows]
-        return SamplingMetadata(
-            temperatures=[p.temperature for p in params],
-            top_ks=[p.top_k for p in params],
-            top_ps=[p.top_p for p in params],
-            min_ps=[p.min_p for p in params],
-            generators=[self._generator(r) for r in rows],
-            banned_token_ids=[r.stop_token_ids if r.num_output_tokens < r.sampling_params.min_tokens else ()
-                              for r in rows],
-        )
+    def _sampled_row(self, state: RunnerRequest, vocab_size: int) -> SampledRow:
+        params = state.sampling_params
+        if state.sampling is None and needs_state(params):  # built on first use, also after a preemption
+            state.sampling = RequestSampling.build(params, state.token_ids, state.num_prompt_tokens, vocab_size,
+                                                   self.device)
+        return SampledRow(params, state.num_output_tokens, state.token_ids[state.num_prompt_tokens:],
+                          state.stop_token_ids, state.prompt.bad_words_token_ids, state.sampling,
+                          self._generator(state))
 
     def _generator(self, state: RunnerRequest) -> torch.Generator | None:
         seed = state.sampling_params.seed
@@ -270,3 +275,15 @@ class ModelRunner:
         # seeded per (seed, output index): the same tokens whatever the batch, also after preemption
         return make_generator(seed * 1_000_003 + state.num_output_tokens, self.device)
 
+
+
+def _token_logprobs(logprobs: SampledLogprobs, rows: list[RunnerRequest],
+                    num_logprobs: list[int | None]) -> dict[str, TokenLogprobs]:
+    """The sampler's logprob tensors as plain values, per request (each row's own top k)."""
+    values, ranks = logprobs.logprobs.tolist(), logprobs.ranks.tolist()
+    top_ids, top_values = logprobs.top_ids.tolist(), logprobs.top_logprobs.tolist()
+    out = {}
+    for i, row in enumerate(logprobs.rows):
+        k = num_logprobs[row]
+        out[rows[row].request_id] = TokenLogprobs(values[i], ranks[i], tuple(top_ids[i][:k]), tuple(top_values[i][:k]))
+    return out

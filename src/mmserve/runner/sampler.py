@@ -1,23 +1,40 @@
 """Batched token sampling from one step's logits.
 
-Role: turn a (batch, vocab) logits tensor plus per-row options into one token id per row:
-banned-token masking, greedy argmax, temperature, top-k, top-p, min-p and the random draw.
-Filters run as whole-batch tensor ops and are skipped when no row needs them; the only Python
-loop over rows draws the noise of seeded rows, each from its own generator, so a seeded
-request's tokens do not depend on which other requests share its batch or their order.
+Role: turn a (batch, vocab) logits tensor plus per-row options into one token id per row, as one
+pipeline of whole-batch tensor ops, in vLLM's order: allowed-token masks (the seam where a grammar's
+per-row mask applies too), banned tokens, logit biases, penalties (repetition, then frequency and
+presence), then greedy argmax or temperature, top-k, top-p, min-p and the random draw. Each stage is
+skipped when no row needs it, so rows that ask for nothing pay nothing; the only Python loop over rows
+draws the noise of seeded rows, each from its own generator, so a seeded request's tokens do not depend
+on which other requests share its batch or their order. Rows that ask for logprobs get them from the
+raw logits (log-softmax in float32, before any stage).
 What it does not know: requests, SamplingParams, tokenizers, why a token is banned (the caller
-bans eos and stop ids while min_tokens is not reached).
+bans eos and stop ids while min_tokens is not reached, and bad words' last tokens), where penalty
+counts come from (the runner keeps them per request).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from mmserve.sampling_params import GREEDY_TEMPERATURE_EPS
 
 _SEED_MODULUS = 2**64  # torch.Generator.manual_seed takes a 64-bit value; wrap any Python int into it
+
+
+@dataclass
+class PenaltyBatch:
+    """The penalties of the rows that have any, as columns: `rows` index the batch; `output_counts` are
+    each row's generated-token counts and `seen` its prompt-or-output tokens, (len(rows), vocab) each."""
+
+    rows: torch.Tensor  # (P,) int64
+    output_counts: torch.Tensor  # (P, vocab) float32
+    seen: torch.Tensor  # (P, vocab) bool
+    presence: torch.Tensor  # (P, 1) float32
+    frequency: torch.Tensor  # (P, 1)
+    repetition: torch.Tensor  # (P, 1)
 
 
 @dataclass
@@ -30,11 +47,18 @@ class SamplingMetadata:
     min_ps: list[float]  # 0.0: disabled
     generators: list[torch.Generator | None]  # a per-request seeded generator, or None (global RNG)
     banned_token_ids: list[tuple[int, ...]]  # tokens this row must not produce this step
+    # (row, (vocab,) bool): the only tokens that row may produce (allowed_token_ids; a grammar's mask)
+    allowed_masks: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    logit_bias: list[tuple[int, dict[int, float]]] = field(default_factory=list)  # (row, token id -> bias)
+    penalties: PenaltyBatch | None = None
+    num_logprobs: list[int | None] | None = None  # per row: top logprobs wanted (None: none); None: no row
 
     def __post_init__(self) -> None:
         num_rows = len(self.temperatures)
         lengths = {len(self.top_ks), len(self.top_ps), len(self.min_ps), len(self.generators),
                    len(self.banned_token_ids)}
+        if self.num_logprobs is not None:
+            lengths.add(len(self.num_logprobs))
         if lengths != {num_rows}:
             raise ValueError("SamplingMetadata lists must all have one entry per row")
 
@@ -44,6 +68,24 @@ class SamplingMetadata:
 
     def is_greedy(self, row: int) -> bool:
         return self.temperatures[row] < GREEDY_TEMPERATURE_EPS or self.top_ks[row] == 1
+
+    @property
+    def processes_logits(self) -> bool:
+        """Does any stage before sampling change a logit?"""
+        return bool(self.allowed_masks or self.logit_bias or self.penalties is not None
+                    or any(self.banned_token_ids))
+
+
+@dataclass
+class SampledLogprobs:
+    """The logprobs of the rows that asked for them (`rows`, batch indices), on the logits' device:
+    the sampled token's logprob and rank, and the top `k` (the most any row asked for) ids and logprobs."""
+
+    rows: list[int]
+    logprobs: torch.Tensor  # (R,) float32
+    ranks: torch.Tensor  # (R,) int64, 1: the most likely token
+    top_ids: torch.Tensor  # (R, k) int64
+    top_logprobs: torch.Tensor  # (R, k) float32
 
 
 # vocabularies at least this big take the blocked argmax below
@@ -87,17 +129,23 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
 
 
 class Sampler:
-    """Stateless: `sampler(logits, meta)` returns the (batch,) int64 token ids on logits' device."""
+    """Stateless: `sampler(logits, meta)` returns the (batch,) int64 token ids on logits' device
+    (`sampled_logprobs` gives the rows' logprobs from the same logits)."""
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         if logits.dim() != 2 or logits.shape[0] != meta.num_rows:
             raise ValueError(f"logits must be (batch={meta.num_rows}, vocab), got {tuple(logits.shape)}")
         greedy_rows = [meta.is_greedy(row) for row in range(meta.num_rows)]
-        if all(greedy_rows) and not any(meta.banned_token_ids):
+        if all(greedy_rows) and not meta.processes_logits:
             return greedy_argmax(logits)  # the common case: nothing to mask, no copy (float32 is exact for bf16)
-        # float32 copy: the masks below write in place and must not touch the caller's tensor.
+        # float32 copy: the stages below write in place and must not touch the caller's tensor (nor the raw
+        # logits the logprobs are taken from)
         logits = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # (batch, vocab)
+        _apply_allowed_masks(logits, meta.allowed_masks)
         _ban_tokens(logits, meta.banned_token_ids)
+        _apply_logit_bias(logits, meta.logit_bias)
+        if meta.penalties is not None:
+            _apply_penalties(logits, meta.penalties)
         if not any(greedy_rows):
             return self._sample(logits, meta, greedy_rows)
         greedy_ids = greedy_argmax(logits)  # (batch,); before _sample, which scales logits in place
@@ -128,6 +176,58 @@ class Sampler:
         # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with probability
         # p_i, and needs exactly one vocab-sized draw per row, whatever the filters did.
         return probs.div_(noise).argmax(dim=-1)
+
+
+def sampled_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+                     num_logprobs: list[int | None] | None) -> SampledLogprobs | None:
+    """The raw distribution's logprobs of the rows that asked: log-softmax of the model's logits in float32."""
+    rows = [] if num_logprobs is None else [row for row, k in enumerate(num_logprobs) if k is not None]
+    if not rows:
+        return None
+    index = None if len(rows) == logits.shape[0] else _to_device(rows, logits.device)
+    picked = logits if index is None else logits.index_select(0, index)
+    logprobs = picked.to(torch.float32).log_softmax(dim=-1)  # (R, vocab)
+    sampled = token_ids if index is None else token_ids.index_select(0, index)
+    sampled_logprobs = logprobs.gather(1, sampled.unsqueeze(1))  # (R, 1)
+    # rank as vLLM counts it: 1 + the tokens strictly more likely than the sampled one
+    ranks = (logprobs > sampled_logprobs).sum(dim=-1).add_(1)
+    k = max(num_logprobs[row] for row in rows)
+    top = logprobs.topk(k, dim=-1) if k > 0 else None
+    empty = logprobs.new_empty(len(rows), 0)
+    return SampledLogprobs(rows, sampled_logprobs.squeeze(1), ranks,
+                           empty.long() if top is None else top.indices, empty if top is None else top.values)
+
+
+def _apply_allowed_masks(logits: torch.Tensor, masks: list[tuple[int, torch.Tensor]]) -> None:
+    if not masks:
+        return
+    rows = _to_device([row for row, _ in masks], logits.device)
+    allowed = torch.stack([mask for _, mask in masks])  # (A, vocab) bool
+    logits[rows] = logits[rows].masked_fill_(~allowed, -torch.inf)
+
+
+def _apply_logit_bias(logits: torch.Tensor, biases: list[tuple[int, dict[int, float]]]) -> None:
+    if not biases:
+        return
+    vocab_size = logits.shape[1]
+    triples = [(row, token_id, bias) for row, row_biases in biases for token_id, bias in row_biases.items()
+               if token_id < vocab_size]
+    if not triples:
+        return
+    rows = _to_device([t[0] for t in triples], logits.device)
+    ids = _to_device([t[1] for t in triples], logits.device)
+    logits.index_put_((rows, ids), _to_device([t[2] for t in triples], logits.device).to(logits.dtype),
+                      accumulate=True)
+
+
+def _apply_penalties(logits: torch.Tensor, p: PenaltyBatch) -> None:
+    """transformers' and vLLM's repetition penalty over prompt and output tokens, then OpenAI's
+    frequency and presence penalties over output tokens."""
+    rows = logits.index_select(0, p.rows)  # (P, vocab)
+    penalised = torch.where(rows > 0, rows / p.repetition, rows * p.repetition)
+    rows = torch.where(p.seen, penalised, rows)
+    rows -= p.frequency * p.output_counts + p.presence * (p.output_counts > 0)
+    logits.index_copy_(0, p.rows, rows)
 
 
 def _ban_tokens(logits: torch.Tensor, banned_token_ids: list[tuple[int, ...]]) -> None:

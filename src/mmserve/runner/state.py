@@ -12,6 +12,7 @@ What it does not know: scheduling, the model, devices.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -19,6 +20,9 @@ from mmserve.inputs.items import PromptPositions
 from mmserve.runner.encoder.runner import EncodeJob
 from mmserve.runner.fusion import MultimodalRuntimeData
 from mmserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from mmserve.runner.sampling_state import RequestSampling
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,7 @@ class RunnerPrompt:
     item_rows: tuple[int, ...]
     stop_token_ids: tuple[int, ...]
     attention_spans: tuple[tuple[int, int], ...] = ()  # [start, end) runs of tokens attending bidirectionally
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # SamplingParams.bad_words, tokenized
 
 
 @dataclass
@@ -53,6 +58,7 @@ class RunnerRequest:
     block_ids: list[int]
     num_computed_tokens: int
     mm: MultimodalRuntimeData | None = None
+    sampling: RequestSampling | None = None  # device-side sampling state, for requests whose options need it
 
     @property
     def num_output_tokens(self) -> int:

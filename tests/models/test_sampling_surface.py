@@ -1,0 +1,185 @@
+"""The sampling surface against transformers, per family: logprobs (the raw distribution, float32) of
+every generated token, the repetition penalty as transformers' generate applies it, and the OpenAI
+penalties, logit bias, allowed tokens and bad words against a reference written on transformers' logits.
+Each batch mixes requests with and without the options: those without answer as alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmserve import LLM, InvalidInputError, SamplingParams
+from tests.fixtures.conversations import parity_workload
+from tests.fixtures.families import FAMILIES
+from tests.models.helpers import load_processor
+
+NUM_TOKENS = 6
+TOP = 5
+# a text-only chat, one image, two images
+CONVERSATIONS = (0, 3, 8)
+
+
+def _reference(model_dir, family, messages, **generate_kwargs):
+    """transformers' generated ids and raw logits per step, for one conversation."""
+    processor = load_processor(model_dir)
+    chat = processor.render_chat(messages)
+    prompt = processor.process(chat.prompt, images=chat.images, videos=chat.videos)
+    fixture = FAMILIES[family]
+    inputs = fixture.reference_kwargs(model_dir, messages, prompt)
+    model = _reference_model(model_dir, fixture)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=NUM_TOKENS, min_new_tokens=NUM_TOKENS, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, **generate_kwargs)
+    ids = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    return ids, [step[0].float() for step in out.logits], inputs["input_ids"].shape[1]
+
+
+_MODELS: dict = {}
+
+
+def _reference_model(model_dir, fixture):
+    if model_dir not in _MODELS:
+        _MODELS.clear()  # one family's model at a time
+        _MODELS[model_dir] = fixture.reference_class().from_pretrained(model_dir).eval()
+    return _MODELS[model_dir]
+
+
+def test_logprobs_are_transformers_log_softmax(served_family, served_model_dir):
+    """Greedy, in one batch with a request that asks for no logprobs: every sampled token's logprob and
+    the top 5 equal the log-softmax of transformers' logits within 1e-4; ranks are 1 (greedy); token ids,
+    logprob entries and completion tokens line up."""
+    workload = parity_workload(served_family)
+    chats = [workload[i] for i in CONVERSATIONS]
+    llm = LLM(str(served_model_dir))
+    asked = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, logprobs=TOP)
+    plain = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS)
+    outputs = llm.chat(chats + [chats[1]], [asked] * len(chats) + [plain], use_tqdm=False)
+    assert outputs[-1].outputs[0].logprobs is None and outputs[-1].outputs[0].cumulative_logprob is None
+    assert outputs[-1].outputs[0].token_ids == outputs[1].outputs[0].token_ids
+    for messages, output in zip(chats, outputs):
+        completion = output.outputs[0]
+        ids, logits, _ = _reference(served_model_dir, served_family, messages)
+        assert completion.token_ids == ids
+        assert len(completion.logprobs) == len(completion.token_ids)
+        total = 0.0
+        for token, entry, step_logits in zip(ids, completion.logprobs, logits):
+            ref = step_logits.log_softmax(dim=-1)
+            assert entry[token].rank == 1
+            assert entry[token].logprob == pytest.approx(ref[token].item(), abs=1e-4)
+            total += entry[token].logprob
+            top = sorted(entry.items(), key=lambda kv: kv[1].rank)[:TOP]
+            assert [lp.rank for _, lp in top] == list(range(1, TOP + 1))
+            torch.testing.assert_close(torch.tensor([lp.logprob for _, lp in top]), ref.topk(TOP).values,
+                                       rtol=0, atol=1e-4)
+            for token_id, lp in top:
+                assert lp.logprob == pytest.approx(ref[token_id].item(), abs=1e-4)
+                assert lp.decoded_token == llm.engine.processor.tokenizer.decode([token_id], skip_special_tokens=False)
+        assert completion.cumulative_logprob == pytest.approx(total, abs=1e-9)
+    llm.check_integrity()
+
+
+def test_repetition_penalty_answers_as_transformers_generate(served_family, served_model_dir):
+    chat = parity_workload(served_family)[3]
+    ids, _, _ = _reference(served_model_dir, served_family, chat, repetition_penalty=1.8)
+    llm = LLM(str(served_model_dir))
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, repetition_penalty=1.8)
+    assert llm.chat([chat], params, use_tqdm=False)[0].outputs[0].token_ids == ids
+    llm.check_integrity()
+
+
+class _VllmOrderReference:
+    """A transformers logits processor doing what mmserve documents, written the plain way: allowed
+    tokens, bad words (over the generated tokens), logit bias, then OpenAI's frequency and presence
+    penalties over the generated tokens."""
+
+    def __init__(self, prompt_len, vocab, *, allowed=None, bad_words=(), bias=None, frequency=0.0, presence=0.0):
+        self.prompt_len, self.vocab, self.allowed, self.bad_words = prompt_len, vocab, allowed, bad_words
+        self.bias, self.frequency, self.presence = bias or {}, frequency, presence
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        generated = input_ids[0, self.prompt_len:].tolist()
+        if self.allowed is not None:
+            keep = torch.full_like(scores, float("-inf"))
+            keep[:, list(self.allowed)] = 0
+            scores = scores + keep
+        for word in self.bad_words:
+            if len(word) == 1 or generated[-(len(word) - 1):] == list(word[:-1]):
+                scores[0, word[-1]] = float("-inf")
+        for token_id, value in self.bias.items():
+            scores[0, token_id] += value
+        for token_id in set(generated):
+            scores[0, token_id] -= self.frequency * generated.count(token_id) + self.presence
+        return scores
+
+
+def test_penalties_bias_allowed_and_bad_words_against_a_reference(served_family, served_model_dir):
+    """Each option (and all at once) changes the answer as the reference on transformers' logits does;
+    a request without options in the same batch answers as alone."""
+    from transformers import LogitsProcessorList
+
+    chat = parity_workload(served_family)[3]
+    llm = LLM(str(served_model_dir))
+    greedy = dict(temperature=0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS)  # as _reference generates
+    alone = llm.chat([chat], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0].token_ids
+    first = alone[0]
+    tokenizer = llm.engine.processor.tokenizer
+    vocab = llm.engine.spec.vocab_size
+    # a word the request would say (the tiny vocabularies hold tokens that decode to whitespace only)
+    bad_word = next((w for w in (tokenizer.decode([t]) for t in alone) if w.strip()), "a")
+    bad_ids = tokenizer.bad_words_token_ids((bad_word,))
+    allowed = sorted({first, alone[-1], 1, 2, 3, vocab - 1})
+    cases = {
+        "frequency": ({"frequency_penalty": 2.0}, {"frequency": 2.0}),
+        "presence": ({"presence_penalty": -1.5}, {"presence": -1.5}),
+        "bias": ({"logit_bias": {first: -100.0, vocab - 1: 7.5}}, {"bias": {first: -100.0, vocab - 1: 7.5}}),
+        "allowed": ({"allowed_token_ids": allowed}, {"allowed": allowed}),
+        "bad_words": ({"bad_words": [bad_word]}, {"bad_words": bad_ids}),
+        "all": ({"frequency_penalty": 1.0, "presence_penalty": 0.5, "logit_bias": {vocab - 1: 2.0},
+                 "allowed_token_ids": allowed, "bad_words": [bad_word]},
+                {"frequency": 1.0, "presence": 0.5, "bias": {vocab - 1: 2.0}, "allowed": allowed,
+                 "bad_words": bad_ids}),
+    }
+    params = [SamplingParams(**greedy, **ours) for ours, _ in cases.values()] + [SamplingParams(**greedy)]
+    outputs = llm.chat([chat] * len(params), params, use_tqdm=False)
+    assert outputs[-1].outputs[0].token_ids == alone
+    for (name, (_, ref_kwargs)), output in zip(cases.items(), outputs):
+        processor = load_processor(served_model_dir)
+        rendered = processor.render_chat(chat)
+        prompt_len = processor.process(rendered.prompt, images=rendered.images).num_tokens
+        reference = _VllmOrderReference(prompt_len, vocab, **ref_kwargs)
+        ids, _, _ = _reference(served_model_dir, served_family, chat,
+                               logits_processor=LogitsProcessorList([reference]))
+        assert output.outputs[0].token_ids == ids, name
+    assert outputs[list(cases).index("bias")].outputs[0].token_ids[0] != first  # the options act
+    llm.check_integrity()
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(all_checkpoints):
+    llm = LLM(str(all_checkpoints["qwen2_vl"]))
+    vocab = llm.engine.spec.vocab_size
+    for field, value in (("logit_bias", {vocab: 1.0}), ("allowed_token_ids", [0, vocab + 3])):
+        with pytest.raises(InvalidInputError, match="outside the vocabulary") as raised:
+            llm.generate(["Hello"], SamplingParams(**{field: value}), use_tqdm=False)
+        assert raised.value.param == field
+    assert llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    llm.check_integrity()
+
+
+def test_logprobs_survive_preemption_and_chunked_prefill(all_checkpoints):
+    """A KV cache too small for the batch preempts and recomputes; prompts are prefilled in chunks: the
+    logprobs (and penalties' counts) are those of an unhurried run."""
+    model_dir = all_checkpoints["qwen2_vl"]
+    chats = parity_workload("qwen2_vl")
+    params = SamplingParams(temperature=0, max_tokens=24, min_tokens=24, logprobs=2, frequency_penalty=0.4)
+    calm = LLM(str(model_dir)).chat(chats, params, use_tqdm=False)
+    tight = LLM(str(model_dir), num_kv_blocks=24, max_num_batched_tokens=64)
+    hurried = tight.chat(chats, params, use_tqdm=False)
+    assert tight.get_stats()["num_preemptions"] > 0
+    for a, b in zip(calm, hurried):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.keys() == y.keys()
+            for token_id in x:
+                assert x[token_id].logprob == pytest.approx(y[token_id].logprob, abs=1e-4)
+    tight.check_integrity()
