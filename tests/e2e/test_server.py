@@ -324,8 +324,18 @@ BAD_REQUESTS = {
               "'tools' is not supported"),
     "json_response_format": ({**_chat_body("hi"), "response_format": {"type": "json_object"}}, 400,
                              "'response_format' is not supported"),
-    "presence_penalty": ({**_chat_body("hi"), "presence_penalty": 0.5}, 400, "'presence_penalty' is not supported"),
-    "logit_bias": ({**_chat_body("hi"), "logit_bias": {"5": 10}}, 400, "'logit_bias' is not supported"),
+    "presence_penalty": ({**_chat_body("hi"), "presence_penalty": 2.5}, 400, "presence_penalty must be a number in"),
+    "repetition_penalty": ({**_chat_body("hi"), "repetition_penalty": 0}, 400, "repetition_penalty must be a"),
+    "logit_bias": ({**_chat_body("hi"), "logit_bias": {"five": 10}}, 400, "logit_bias keys must be token ids"),
+    "logit_bias_value": ({**_chat_body("hi"), "logit_bias": {"5": 200}}, 400, "logit_bias values must be numbers"),
+    "logit_bias_outside_vocab": ({**_chat_body("hi"), "logit_bias": {"99999999": 1}}, 400,
+                                 "outside the vocabulary"),
+    "allowed_token_ids_empty": ({**_chat_body("hi"), "allowed_token_ids": []}, 400, "allowed_token_ids must be"),
+    "bad_words_blank": ({**_chat_body("hi"), "bad_words": [" "]}, 400, "bad_words must be non-empty strings"),
+    "top_logprobs_without_logprobs": ({**_chat_body("hi"), "top_logprobs": 2}, 400, "top_logprobs needs logprobs"),
+    "top_logprobs_too_many": ({**_chat_body("hi"), "logprobs": True, "top_logprobs": 21}, 400,
+                              "top_logprobs must be an integer in [0, 20]"),
+    "best_of": ({**_chat_body("hi"), "best_of": 2}, 400, "ask for n choices instead"),
     "video_frames_without_urls": (_chat_body([{"type": "video_frames", "video_frames": {"fps": 2}}]), 400,
                                   "needs {'video_frames': {'urls'"),
     "video_frames_over_the_limit": (_chat_body([{"type": "video_frames", "video_frames": {
@@ -351,6 +361,10 @@ BAD_REQUEST_PARAMS = {
     "too_many_images": "messages[0].content[2].image_url", "image_too_large": f"{PART}.image_url",
     "unknown_model": "model", "max_tokens_beyond_context": "max_tokens", "n_above_one": "n", "tools": "tools",
     "json_response_format": "response_format", "presence_penalty": "presence_penalty", "logit_bias": "logit_bias",
+    "repetition_penalty": "repetition_penalty", "logit_bias_value": "logit_bias",
+    "logit_bias_outside_vocab": "logit_bias", "allowed_token_ids_empty": "allowed_token_ids",
+    "bad_words_blank": "bad_words", "top_logprobs_without_logprobs": "top_logprobs",
+    "top_logprobs_too_many": "top_logprobs", "best_of": "best_of",
     "video_frames_without_urls": f"{PART}.video_frames", "video_frames_over_the_limit": f"{PART}.video_frames.urls",
     "video_frames_bad_fps": f"{PART}.video_frames.fps", "video_frames_bad_frame": f"{PART}.video_frames",
     "unknown_video_sampling": "mm_processor_kwargs.video_sampling", "bad_temperature": "temperature",
@@ -400,8 +414,77 @@ def test_request_body_limit(server, client):
 def test_neutral_values_of_unsupported_fields_are_accepted(server, client):
     """What clients send by default (a user id, no tools, plain text, zero penalties) changes nothing."""
     reply = greedy_chat(client, server, image_message(data_uri(png_bytes((9, 8, 7)))), max_tokens=2, user="u-1",
-                        presence_penalty=0, frequency_penalty=0.0, response_format={"type": "text"})
-    assert reply.usage.completion_tokens == 2
+                        presence_penalty=0, frequency_penalty=0.0, response_format={"type": "text"}, logprobs=False)
+    assert reply.usage.completion_tokens == 2 and reply.choices[0].logprobs is None
+
+
+# ---- the sampling surface ------------------------------------------------------------------------------
+def _offline_entries(llm, messages, **params):
+    out = llm.chat(messages, SamplingParams(temperature=0, **params), use_tqdm=False)[0].outputs[0]
+    return out
+
+
+def test_chat_logprobs_are_the_offline_ones(server, client, llm):
+    """logprobs + top_logprobs: one entry per completion token, each the offline engine's value, the top
+    ones in rank order with their bytes; streamed, the chunks' entries join into the same list."""
+    messages = image_message(data_uri(png_bytes((200, 120, 20))), "Describe the image.")
+    whole = greedy_chat(client, server, messages, max_tokens=8, logprobs=True, top_logprobs=3)
+    offline = _offline_entries(llm, messages, max_tokens=8, logprobs=3)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens == len(offline.token_ids)
+    for entry, token_id, ours in zip(content, offline.token_ids, offline.logprobs):
+        assert entry.token == ours[token_id].decoded_token
+        assert entry.logprob == pytest.approx(ours[token_id].logprob, abs=1e-5)
+        assert entry.bytes == list(entry.token.encode())
+        assert len(entry.top_logprobs) == 3
+        ranked = sorted((lp for lp in ours.values() if lp.rank <= 3), key=lambda lp: lp.rank)
+        assert [t.token for t in entry.top_logprobs] == [lp.decoded_token for lp in ranked]
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+    chunks = list(greedy_chat(client, server, messages, max_tokens=8, logprobs=True, top_logprobs=3, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+
+
+def test_completion_logprobs_legacy_shape(server, client, llm):
+    """Completions: logprobs=2 gives tokens, token_logprobs, top_logprobs (the 2 best and the sampled one)
+    and text offsets; logprobs=0 still gives the sampled tokens' logprobs; streamed alike."""
+    for k in (2, 0):
+        response = client.completions.create(model=server.model, prompt="Count to five:", max_tokens=6,
+                                             temperature=0, logprobs=k)
+        offline = llm.generate(["Count to five:"], SamplingParams(temperature=0, max_tokens=6, logprobs=k),
+                               use_tqdm=False)[0].outputs[0]
+        logprobs = response.choices[0].logprobs
+        assert len(logprobs.tokens) == len(offline.token_ids) == response.usage.completion_tokens
+        assert logprobs.token_logprobs == pytest.approx([e[t].logprob for e, t in zip(offline.logprobs,
+                                                                                     offline.token_ids)], abs=1e-5)
+        for token, top in zip(logprobs.tokens, logprobs.top_logprobs):
+            assert token in top and len(top) <= k + 1
+        assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))]
+    stream = client.completions.create(model=server.model, prompt="Count to five:", max_tokens=6, temperature=0,
+                                       logprobs=2, stream=True)
+    streamed = [c.choices[0].logprobs for c in stream if c.choices and c.choices[0].logprobs]
+    whole = client.completions.create(model=server.model, prompt="Count to five:", max_tokens=6, temperature=0,
+                                      logprobs=2).choices[0].logprobs
+    assert [t for lp in streamed for t in lp.tokens] == whole.tokens
+    assert [o for lp in streamed for o in lp.text_offset] == whole.text_offset
+
+
+def test_penalties_bias_and_masks_are_the_offline_ones(server, client, llm):
+    """The server's fields reach the engine as offline SamplingParams do (logit_bias keys are strings)."""
+    messages = image_message(data_uri(png_bytes((30, 60, 200))), "Describe the image.")
+    plain = _offline_entries(llm, messages, max_tokens=8).token_ids
+    fields = {"frequency_penalty": 1.5, "presence_penalty": 0.5, "repetition_penalty": 1.3,
+              "logit_bias": {str(plain[0]): -100}, "allowed_token_ids": sorted(set(plain) | {1, 2, 3}),
+              "bad_words": ["the"]}
+    reply = greedy_chat(client, server, messages, max_tokens=8, logprobs=True,
+                        extra_body={k: v for k, v in fields.items() if k not in ("frequency_penalty",
+                                                                                   "presence_penalty", "logit_bias")},
+                        frequency_penalty=1.5, presence_penalty=0.5, logit_bias={str(plain[0]): -100})
+    offline = _offline_entries(llm, messages, max_tokens=8, logprobs=0,
+                               **{**fields, "logit_bias": {plain[0]: -100.0}})
+    assert [e.token for e in reply.choices[0].logprobs.content] == [
+        e[t].decoded_token for e, t in zip(offline.logprobs, offline.token_ids)]
+    assert offline.token_ids[0] != plain[0]
 
 
 def test_openai_client_error_types(server, client):

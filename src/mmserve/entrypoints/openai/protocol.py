@@ -3,8 +3,8 @@
 Role: the wire format of `/v1/chat/completions`, `/v1/completions`, `/v1/models` and errors, and
 the one mapping from a request's sampling fields to `SamplingParams`. Unknown request fields are
 accepted and ignored (clients send fields such as `user` that change nothing), except the OpenAI
-features mmserve does not implement (`UNSUPPORTED_FIELDS`: tools, response formats, penalties, logit
-bias, ...): set to anything but their neutral value, they are refused with a 400 that names them.
+features mmserve does not implement (`UNSUPPORTED_FIELDS`: tools, response formats, ...): set to anything
+but their neutral value, they are refused with a 400 that names them.
 What it does not know: the engine, media, HTTP routing.
 """
 
@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from mmserve.errors import InvalidInputError
-from mmserve.sampling_params import SamplingParams
+from mmserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 class RequestError(Exception):
@@ -49,11 +49,11 @@ class StreamOptions(BaseModel):
 # those): any other value is refused with a 400 naming the field, never silently ignored
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}), "logit_bias": (None, {}),
-    "top_logprobs": (None, 0), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0), "best_of": (None, 1), "audio": (None,), "modalities": (None, ["text"]),
-    "prediction": (None,),
+    "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}), "best_of": (None, 1),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
 }
+# what a refusal adds, where there is a way to get the same
+UNSUPPORTED_HINTS = {"best_of": ": ask for n choices instead (vLLM removed best_of too)"}
 
 
 class _GenerationRequest(BaseModel):
@@ -77,21 +77,39 @@ class _GenerationRequest(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     mm_processor_kwargs: dict[str, Any] | None = None
-    logprobs: Any = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as JSON keys are: a string) -> bias
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def requested_logprobs(self) -> int | None:
+        """Top logprobs per generated token (None: no logprobs)."""
+        return None
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise RequestError(f"logit_bias keys must be token ids, got {key!r:.40}", param="logit_bias") from None
+        return bias
+
     def sampling_params(self, max_model_len: int, num_prompt_tokens: int) -> SamplingParams:
         """SamplingParams for this request; max_tokens defaults to the rest of the context and may
         not exceed it."""
-        if self.logprobs not in (None, False):
-            raise RequestError("logprobs are not supported", param="logprobs")
         extra = self.model_extra or {}
         for name, harmless in UNSUPPORTED_FIELDS.items():
             if name in extra and extra[name] not in harmless:
-                raise RequestError(f"'{name}' is not supported by this server (got {extra[name]!r:.80})", param=name,
-                                   code="unsupported_parameter")
+                raise RequestError(f"'{name}' is not supported by this server (got {extra[name]!r:.80})"
+                                   f"{UNSUPPORTED_HINTS.get(name, '')}", param=name, code="unsupported_parameter")
         room = max_model_len - num_prompt_tokens
         requested = self.requested_max_tokens()
         if room < 1 or (requested is not None and requested > room):
@@ -104,8 +122,11 @@ class _GenerationRequest(BaseModel):
                                   "min_tokens": self.min_tokens, "stop": self.stop,
                                   "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos,
                                   "skip_special_tokens": self.skip_special_tokens, "seed": self.seed,
-                                  "include_stop_str_in_output": self.include_stop_str_in_output}
-        for name in ("temperature", "top_p", "top_k", "min_p"):
+                                  "include_stop_str_in_output": self.include_stop_str_in_output,
+                                  "logit_bias": self._logit_bias(), "allowed_token_ids": self.allowed_token_ids,
+                                  "bad_words": self.bad_words, "logprobs": self.requested_logprobs()}
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
             value = getattr(self, name)
             if value is not None:
                 fields[name] = value
@@ -122,9 +143,22 @@ class _GenerationRequest(BaseModel):
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs not in (None, 0):
+                raise RequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
+            return None
+        top = self.top_logprobs or 0
+        if not 0 <= top <= MAX_LOGPROBS:
+            raise RequestError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top}",
+                               param="top_logprobs")
+        return top
 
 
 class CompletionRequest(_GenerationRequest):
@@ -133,6 +167,10 @@ class CompletionRequest(_GenerationRequest):
     media: list[dict[str, Any]] | None = None
     echo: bool = False
     suffix: str | None = None
+    logprobs: int | None = None  # top logprobs per token; 0: the sampled token's only
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 # ---- responses ------------------------------------------------------------------------------------
@@ -161,11 +199,33 @@ class ChatMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+    refusal: list[TokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -186,7 +246,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -202,7 +262,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):

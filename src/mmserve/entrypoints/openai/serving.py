@@ -27,6 +27,7 @@ from pydantic import BaseModel
 
 from mmserve.engine.async_engine import AsyncEngine, EngineDeadError, ShuttingDownError
 from mmserve.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BYTES
+from mmserve.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
 from mmserve.entrypoints.openai.media import MediaRules, resolve_media, resolve_messages
 from mmserve.entrypoints.openai.protocol import (
     ChatChoice,
@@ -46,7 +47,7 @@ from mmserve.entrypoints.openai.protocol import (
     Usage,
 )
 from mmserve.inputs.items import ProcessedPrompt
-from mmserve.outputs import RequestOutput
+from mmserve.outputs import CompletionOutput, Logprob, RequestOutput
 
 T = TypeVar("T")
 CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request": nobody reads it, the logs do
@@ -82,6 +83,21 @@ def _usage(output: RequestOutput) -> Usage:
                      cached_tokens=output.num_cached_tokens, mm_items=output.num_mm_items,
                      cached_mm_items=output.num_encoder_cached_mm_items,
                      prefix_cached_mm_items=output.num_prefix_cached_mm_items))
+
+
+@dataclass
+class _LogprobCursor:
+    """A stream's logprobs so far: each chunk carries the entries of the tokens new since the last one."""
+
+    num_logprobs: int | None  # top logprobs asked for (None: no logprobs)
+    sent: int = 0
+    text_offset: int = 0
+
+    def take(self, completion: CompletionOutput) -> tuple[list[int], list[dict[int, Logprob]]]:
+        if self.num_logprobs is None or completion.logprobs is None:
+            return [], []
+        start, self.sent = self.sent, len(completion.logprobs)
+        return completion.token_ids[start:self.sent], completion.logprobs[start:self.sent]
 
 
 def _sse(payload: BaseModel) -> str:
@@ -197,9 +213,14 @@ class OpenAIServing:
         # encoded, the engine releases the pixels and nothing else holds them
         first, outputs = await self._start(request_id, await self._chat_prompt(body), body, raw, arrival_time)
 
+        num_logprobs = body.requested_logprobs()
+
         def whole(final: RequestOutput) -> BaseModel:
             completion = final.outputs[0]
-            choice = ChatChoice(message=ChatMessage(content=completion.text), finish_reason=completion.finish_reason)
+            logprobs = None if num_logprobs is None else chat_logprobs(completion.token_ids, completion.logprobs,
+                                                                       num_logprobs)
+            choice = ChatChoice(message=ChatMessage(content=completion.text), finish_reason=completion.finish_reason,
+                                logprobs=logprobs)
             return ChatCompletionResponse(id=request_id, model=model, choices=[choice], usage=_usage(final))
 
         return await self._respond(request_id, model, body, raw, first, outputs, self._chat_chunks, whole)
@@ -210,21 +231,23 @@ class OpenAIServing:
         """Finish one submitted request: server-sent events rendered by `chunks`, or the answer built by
         `whole`."""
         if body.stream:
-            render = partial(chunks, request_id, model, body.include_usage)
+            render = partial(chunks, request_id, model, body.include_usage, _LogprobCursor(body.requested_logprobs()))
             return StreamingResponse(_stream_events(first, outputs, render), media_type="text/event-stream")
         final = first if first.finished else await _unless_disconnected(_last(outputs), raw)
         _raise_if_failed(final)
         return JSONResponse(whole(final).model_dump())
 
     @staticmethod
-    def _chat_chunks(request_id: str, model: str, include_usage: bool, output: RequestOutput,
+    def _chat_chunks(request_id: str, model: str, include_usage: bool, cursor: _LogprobCursor, output: RequestOutput,
                      is_first: bool) -> list[BaseModel]:
-        chunks = []
+        choices = []
         if is_first:  # the first chunk announces the role, as OpenAI's does
-            chunks.append(DeltaMessage(role="assistant", content=""))
-        if output.delta_text:
-            chunks.append(DeltaMessage(content=output.delta_text))
-        out = [ChatCompletionChunk(id=request_id, model=model, choices=[ChatChunkChoice(delta=d)]) for d in chunks]
+            choices.append(ChatChunkChoice(delta=DeltaMessage(role="assistant", content="")))
+        token_ids, entries = cursor.take(output.outputs[0])
+        if output.delta_text or entries:
+            logprobs = chat_logprobs(token_ids, entries, cursor.num_logprobs) if entries else None
+            choices.append(ChatChunkChoice(delta=DeltaMessage(content=output.delta_text), logprobs=logprobs))
+        out = [ChatCompletionChunk(id=request_id, model=model, choices=[c]) for c in choices]
         if output.finished:
             finish = ChatChunkChoice(delta=DeltaMessage(), finish_reason=output.outputs[0].finish_reason)
             out.append(ChatCompletionChunk(id=request_id, model=model, choices=[finish]))
@@ -260,20 +283,29 @@ class OpenAIServing:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         first, outputs = await self._start(request_id, await self._completion_prompt(body), body, raw, arrival_time)
 
+        num_logprobs = body.requested_logprobs()
+
         def whole(final: RequestOutput) -> BaseModel:
             completion = final.outputs[0]
-            choice = CompletionChoice(text=completion.text, finish_reason=completion.finish_reason)
+            logprobs = None if num_logprobs is None else completion_logprobs(completion.token_ids,
+                                                                             completion.logprobs, num_logprobs)
+            choice = CompletionChoice(text=completion.text, finish_reason=completion.finish_reason, logprobs=logprobs)
             return CompletionResponse(id=request_id, model=model, choices=[choice], usage=_usage(final))
 
         return await self._respond(request_id, model, body, raw, first, outputs, self._completion_chunks, whole)
 
     @staticmethod
-    def _completion_chunks(request_id: str, model: str, include_usage: bool, output: RequestOutput,
-                           is_first: bool) -> list[BaseModel]:
+    def _completion_chunks(request_id: str, model: str, include_usage: bool, cursor: _LogprobCursor,
+                           output: RequestOutput, is_first: bool) -> list[BaseModel]:
         finish = output.outputs[0].finish_reason if output.finished else None
         out: list[BaseModel] = []
-        if output.delta_text or finish is not None:
-            choice = CompletionChoice(text=output.delta_text, finish_reason=finish)
+        token_ids, entries = cursor.take(output.outputs[0])
+        if output.delta_text or finish is not None or entries:
+            logprobs = None
+            if entries:
+                logprobs = completion_logprobs(token_ids, entries, cursor.num_logprobs, cursor.text_offset)
+                cursor.text_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+            choice = CompletionChoice(text=output.delta_text, finish_reason=finish, logprobs=logprobs)
             out.append(CompletionResponse(id=request_id, model=model, choices=[choice]))
         if output.finished and include_usage:
             out.append(CompletionResponse(id=request_id, model=model, choices=[], usage=_usage(output)))
