@@ -47,6 +47,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None  # why the request failed, when finish_reason is "error"
     delta_text: str = field(default="", repr=False)  # text new since the previous output (streaming)
+    delta_index: int = field(default=0, repr=False)  # the choice (outputs[i]) delta_text belongs to
     internal_error: bool = False  # the error is the server's (a fault in a model step), not the request's
     num_mm_items: int = 0  # media items in the prompt (images; a video's items)
     # of those, items the encoder did not run for this request: found in the encoder cache (ready, or being

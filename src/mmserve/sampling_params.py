@@ -18,6 +18,7 @@ from mmserve.errors import InvalidInputError
 # softmax turns into NaN, while the distribution is argmax for all practical purposes anyway.
 GREEDY_TEMPERATURE_EPS = 1e-5
 SEED_RANGE = (-(2**63), 2**64)  # what a torch.Generator takes
+MAX_N = 128  # choices per request (each is a sequence in the batch)
 MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI's top_logprobs (vLLM's max_logprobs default)
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty, as OpenAI defines them
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
@@ -92,7 +93,7 @@ class SamplingParams:
         object.__setattr__(self, "bad_words", _normalise_bad_words(self.bad_words))
 
     def _validate_numbers(self) -> None:
-        _check(_is_int(self.n) and self.n == 1, f"n must be 1 (only n=1 is supported), got n={self.n!r}")
+        _check(_is_int(self.n) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}], got n={self.n!r}")
         _check(_is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
                f"temperature must be a finite number >= 0, got {self.temperature!r}")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1,

@@ -319,7 +319,7 @@ BAD_REQUESTS = {
                         400, "over the limit"),
     "unknown_model": ({**_chat_body("hi"), "model": "no-such-model"}, 404, "does not exist"),
     "max_tokens_beyond_context": ({**_chat_body("hi"), "max_tokens": 10**6}, 400, "maximum context length"),
-    "n_above_one": ({**_chat_body("hi"), "n": 2}, 400, "n=1"),
+    "n_zero": ({**_chat_body("hi"), "n": 0}, 400, "n must be an integer in [1, 128]"),
     "tools": ({**_chat_body("hi"), "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
               "'tools' is not supported"),
     "json_response_format": ({**_chat_body("hi"), "response_format": {"type": "json_object"}}, 400,
@@ -359,7 +359,7 @@ BAD_REQUEST_PARAMS = {
     "unknown_role": "messages[0].role", "message_without_role": "messages[0]", "empty_messages": "messages",
     "second_part_is_bad": "messages[0].content[1].image_url",
     "too_many_images": "messages[0].content[2].image_url", "image_too_large": f"{PART}.image_url",
-    "unknown_model": "model", "max_tokens_beyond_context": "max_tokens", "n_above_one": "n", "tools": "tools",
+    "unknown_model": "model", "max_tokens_beyond_context": "max_tokens", "n_zero": "n", "tools": "tools",
     "json_response_format": "response_format", "presence_penalty": "presence_penalty", "logit_bias": "logit_bias",
     "repetition_penalty": "repetition_penalty", "logit_bias_value": "logit_bias",
     "logit_bias_outside_vocab": "logit_bias", "allowed_token_ids_empty": "allowed_token_ids",
@@ -613,3 +613,31 @@ def test_model_defaults_to_the_bundled_demo_model(monkeypatch, tmp_path):
     monkeypatch.setattr(config, "DEMO_MODEL_DIR", tmp_path / "missing")
     with pytest.raises(ModelLoadError, match="no model given and the bundled demo model is not installed"):
         config.resolve_model(None)
+
+
+def test_n_choices_whole_and_streamed(server, client, llm):
+    """n=3 with a seed: three choices (index 0..2), each the offline engine's choice; usage counts every
+    choice's tokens; streamed, each choice's chunks carry its index, open with its role and end with its
+    finish reason, and join into the same texts."""
+    messages = image_message(data_uri(png_bytes((90, 200, 90))), "Describe the image.")
+    kwargs = dict(model=server.model, messages=messages, max_tokens=8, temperature=0.9, seed=21, n=3)
+    whole = client.chat.completions.create(**kwargs)
+    offline = llm.chat(messages, SamplingParams(n=3, temperature=0.9, seed=21, max_tokens=8), use_tqdm=False)[0]
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [c.message.content for c in whole.choices] == [o.text for o in offline.outputs]
+    assert whole.usage.completion_tokens == sum(len(o.token_ids) for o in offline.outputs)
+    texts, roles, finishes = {}, {}, {}
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            roles.setdefault(choice.index, choice.delta.role)
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert roles == {0: "assistant", 1: "assistant", 2: "assistant"}
+    assert [texts[i] for i in range(3)] == [c.message.content for c in whole.choices]
+    assert [finishes[i] for i in range(3)] == [c.finish_reason for c in whole.choices]
+    completions = client.completions.create(model=server.model, prompt="Once upon a time", max_tokens=5, n=2,
+                                            temperature=0, logprobs=1)
+    assert [c.index for c in completions.choices] == [0, 1]
+    assert completions.choices[0].text == completions.choices[1].text
+    assert completions.choices[1].logprobs.token_logprobs == completions.choices[0].logprobs.token_logprobs

@@ -183,3 +183,69 @@ def test_logprobs_survive_preemption_and_chunked_prefill(all_checkpoints):
             for token_id in x:
                 assert x[token_id].logprob == pytest.approx(y[token_id].logprob, abs=1e-4)
     tight.check_integrity()
+
+
+# ---- n choices ------------------------------------------------------------------------------------------
+def _image_chat(family="qwen2_vl"):
+    return parity_workload(family)[4]  # one 224x224 image
+
+
+def test_n_choices_share_one_prefill_and_one_encode(all_checkpoints):
+    """n=8 on an image request: the image is encoded once, the prompt's full blocks are computed once
+    (each further choice computes only the tokens after them), and choice i is the request with seed+i."""
+    llm = LLM(str(all_checkpoints["qwen2_vl"]))
+    block = llm.engine.config.cache.block_size
+    params = SamplingParams(n=8, temperature=0.9, seed=11, max_tokens=10)
+    out = llm.chat([_image_chat()], params, use_tqdm=False)[0]
+    stats = llm.get_stats()
+    prompt_len = len(out.prompt_token_ids)
+    tail = prompt_len - block * ((prompt_len - 1) // block)
+    assert [o.index for o in out.outputs] == list(range(8))
+    assert stats["encoder_items_encoded"] == 1
+    assert stats["prompt_tokens_computed"] == prompt_len + 7 * tail
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1  # the choices are sampled independently
+    llm.check_integrity()
+    for i in (0, 5):  # each choice is reproducible on its own
+        alone = LLM(str(all_checkpoints["qwen2_vl"])).chat(
+            [_image_chat()], SamplingParams(temperature=0.9, seed=11 + i, max_tokens=10), use_tqdm=False)[0]
+        assert alone.outputs[0].token_ids == out.outputs[i].token_ids
+    again = llm.chat([_image_chat()], params, use_tqdm=False)[0]
+    assert [o.token_ids for o in again.outputs] == [o.token_ids for o in out.outputs]
+    llm.check_integrity()
+
+
+def test_greedy_n_returns_n_copies_with_logprobs(all_checkpoints):
+    llm = LLM(str(all_checkpoints["qwen2_vl"]))
+    chat = _image_chat()
+    single = llm.chat([chat], SamplingParams(temperature=0, max_tokens=6, logprobs=2), use_tqdm=False)[0].outputs[0]
+    many = llm.chat([chat], SamplingParams(n=3, temperature=0, max_tokens=6, logprobs=2), use_tqdm=False)[0]
+    assert [o.token_ids for o in many.outputs] == [single.token_ids] * 3
+    for o in many.outputs:
+        assert len(o.logprobs) == len(o.token_ids)
+        assert o.cumulative_logprob == pytest.approx(single.cumulative_logprob, abs=1e-4)
+    llm.check_integrity()
+
+
+def test_n_choices_under_preemption_and_chunking_and_abort(all_checkpoints):
+    """Seeded choices answer the same when a tight KV cache preempts them and prompts are chunked; an
+    abort mid-generation ends every choice and frees everything."""
+    model_dir = str(all_checkpoints["qwen2_vl"])
+    chats = parity_workload("qwen2_vl")[3:9]
+    params = SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=16, min_tokens=16)
+    calm = LLM(model_dir).chat(chats, params, use_tqdm=False)
+    tight = LLM(model_dir, num_kv_blocks=24, max_num_batched_tokens=64)
+    hurried = tight.chat(chats, params, use_tqdm=False)
+    assert tight.get_stats()["num_preemptions"] > 0
+    assert [[o.token_ids for o in r.outputs] for r in calm] == [[o.token_ids for o in r.outputs] for r in hurried]
+    tight.check_integrity()
+    engine = tight.engine
+    engine.add_request("many", engine.process_chat(chats[0]), SamplingParams(n=4, max_tokens=50, min_tokens=50))
+    seen = []
+    while len(seen) < 6:
+        seen += engine.step()
+    assert not any(o.finished for o in seen) and {o.request_id for o in seen} == {"many"}
+    aborted = engine.abort_request(["many"])
+    assert aborted[-1].finished and [o.finish_reason for o in aborted[-1].outputs] == ["abort"] * 4
+    engine.step()
+    tight.check_integrity()
+    assert not engine.has_unfinished_requests()

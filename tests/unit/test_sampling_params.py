@@ -37,7 +37,8 @@ def test_frozen():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"n": 2}, "only n=1 is supported"),
+    ({"n": 0}, r"n must be an integer in \[1, 128\]"),
+    ({"n": 2.0}, "n must be"),
     ({"temperature": -0.1}, "temperature"),
     ({"temperature": float("nan")}, "temperature"),
     ({"top_p": 0.0}, "top_p"),

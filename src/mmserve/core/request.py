@@ -73,6 +73,8 @@ class Request:
     num_preemptions: int = 0
     error: str | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks, in order
+    # a sibling choice (n > 1) whose prefill this one waits for, to find its prompt in the prefix cache
+    prefill_after: str | None = None
     num_mm_items: int = field(init=False)  # items with embedding rows (the media the prompt carries)
 
     def __post_init__(self) -> None:

@@ -166,9 +166,19 @@ class Scheduler:
         self.waiting.appendleft(request)
         plan.preempted.append(request)
 
+    def _waits_for_sibling(self, request: Request) -> bool:
+        """A choice of an n > 1 request waits while its sibling's prompt is not computed yet: then it finds
+        the prompt's blocks in the prefix cache, and its items in the encoder cache."""
+        sibling = self.requests.get(request.prefill_after) if request.prefill_after else None
+        return sibling is not None and sibling.num_computed_tokens < sibling.num_prompt_tokens
+
     def _schedule_waiting(self, plan: _StepPlan, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
-            request = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            request = self.waiting[i]
+            if self._waits_for_sibling(request):
+                i += 1  # the requests behind it go first: its sibling is ahead of it and will be computed
+                continue
             hits, num_hit = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
             if not self.limits.enable_chunked_prefill and num_new > budget:
@@ -179,7 +189,7 @@ class Scheduler:
             num_new, admitted = self._admit(request, hits, num_hit, num_new, plan)
             if not admitted:
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             self.running.append(request)
             if num_new:  # 0: admitted to wait for an item its workers are encoding
                 plan.out.num_scheduled_tokens[request.request_id] = num_new

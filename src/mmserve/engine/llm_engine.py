@@ -28,6 +28,7 @@ from mmserve.core.kv_cache import KVCacheManager
 from mmserve.core.request import ItemSpec, Request, RequestStatus
 from mmserve.core.scheduler import Scheduler, SchedulerLimits
 from mmserve.core.step import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from mmserve.engine.choices import ChoiceGroups
 from mmserve.engine.detokenizer import IncrementalDetokenizer
 from mmserve.engine.graph_settings import resolve_runner_graphs
 from mmserve.engine.inspection import EngineInspection
@@ -121,7 +122,8 @@ class Engine:
         if self.processor.tokenizer.eos_token_id is not None:
             eos.add(self.processor.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
-        self.tracked: dict[str, _Tracked] = {}
+        self.tracked: dict[str, _Tracked] = {}  # by the id of each sequence (a choice, for n > 1)
+        self.choices = ChoiceGroups()
         self._pending_outputs: list[RequestOutput] = []  # rejected at admission, returned by the next step
 
     def _start_encoder_pool(self) -> EncoderPool:
@@ -161,13 +163,22 @@ class Engine:
         if prompt.num_tokens + 1 > self.max_model_len:
             raise InvalidInputError(f"the prompt has {prompt.num_tokens} tokens; the model's context is "
                                     f"{self.max_model_len} tokens", param="prompt")
-        if request_id in self.tracked:
+        if request_id in self.tracked or request_id in self.choices:
             raise InvalidInputError(f"request id {request_id!r} is already in use")
         self._check_token_ids(params)
+        if params.n == 1:
+            self._add_one(request_id, prompt, params, arrival_time)
+            return
+        arrival_time = arrival_time or time.time()
+        for choice in self.choices.split(request_id, params, self.config.cache.enable_prefix_caching):
+            self._add_one(choice.request_id, prompt, choice.params, arrival_time, choice.prefill_after)
+
+    def _add_one(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, arrival_time: float | None,
+                 prefill_after: str | None = None) -> None:
         items = tuple(ItemSpec(i, it.offset, it.length, it.content_hash, it.encoder_tokens, it.output_rows)
                       for i, it in enumerate(prompt.items))
         request = Request(request_id, list(prompt.prompt_token_ids), params, self.eos_token_ids, items,
-                          arrival_time or time.time())
+                          arrival_time or time.time(), prefill_after=prefill_after)
         detok = IncrementalDetokenizer(self.processor.tokenizer, request.prompt_token_ids,
                                        params.skip_special_tokens, params.stop, params.include_stop_str_in_output)
         spans = embed_runs(prompt.embed_mask) if self.spec.bidirectional_media and prompt.items else ()
@@ -304,15 +315,16 @@ class Engine:
                                       tracked.stop_reason if finish == "stop" else None,
                                       None if tracked.logprobs is None else list(tracked.logprobs),
                                       None if tracked.logprobs is None else tracked.cumulative_logprob)
-        return RequestOutput(request.request_id, tracked.prompt, request.prompt_token_ids, [completion], finished,
-                             max(request.num_cached_tokens, 0), tracked.metrics, error, delta,
-                             internal_error=tracked.internal_error, num_mm_items=request.num_mm_items,
-                             num_encoder_cached_mm_items=request.num_encoder_cached_items,
-                             num_prefix_cached_mm_items=request.num_prefix_cached_items)
+        return self.choices.fold(RequestOutput(
+            request.request_id, tracked.prompt, request.prompt_token_ids, [completion], finished,
+            max(request.num_cached_tokens, 0), tracked.metrics, error, delta, internal_error=tracked.internal_error,
+            num_mm_items=request.num_mm_items, num_encoder_cached_mm_items=request.num_encoder_cached_items,
+            num_prefix_cached_mm_items=request.num_prefix_cached_items))
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Abort requests (a request of n choices: all of them)."""
         outputs = []
-        for rid in request_ids:
+        for rid in [cid for asked in request_ids for cid in (self.choices.choice_ids(asked) or [asked])]:
             tracked = self.tracked.get(rid)
             if tracked is None:
                 continue
@@ -378,6 +390,7 @@ class Engine:
         self.scheduler.check_integrity()
         live = set(self.scheduler.requests)
         assert set(self.tracked) == live, "engine and scheduler disagree on live requests"
+        self.choices.check_integrity(live)
         assert set(self.runner.request_views()) <= live, "runner holds state of finished requests"
         cache = self.scheduler.encoder_cache
         ready = {k for k, e in cache.entries.items() if e.state == EntryState.READY}

@@ -76,7 +76,7 @@ def _timings(output: RequestOutput, num_completion_tokens: int) -> dict[str, flo
 
 
 def _usage(output: RequestOutput) -> Usage:
-    prompt, completion = len(output.prompt_token_ids), len(output.outputs[0].token_ids)
+    prompt, completion = len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                  **_timings(output, completion),
                  prompt_tokens_details=PromptTokensDetails(
@@ -86,18 +86,39 @@ def _usage(output: RequestOutput) -> Usage:
 
 
 @dataclass
-class _LogprobCursor:
-    """A stream's logprobs so far: each chunk carries the entries of the tokens new since the last one."""
+class _StreamCursor:
+    """What a stream has sent of each choice: its role chunk, its logprob entries (each chunk carries the
+    entries of the tokens new since the last), its text offset (completions) and its finish chunk."""
 
     num_logprobs: int | None  # top logprobs asked for (None: no logprobs)
-    sent: int = 0
-    text_offset: int = 0
+    announced: set[int] = field(default_factory=set)
+    finished: set[int] = field(default_factory=set)
+    sent: dict[int, int] = field(default_factory=dict)
+    text_offset: dict[int, int] = field(default_factory=dict)
 
     def take(self, completion: CompletionOutput) -> tuple[list[int], list[dict[int, Logprob]]]:
         if self.num_logprobs is None or completion.logprobs is None:
             return [], []
-        start, self.sent = self.sent, len(completion.logprobs)
-        return completion.token_ids[start:self.sent], completion.logprobs[start:self.sent]
+        start = self.sent.get(completion.index, 0)
+        self.sent[completion.index] = len(completion.logprobs)
+        return completion.token_ids[start:len(completion.logprobs)], completion.logprobs[start:]
+
+    def first_chunk(self, index: int) -> bool:
+        """Is this the choice's first chunk (then it announces the role)?"""
+        new = index not in self.announced
+        self.announced.add(index)
+        return new
+
+    def finishes(self, completion: CompletionOutput) -> bool:
+        """Has the choice just finished (then its finish chunk goes out, once)?"""
+        if completion.finish_reason is None or completion.index in self.finished:
+            return False
+        self.finished.add(completion.index)
+        return True
+
+
+def _failed(output: RequestOutput) -> bool:
+    return any(c.finish_reason == "error" for c in output.outputs)
 
 
 def _sse(payload: BaseModel) -> str:
@@ -111,7 +132,7 @@ def engine_error(exc: EngineDeadError) -> ErrorInfo:
 
 
 def _raise_if_failed(output: RequestOutput) -> None:
-    if output.outputs[0].finish_reason == "error":
+    if _failed(output):
         if output.internal_error:  # the engine's fault, not the request's: 500, and the engine serves on
             raise RequestError(output.error or "internal error", status_code=500, type="server_error",
                                code="internal_error")
@@ -148,18 +169,18 @@ async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
 
 
 async def _stream_events(first: RequestOutput, outputs: AsyncIterator[RequestOutput],
-                         render: Callable[[RequestOutput, bool], list[BaseModel]]) -> AsyncIterator[str]:
-    """SSE lines for each output (`render(output, is_first)` makes its chunks), an error event if the request fails
+                         render: Callable[[RequestOutput], list[BaseModel]]) -> AsyncIterator[str]:
+    """SSE lines for each output (`render(output)` makes its chunks), an error event if the request fails
     mid-stream, then `[DONE]`. Closing this iterator closes `outputs`, which aborts the request."""
     async with contextlib.aclosing(outputs):
         output = first
         try:
             while True:
-                if output.outputs[0].finish_reason == "error":
+                if _failed(output):
                     error = ErrorInfo(message=output.error or "the request failed", type="server_error")
                     yield _sse(ErrorResponse(error=error))
                     break
-                for chunk in render(output, output is first):
+                for chunk in render(output):
                     yield _sse(chunk)
                 if output.finished:
                     break
@@ -194,7 +215,7 @@ class OpenAIServing:
         params = body.sampling_params(self.max_model_len, prompt.num_tokens)
         outputs = self.engine.generate(request_id, prompt, params, arrival_time)
         first = await _unless_disconnected(anext(outputs), raw)
-        if first.outputs[0].finish_reason == "error":
+        if _failed(first):
             await outputs.aclose()
             _raise_if_failed(first)
         return first, outputs
@@ -216,12 +237,11 @@ class OpenAIServing:
         num_logprobs = body.requested_logprobs()
 
         def whole(final: RequestOutput) -> BaseModel:
-            completion = final.outputs[0]
-            logprobs = None if num_logprobs is None else chat_logprobs(completion.token_ids, completion.logprobs,
-                                                                       num_logprobs)
-            choice = ChatChoice(message=ChatMessage(content=completion.text), finish_reason=completion.finish_reason,
-                                logprobs=logprobs)
-            return ChatCompletionResponse(id=request_id, model=model, choices=[choice], usage=_usage(final))
+            choices = [ChatChoice(index=c.index, message=ChatMessage(content=c.text), finish_reason=c.finish_reason,
+                                  logprobs=None if num_logprobs is None else chat_logprobs(c.token_ids, c.logprobs,
+                                                                                           num_logprobs))
+                       for c in final.outputs]
+            return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=_usage(final))
 
         return await self._respond(request_id, model, body, raw, first, outputs, self._chat_chunks, whole)
 
@@ -231,28 +251,32 @@ class OpenAIServing:
         """Finish one submitted request: server-sent events rendered by `chunks`, or the answer built by
         `whole`."""
         if body.stream:
-            render = partial(chunks, request_id, model, body.include_usage, _LogprobCursor(body.requested_logprobs()))
+            render = partial(chunks, request_id, model, body.include_usage, _StreamCursor(body.requested_logprobs()))
             return StreamingResponse(_stream_events(first, outputs, render), media_type="text/event-stream")
         final = first if first.finished else await _unless_disconnected(_last(outputs), raw)
         _raise_if_failed(final)
         return JSONResponse(whole(final).model_dump())
 
     @staticmethod
-    def _chat_chunks(request_id: str, model: str, include_usage: bool, cursor: _LogprobCursor, output: RequestOutput,
-                     is_first: bool) -> list[BaseModel]:
+    def _chat_chunks(request_id: str, model: str, include_usage: bool, cursor: _StreamCursor,
+                     output: RequestOutput) -> list[BaseModel]:
+        """The chunks of the choice this output moved (`delta_index`): its role first, as OpenAI's
+        stream has it, then its text and logprobs, then its finish reason; the usage after the last."""
+        completion = output.outputs[output.delta_index]
+        index = completion.index
         choices = []
-        if is_first:  # the first chunk announces the role, as OpenAI's does
-            choices.append(ChatChunkChoice(delta=DeltaMessage(role="assistant", content="")))
-        token_ids, entries = cursor.take(output.outputs[0])
+        if cursor.first_chunk(index):
+            choices.append(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
+        token_ids, entries = cursor.take(completion)
         if output.delta_text or entries:
             logprobs = chat_logprobs(token_ids, entries, cursor.num_logprobs) if entries else None
-            choices.append(ChatChunkChoice(delta=DeltaMessage(content=output.delta_text), logprobs=logprobs))
+            choices.append(ChatChunkChoice(index=index, delta=DeltaMessage(content=output.delta_text),
+                                           logprobs=logprobs))
+        if cursor.finishes(completion):
+            choices.append(ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason=completion.finish_reason))
         out = [ChatCompletionChunk(id=request_id, model=model, choices=[c]) for c in choices]
-        if output.finished:
-            finish = ChatChunkChoice(delta=DeltaMessage(), finish_reason=output.outputs[0].finish_reason)
-            out.append(ChatCompletionChunk(id=request_id, model=model, choices=[finish]))
-            if include_usage:
-                out.append(ChatCompletionChunk(id=request_id, model=model, choices=[], usage=_usage(output)))
+        if output.finished and include_usage:
+            out.append(ChatCompletionChunk(id=request_id, model=model, choices=[], usage=_usage(output)))
         return out
 
     # ---- text completions -------------------------------------------------------------------------
@@ -286,26 +310,28 @@ class OpenAIServing:
         num_logprobs = body.requested_logprobs()
 
         def whole(final: RequestOutput) -> BaseModel:
-            completion = final.outputs[0]
-            logprobs = None if num_logprobs is None else completion_logprobs(completion.token_ids,
-                                                                             completion.logprobs, num_logprobs)
-            choice = CompletionChoice(text=completion.text, finish_reason=completion.finish_reason, logprobs=logprobs)
-            return CompletionResponse(id=request_id, model=model, choices=[choice], usage=_usage(final))
+            choices = [CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
+                                        logprobs=None if num_logprobs is None else completion_logprobs(
+                                            c.token_ids, c.logprobs, num_logprobs))
+                       for c in final.outputs]
+            return CompletionResponse(id=request_id, model=model, choices=choices, usage=_usage(final))
 
         return await self._respond(request_id, model, body, raw, first, outputs, self._completion_chunks, whole)
 
     @staticmethod
-    def _completion_chunks(request_id: str, model: str, include_usage: bool, cursor: _LogprobCursor,
-                           output: RequestOutput, is_first: bool) -> list[BaseModel]:
-        finish = output.outputs[0].finish_reason if output.finished else None
+    def _completion_chunks(request_id: str, model: str, include_usage: bool, cursor: _StreamCursor,
+                           output: RequestOutput) -> list[BaseModel]:
+        completion = output.outputs[output.delta_index]
+        index = completion.index
+        finish = completion.finish_reason if cursor.finishes(completion) else None
         out: list[BaseModel] = []
-        token_ids, entries = cursor.take(output.outputs[0])
+        token_ids, entries = cursor.take(completion)
         if output.delta_text or finish is not None or entries:
             logprobs = None
             if entries:
-                logprobs = completion_logprobs(token_ids, entries, cursor.num_logprobs, cursor.text_offset)
-                cursor.text_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-            choice = CompletionChoice(text=output.delta_text, finish_reason=finish, logprobs=logprobs)
+                logprobs = completion_logprobs(token_ids, entries, cursor.num_logprobs, cursor.text_offset.get(index, 0))
+                cursor.text_offset[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+            choice = CompletionChoice(index=index, text=output.delta_text, finish_reason=finish, logprobs=logprobs)
             out.append(CompletionResponse(id=request_id, model=model, choices=[choice]))
         if output.finished and include_usage:
             out.append(CompletionResponse(id=request_id, model=model, choices=[], usage=_usage(output)))
