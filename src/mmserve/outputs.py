@@ -55,3 +55,6 @@ class RequestOutput:
     # (num_cached_tokens) — an item can be both
     num_encoder_cached_mm_items: int = 0
     num_prefix_cached_mm_items: int = 0
+    # with SamplingParams.prompt_logprobs: one entry per prompt token (None for the first, which nothing
+    # predicts); complete once the prompt is computed
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

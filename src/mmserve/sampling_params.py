@@ -56,7 +56,9 @@ class SamplingParams:
     - `logit_bias`: token id -> -100..100, added to that token's logit; `allowed_token_ids`: only these may
       be generated; `bad_words`: strings never generated (the last token of each, where the output ends in
       the tokens before it).
-    `logprobs` (0..20): per generated token, the sampled token's logprob and this many top alternatives.
+    `logprobs` (0..20): per generated token, the sampled token's logprob and this many top alternatives;
+    `prompt_logprobs` likewise per prompt token after the first (a request asking for them is computed
+    whole: the prefix cache does not serve its prompt).
     Logprobs are of the model's raw distribution (the
     log-softmax of its logits before temperature, penalties, biases or masks), in float32.
     After construction `logit_bias` is a `dict[int, float]`, `allowed_token_ids` a tuple or None and
@@ -83,6 +85,7 @@ class SamplingParams:
     allowed_token_ids: Sequence[int] | None = None
     bad_words: Sequence[str] | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self._validate_numbers()
@@ -119,8 +122,10 @@ class SamplingParams:
         _check(_is_number(self.repetition_penalty) and math.isfinite(self.repetition_penalty)
                and self.repetition_penalty > 0,
                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
-        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-               f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
+                   f"{name} must be null or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
 
     @property
     def needs_penalties(self) -> bool:

@@ -336,6 +336,9 @@ BAD_REQUESTS = {
     "top_logprobs_too_many": ({**_chat_body("hi"), "logprobs": True, "top_logprobs": 21}, 400,
                               "top_logprobs must be an integer in [0, 20]"),
     "best_of": ({**_chat_body("hi"), "best_of": 2}, 400, "ask for n choices instead"),
+    "prompt_logprobs_streamed": ({**_chat_body("hi"), "prompt_logprobs": 1, "stream": True}, 400,
+                                 "prompt_logprobs are not available when stream is true"),
+    "prompt_logprobs_too_many": ({**_chat_body("hi"), "prompt_logprobs": 30}, 400, "prompt_logprobs must be"),
     "video_frames_without_urls": (_chat_body([{"type": "video_frames", "video_frames": {"fps": 2}}]), 400,
                                   "needs {'video_frames': {'urls'"),
     "video_frames_over_the_limit": (_chat_body([{"type": "video_frames", "video_frames": {
@@ -364,7 +367,8 @@ BAD_REQUEST_PARAMS = {
     "repetition_penalty": "repetition_penalty", "logit_bias_value": "logit_bias",
     "logit_bias_outside_vocab": "logit_bias", "allowed_token_ids_empty": "allowed_token_ids",
     "bad_words_blank": "bad_words", "top_logprobs_without_logprobs": "top_logprobs",
-    "top_logprobs_too_many": "top_logprobs", "best_of": "best_of",
+    "top_logprobs_too_many": "top_logprobs", "best_of": "best_of", "prompt_logprobs_streamed": "prompt_logprobs",
+    "prompt_logprobs_too_many": "prompt_logprobs",
     "video_frames_without_urls": f"{PART}.video_frames", "video_frames_over_the_limit": f"{PART}.video_frames.urls",
     "video_frames_bad_fps": f"{PART}.video_frames.fps", "video_frames_bad_frame": f"{PART}.video_frames",
     "unknown_video_sampling": "mm_processor_kwargs.video_sampling", "bad_temperature": "temperature",
@@ -641,3 +645,36 @@ def test_n_choices_whole_and_streamed(server, client, llm):
     assert [c.index for c in completions.choices] == [0, 1]
     assert completions.choices[0].text == completions.choices[1].text
     assert completions.choices[1].logprobs.token_logprobs == completions.choices[0].logprobs.token_logprobs
+
+
+def test_prompt_logprobs_and_echo(server, client, llm):
+    """vLLM's prompt_logprobs (first entry null) are the offline engine's; completions' echo puts the
+    prompt before the completion, and with logprobs its tokens first (the first without a logprob),
+    streamed alike."""
+    messages = image_message(data_uri(png_bytes((10, 10, 240))), "What is it?")
+    reply = greedy_chat(client, server, messages, max_tokens=3, extra_body={"prompt_logprobs": 2})
+    offline = llm.chat(messages, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2), use_tqdm=False)[0]
+    served = reply.model_extra["prompt_logprobs"]
+    assert served[0] is None and len(served) == len(offline.prompt_token_ids) == reply.usage.prompt_tokens
+    for entry, ours, token_id in list(zip(served, offline.prompt_logprobs, offline.prompt_token_ids))[1:]:
+        assert entry[str(token_id)]["logprob"] == pytest.approx(ours[token_id].logprob, abs=1e-5)
+    prompt = "The sky is"
+    plain = client.completions.create(model=server.model, prompt=prompt, max_tokens=4, temperature=0)
+    echoed = client.completions.create(model=server.model, prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                       logprobs=1)
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    logprobs = echoed.choices[0].logprobs
+    num_prompt = echoed.usage.prompt_tokens
+    assert len(logprobs.tokens) == num_prompt + echoed.usage.completion_tokens
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(isinstance(v, float) for v in logprobs.token_logprobs[1:])
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))]
+    offline = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1),
+                           use_tqdm=False)[0]
+    assert logprobs.token_logprobs[1:num_prompt] == pytest.approx(
+        [e[t].logprob for e, t in zip(offline.prompt_logprobs[1:], offline.prompt_token_ids[1:])], abs=1e-5)
+    stream = list(client.completions.create(model=server.model, prompt=prompt, max_tokens=4, temperature=0,
+                                            echo=True, logprobs=1, stream=True))
+    assert "".join(c.choices[0].text for c in stream if c.choices) == echoed.choices[0].text
+    assert [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == \
+        logprobs.tokens

@@ -249,3 +249,34 @@ def test_n_choices_under_preemption_and_chunking_and_abort(all_checkpoints):
     engine.step()
     tight.check_integrity()
     assert not engine.has_unfinished_requests()
+
+
+# ---- prompt logprobs ---------------------------------------------------------------------------------------
+def test_prompt_logprobs_are_transformers_log_softmax(served_family, served_model_dir):
+    """Every prompt token after the first (image placeholder rows included) gets the log-softmax of
+    transformers' logits at the position before it, within 1e-4, with its rank and the top 3; the same
+    when the prompt is prefilled in chunks, and when an identical prompt is already in the prefix cache."""
+    chat = parity_workload(served_family)[4]
+    processor = load_processor(served_model_dir)
+    rendered = processor.render_chat(chat)
+    prompt = processor.process(rendered.prompt, images=rendered.images, videos=rendered.videos)
+    fixture = FAMILIES[served_family]
+    inputs = fixture.reference_kwargs(served_model_dir, chat, prompt)
+    with torch.no_grad():
+        ref = _reference_model(served_model_dir, fixture)(**inputs).logits[0].float().log_softmax(dim=-1)
+    ids = prompt.prompt_token_ids
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    for llm in (LLM(str(served_model_dir)), LLM(str(served_model_dir), max_num_batched_tokens=48)):
+        for _ in range(2):  # the second time, the prompt's blocks are in the prefix cache
+            out = llm.chat([chat], params, use_tqdm=False)[0]
+            assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+            for position in range(1, len(ids)):
+                entry, token = out.prompt_logprobs[position], ids[position]
+                expected = ref[position - 1]
+                assert entry[token].logprob == pytest.approx(expected[token].item(), abs=1e-4)
+                near_ties = int(((expected - expected[token]).abs() < 1e-4).sum()) - 1
+                assert abs(entry[token].rank - 1 - int((expected > expected[token]).sum())) <= near_ties
+                top = sorted((lp for lp in entry.values() if lp.rank <= 3), key=lambda lp: lp.rank)
+                torch.testing.assert_close(torch.tensor([lp.logprob for lp in top]), expected.topk(3).values,
+                                           rtol=0, atol=1e-4)
+        llm.check_integrity()

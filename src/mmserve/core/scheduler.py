@@ -179,7 +179,9 @@ class Scheduler:
             if self._waits_for_sibling(request):
                 i += 1  # the requests behind it go first: its sibling is ahead of it and will be computed
                 continue
-            hits, num_hit = self.kv.get_computed_blocks(request)
+            # prompt logprobs need every prompt position computed: no prefix-cache hit for such a request
+            hits, num_hit = ([], 0) if request.sampling_params.prompt_logprobs is not None \
+                else self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
             if not self.limits.enable_chunked_prefill and num_new > budget:
                 break

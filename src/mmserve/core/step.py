@@ -64,6 +64,9 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     # of those, the requests that asked for logprobs: the sampled token's and the top ones
     sampled_logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # requests that asked for prompt logprobs: (first prompt position, one entry per prompt token from
+    # the one after it) for the prompt tokens this step's chunk predicts
+    prompt_logprobs: dict[str, tuple[int, tuple[TokenLogprobs, ...]]] = field(default_factory=dict)
     # requests that failed in the runner, with the reason; they finish with an error
     failed: dict[str, str] = field(default_factory=dict)
     # encoder outputs validated and committed to the runner's store this step: only these become READY

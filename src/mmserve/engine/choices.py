@@ -32,6 +32,7 @@ class _Group:
     live: set[str]
     error: str | None = None
     internal_error: bool = False
+    prompt_logprobs: list | None = None  # choice 0's
 
 
 @dataclass
@@ -42,7 +43,9 @@ class ChoiceGroups:
     def split(self, request_id: str, params: SamplingParams, share_prompt: bool) -> list[Choice]:
         """The choices of a request with params.n > 1 (`share_prompt`: the prefix cache is on)."""
         ids = [f"{request_id}#{i}" for i in range(params.n)]
-        choices = [Choice(cid, replace(params, n=1, seed=None if params.seed is None else params.seed + i),
+        # the prompt's logprobs are choice 0's: the others need not compute the prompt for them
+        choices = [Choice(cid, replace(params, n=1, seed=None if params.seed is None else params.seed + i,
+                                       prompt_logprobs=params.prompt_logprobs if i == 0 else None),
                           ids[0] if share_prompt and i > 0 else None) for i, cid in enumerate(ids)]
         self.groups[request_id] = _Group(params.n, [CompletionOutput(i, "", []) for i in range(params.n)], set(ids))
         for i, cid in enumerate(ids):
@@ -64,6 +67,8 @@ class ChoiceGroups:
         request_id, index = self.parent[output.request_id]
         group = self.groups[request_id]
         group.outputs[index] = replace(output.outputs[0], index=index)
+        if index == 0:
+            group.prompt_logprobs = output.prompt_logprobs
         if output.error is not None and group.error is None:
             group.error, group.internal_error = output.error, output.internal_error
         if output.finished:
@@ -73,7 +78,8 @@ class ChoiceGroups:
         if finished:
             del self.groups[request_id]
         return replace(output, request_id=request_id, outputs=list(group.outputs), finished=finished,
-                       error=group.error, internal_error=group.internal_error, delta_index=index)
+                       error=group.error, internal_error=group.internal_error, delta_index=index,
+                       prompt_logprobs=group.prompt_logprobs)
 
     def check_integrity(self, live_request_ids: set[str]) -> None:
         grouped = {cid for group in self.groups.values() for cid in group.live}

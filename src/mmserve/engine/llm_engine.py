@@ -70,6 +70,7 @@ class _Tracked:
     stop_reason: int | str | None = None
     internal_error: bool = False  # failed by a fault in a model step, not by its input
     logprobs: list[dict[int, Logprob]] | None = None  # one per output token, when the request asked
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # one per prompt token computed so far
     cumulative_logprob: float = 0.0
 
 
@@ -188,7 +189,8 @@ class Engine:
                                      spans, self.processor.tokenizer.bad_words_token_ids(params.bad_words))
         tracked = _Tracked(request, prompt.prompt, detok, RequestMetrics(request.arrival_time), runner_prompt,
                            {i: it.payload for i, it in enumerate(prompt.items)},
-                           logprobs=None if params.logprobs is None else [])
+                           logprobs=None if params.logprobs is None else [],
+                           prompt_logprobs=None if params.prompt_logprobs is None else [None])
         rejection = self.scheduler.add_request(request)
         if rejection is not None:  # can never fit the encoder budgets: finish now, others run on
             self._pending_outputs.append(self._make_output(tracked, "error", rejection))
@@ -225,6 +227,7 @@ class Engine:
             result = self.runner.execute(sched, self._step_inputs(sched))
         except Exception as exc:  # noqa: BLE001 - a fault in one step must not take the engine down
             result = self._step_fault(sched, exc)
+        self._record_prompt_logprobs(result.prompt_logprobs)
         core_outputs = self.scheduler.update(sched, result)
         self._drop_encoded_payloads(set(sched.num_scheduled_tokens) | set(sched.encoder_items))
         return pending + [self._output(o) for o in core_outputs]
@@ -293,6 +296,17 @@ class Engine:
             tracked.stop_reason = core.stop_token_id
         return self._make_output(tracked, finish, core.error)
 
+    def _record_prompt_logprobs(self, computed: dict[str, tuple[int, tuple[TokenLogprobs, ...]]]) -> None:
+        """Append each request's new prompt logprobs (a prompt recomputed after a preemption has them)."""
+        for rid, (start, entries) in computed.items():
+            tracked = self.tracked.get(rid)
+            if tracked is None or tracked.prompt_logprobs is None:
+                continue
+            prompt = tracked.request.prompt_token_ids
+            for position, logprobs in enumerate(entries, start=start + 1):
+                if position == len(tracked.prompt_logprobs):
+                    tracked.prompt_logprobs.append(self._logprob_entry(prompt[position], logprobs))
+
     def _logprob_entry(self, token_id: int, logprobs: TokenLogprobs) -> dict[int, Logprob]:
         """The sampled token first, then the top ones (the sampled one among them keeps its entry)."""
         decode = self.processor.tokenizer.decode
@@ -319,7 +333,8 @@ class Engine:
             request.request_id, tracked.prompt, request.prompt_token_ids, [completion], finished,
             max(request.num_cached_tokens, 0), tracked.metrics, error, delta, internal_error=tracked.internal_error,
             num_mm_items=request.num_mm_items, num_encoder_cached_mm_items=request.num_encoder_cached_items,
-            num_prefix_cached_mm_items=request.num_prefix_cached_items))
+            num_prefix_cached_mm_items=request.num_prefix_cached_items,
+            prompt_logprobs=None if tracked.prompt_logprobs is None else list(tracked.prompt_logprobs)))
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         """Abort requests (a request of n choices: all of them)."""

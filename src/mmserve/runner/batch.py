@@ -35,6 +35,18 @@ class Batch:
     fusion: list[tuple[torch.Tensor, torch.Tensor]]  # (rows view, batch token positions)
     sample_index: torch.Tensor  # (num_sampled,) rows of the batch whose logits are sampled
     sample_rows: list[RunnerRequest] = field(default_factory=list)
+    prompt_logprob_rows: list[PromptLogprobRows] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PromptLogprobRows:
+    """Rows of the batch whose logits give a request's prompt logprobs: batch rows [offset, offset + num)
+    are prompt positions [start, start + num), each predicting the prompt token after it."""
+
+    state: RunnerRequest
+    offset: int
+    start: int
+    num: int
 
 
 class BatchBuilder:
@@ -56,6 +68,7 @@ class BatchBuilder:
         self.fusion: list[tuple[torch.Tensor, np.ndarray]] = []
         self.sample_index: list[int] = []
         self.sample_rows: list[RunnerRequest] = []
+        self.prompt_logprob_rows: list[PromptLogprobRows] = []
         self.num_tokens = 0
 
     def add(self, state: RunnerRequest, num: int, pieces: list[ChunkPiece],
@@ -96,6 +109,10 @@ class BatchBuilder:
         if end == len(state.token_ids):  # the chunk reaches the last known token: sample the next
             self.sample_index.append(offset + num - 1)
             self.sample_rows.append(state)
+        # prompt logprobs: positions before the last prompt token predict a prompt token
+        last = min(end, state.num_prompt_tokens - 1)
+        if state.sampling_params.prompt_logprobs is not None and start < last:
+            self.prompt_logprob_rows.append(PromptLogprobRows(state, offset, start, last - start))
         self.num_tokens += num
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
@@ -142,4 +159,4 @@ class BatchBuilder:
         )
         fusion = [(rows, dev(positions)) for rows, positions in self.fusion]
         return Batch(dev(np.concatenate(self.ids)), dev(np.concatenate(self.pos, axis=1)), attn, fusion,
-                     dev(np.asarray(self.sample_index, dtype=np.int64)), self.sample_rows)
+                     dev(np.asarray(self.sample_index, dtype=np.int64)), self.sample_rows, self.prompt_logprob_rows)

@@ -28,7 +28,7 @@ from mmserve.core.step import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from mmserve.faults import FaultPlan
 from mmserve.models.spec import FamilyModel, FamilySpec
 from mmserve.runner.attention import PagedAttentionBackend
-from mmserve.runner.batch import BatchBuilder
+from mmserve.runner.batch import BatchBuilder, PromptLogprobRows
 from mmserve.runner.encoder.async_dispatch import AsyncEncoder
 from mmserve.runner.encoder.pool import EncoderPool, ItemOutcome
 from mmserve.runner.encoder.runner import EncoderRunner, OutputShape
@@ -217,7 +217,7 @@ class ModelRunner:
         forward_started = time.perf_counter()
         logits = None if self.decode_graphs is None else self._decode_graph_logits(builder)
         if logits is None:
-            logits, forward_started = self._eager_logits(builder)
+            logits, forward_started, result.prompt_logprobs = self._eager_logits(builder)
         if builder.sample_rows:
             rows = builder.sample_rows
             meta = sampling_metadata([self._sampled_row(r, logits.shape[1]) for r in rows], self.device)
@@ -241,9 +241,11 @@ class ModelRunner:
             return None  # the eager path raises the test fault
         return self.decode_graphs.run(builder)
 
-    def _eager_logits(self, builder: BatchBuilder) -> tuple[torch.Tensor | None, float]:
-        """(num_sampled, vocab) logits of the step's sampled rows (None when none is sampled), and when the
-        model forward began (after the batch is built and fused)."""
+    def _eager_logits(self, builder: BatchBuilder) -> tuple[torch.Tensor | None, float,
+                                                            dict[str, tuple[int, tuple[TokenLogprobs, ...]]]]:
+        """(num_sampled, vocab) logits of the step's sampled rows (None when none is sampled), when the
+        model forward began (after the batch is built and fused), and the prompt logprobs of the requests
+        that asked for them."""
         batch = builder.build()
         embeds = self.model.embed(batch.input_ids)
         extra = None
@@ -257,7 +259,23 @@ class ModelRunner:
             raise RuntimeError(f"test fault: token {self.fault_token} in the batch (FaultPlan.step_fault_token_id)")
         forward_started = time.perf_counter()
         hidden = self.model(embeds, batch.positions, self.attention, batch.attn, extra)
-        return (self.model.compute_logits(hidden[batch.sample_index]) if batch.sample_rows else None), forward_started
+        logits = self.model.compute_logits(hidden[batch.sample_index]) if batch.sample_rows else None
+        return logits, forward_started, self._prompt_logprobs(hidden, batch.prompt_logprob_rows)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, wanted: list[PromptLogprobRows]
+                         ) -> dict[str, tuple[int, tuple[TokenLogprobs, ...]]]:
+        """Each asking request's chunk rows, as logprobs of the prompt token after each row (the raw
+        distribution, float32), with its rank and the request's top k."""
+        out = {}
+        for rows in wanted:
+            state = rows.state
+            logits = self.model.compute_logits(hidden[rows.offset:rows.offset + rows.num])  # (num, vocab)
+            targets = torch.tensor(state.token_ids[rows.start + 1:rows.start + 1 + rows.num], device=hidden.device)
+            k = state.sampling_params.prompt_logprobs
+            lp = sampled_logprobs(logits, targets, [k] * rows.num)
+            out[state.request_id] = (rows.start, tuple(_token_logprobs(lp, [state] * rows.num, [k] * rows.num,
+                                                                       by_row=True)))
+        return out
 
     def _sampled_row(self, state: RunnerRequest, vocab_size: int) -> SampledRow:
         params = state.sampling_params
@@ -277,13 +295,16 @@ class ModelRunner:
 
 
 
-def _token_logprobs(logprobs: SampledLogprobs, rows: list[RunnerRequest],
-                    num_logprobs: list[int | None]) -> dict[str, TokenLogprobs]:
-    """The sampler's logprob tensors as plain values, per request (each row's own top k)."""
+def _token_logprobs(logprobs: SampledLogprobs, rows: list[RunnerRequest], num_logprobs: list[int | None],
+                    by_row: bool = False) -> dict[str, TokenLogprobs] | list[TokenLogprobs]:
+    """The sampler's logprob tensors as plain values, per request (each row's own top k); `by_row`: a list
+    in row order instead."""
     values, ranks = logprobs.logprobs.tolist(), logprobs.ranks.tolist()
     top_ids, top_values = logprobs.top_ids.tolist(), logprobs.top_logprobs.tolist()
-    out = {}
+    entries = []
     for i, row in enumerate(logprobs.rows):
         k = num_logprobs[row]
-        out[rows[row].request_id] = TokenLogprobs(values[i], ranks[i], tuple(top_ids[i][:k]), tuple(top_values[i][:k]))
-    return out
+        entries.append(TokenLogprobs(values[i], ranks[i], tuple(top_ids[i][:k]), tuple(top_values[i][:k])))
+    if by_row:
+        return entries
+    return {rows[row].request_id: entry for row, entry in zip(logprobs.rows, entries)}

@@ -3,7 +3,8 @@
 Role: `chat_logprobs` makes chat's `{"content": [{token, logprob, bytes, top_logprobs}]}`, the `k` most
 likely tokens per position in rank order; `completion_logprobs` makes the legacy completions shape
 (`tokens`, `token_logprobs`, `top_logprobs` — the `k` most likely and the sampled one, as OpenAI has it —
-and `text_offset`). Both take a slice of a request's entries, so a stream sends each chunk's own.
+and `text_offset`; `echo_logprobs` the same for an echoed prompt, its first token without one);
+`prompt_logprobs` makes vLLM's `prompt_logprobs` field. The first two take a slice of a request's entries, so a stream sends each chunk's own.
 What it does not know: the engine, requests, streaming.
 """
 
@@ -11,7 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mmserve.entrypoints.openai.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from mmserve.entrypoints.openai.protocol import (
+    ChatLogprobs,
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
+    TokenLogprob,
+    TopLogprob,
+)
 from mmserve.outputs import Logprob
 
 # OpenAI's floor for a logprob on the wire: JSON has no -Infinity
@@ -55,3 +63,29 @@ def completion_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Lo
         out.text_offset.append(text_offset)
         text_offset += len(_text(sampled))
     return out
+
+
+def echo_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob] | None], k: int,
+                  first_token: str) -> CompletionLogprobs:
+    """The legacy shape for an echoed prompt: its first token (text `first_token`) has no logprob."""
+    out = completion_logprobs(token_ids[1:], entries[1:], k, len(first_token))
+    out.tokens.insert(0, first_token)
+    out.token_logprobs.insert(0, None)
+    out.top_logprobs.insert(0, None)
+    out.text_offset.insert(0, 0)
+    return out
+
+
+def joined(first: CompletionLogprobs, second: CompletionLogprobs) -> CompletionLogprobs:
+    """`second`'s tokens after `first`'s (their text offsets moved past `first`'s text)."""
+    shift = first.text_offset[-1] + len(first.tokens[-1]) if first.tokens else 0
+    return CompletionLogprobs(tokens=first.tokens + second.tokens,
+                              token_logprobs=first.token_logprobs + second.token_logprobs,
+                              top_logprobs=first.top_logprobs + second.top_logprobs,
+                              text_offset=first.text_offset + [o + shift for o in second.text_offset])
+
+
+def prompt_logprobs(entries: Sequence[dict[int, Logprob] | None]) -> PromptLogprobs:
+    return [None if entry is None else {token_id: PromptLogprob(logprob=_wire(lp.logprob), rank=lp.rank,
+                                                                decoded_token=lp.decoded_token)
+                                        for token_id, lp in entry.items()} for entry in entries]

@@ -83,6 +83,7 @@ class _GenerationRequest(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as JSON keys are: a string) -> bias
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None  # vLLM's: top logprobs per prompt token
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -90,6 +91,15 @@ class _GenerationRequest(BaseModel):
     def requested_logprobs(self) -> int | None:
         """Top logprobs per generated token (None: no logprobs)."""
         return None
+
+    def requested_prompt_logprobs(self) -> int | None:
+        """Top logprobs per prompt token (None: none)."""
+        self._check_prompt_logprobs()
+        return self.prompt_logprobs
+
+    def _check_prompt_logprobs(self) -> None:
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM: they would come before any token
+            raise RequestError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
 
     def _logit_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:
@@ -124,7 +134,8 @@ class _GenerationRequest(BaseModel):
                                   "skip_special_tokens": self.skip_special_tokens, "seed": self.seed,
                                   "include_stop_str_in_output": self.include_stop_str_in_output,
                                   "logit_bias": self._logit_bias(), "allowed_token_ids": self.allowed_token_ids,
-                                  "bad_words": self.bad_words, "logprobs": self.requested_logprobs()}
+                                  "bad_words": self.bad_words, "logprobs": self.requested_logprobs(),
+                                  "prompt_logprobs": self.requested_prompt_logprobs()}
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             value = getattr(self, name)
@@ -171,6 +182,13 @@ class CompletionRequest(_GenerationRequest):
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
+
+    def requested_prompt_logprobs(self) -> int | None:
+        """echo with logprobs: the prompt's tokens get theirs too."""
+        self._check_prompt_logprobs()
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
 
 # ---- responses ------------------------------------------------------------------------------------
@@ -221,6 +239,17 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's shape of one prompt token's logprob entry (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessage
@@ -235,6 +264,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # with the request's prompt_logprobs (vLLM's field)
 
 
 class DeltaMessage(BaseModel):
@@ -263,6 +293,7 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: str | None = None
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # with the request's prompt_logprobs (vLLM's field)
 
 
 class CompletionResponse(BaseModel):

@@ -27,7 +27,13 @@ from pydantic import BaseModel
 
 from mmserve.engine.async_engine import AsyncEngine, EngineDeadError, ShuttingDownError
 from mmserve.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BYTES
-from mmserve.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
+from mmserve.entrypoints.openai.logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    echo_logprobs,
+    joined,
+    prompt_logprobs,
+)
 from mmserve.entrypoints.openai.media import MediaRules, resolve_media, resolve_messages
 from mmserve.entrypoints.openai.protocol import (
     ChatChoice,
@@ -37,6 +43,7 @@ from mmserve.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatMessage,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
@@ -91,6 +98,7 @@ class _StreamCursor:
     entries of the tokens new since the last), its text offset (completions) and its finish chunk."""
 
     num_logprobs: int | None  # top logprobs asked for (None: no logprobs)
+    echo: Callable[[RequestOutput], tuple[str, CompletionLogprobs | None]] | None = None  # completions' echo
     announced: set[int] = field(default_factory=set)
     finished: set[int] = field(default_factory=set)
     sent: dict[int, int] = field(default_factory=dict)
@@ -241,17 +249,20 @@ class OpenAIServing:
                                   logprobs=None if num_logprobs is None else chat_logprobs(c.token_ids, c.logprobs,
                                                                                            num_logprobs))
                        for c in final.outputs]
-            return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=_usage(final))
+            return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=_usage(final),
+                                          prompt_logprobs=None if body.prompt_logprobs is None
+                                          else prompt_logprobs(final.prompt_logprobs))
 
         return await self._respond(request_id, model, body, raw, first, outputs, self._chat_chunks, whole)
 
     async def _respond(self, request_id: str, model: str, body: Any, raw: Request, first: RequestOutput,
                        outputs: AsyncIterator[RequestOutput], chunks: Callable[..., list[BaseModel]],
-                       whole: Callable[[RequestOutput], BaseModel]) -> Any:
+                       whole: Callable[[RequestOutput], BaseModel], echo: Callable | None = None) -> Any:
         """Finish one submitted request: server-sent events rendered by `chunks`, or the answer built by
         `whole`."""
         if body.stream:
-            render = partial(chunks, request_id, model, body.include_usage, _StreamCursor(body.requested_logprobs()))
+            render = partial(chunks, request_id, model, body.include_usage,
+                             _StreamCursor(body.requested_logprobs(), echo))
             return StreamingResponse(_stream_events(first, outputs, render), media_type="text/event-stream")
         final = first if first.finished else await _unless_disconnected(_last(outputs), raw)
         _raise_if_failed(final)
@@ -286,8 +297,8 @@ class OpenAIServing:
             if len(prompt) != 1:
                 raise RequestError("only one prompt per request is supported", param="prompt")
             prompt = prompt[0]
-        if body.echo or body.suffix:
-            raise RequestError("echo and suffix are not supported", param="echo" if body.echo else "suffix")
+        if body.suffix:
+            raise RequestError("suffix is not supported", param="suffix")
         if isinstance(prompt, str):
             return {"prompt": prompt}
         return {"prompt_token_ids": list(prompt)}
@@ -308,15 +319,35 @@ class OpenAIServing:
         first, outputs = await self._start(request_id, await self._completion_prompt(body), body, raw, arrival_time)
 
         num_logprobs = body.requested_logprobs()
+        echo = self._echo(num_logprobs) if body.echo else None
 
         def whole(final: RequestOutput) -> BaseModel:
-            choices = [CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
-                                        logprobs=None if num_logprobs is None else completion_logprobs(
-                                            c.token_ids, c.logprobs, num_logprobs))
-                       for c in final.outputs]
+            echoed, echoed_logprobs = echo(final) if echo else ("", None)
+            choices = []
+            for c in final.outputs:
+                logprobs = None
+                if num_logprobs is not None:
+                    logprobs = completion_logprobs(c.token_ids, c.logprobs, num_logprobs)
+                    logprobs = joined(echoed_logprobs, logprobs) if echoed_logprobs else logprobs
+                choices.append(CompletionChoice(
+                    index=c.index, text=echoed + c.text, finish_reason=c.finish_reason, logprobs=logprobs,
+                    prompt_logprobs=None if body.prompt_logprobs is None else prompt_logprobs(final.prompt_logprobs)))
             return CompletionResponse(id=request_id, model=model, choices=choices, usage=_usage(final))
 
-        return await self._respond(request_id, model, body, raw, first, outputs, self._completion_chunks, whole)
+        return await self._respond(request_id, model, body, raw, first, outputs, self._completion_chunks, whole, echo)
+
+    def _echo(self, num_logprobs: int | None) -> Callable[[RequestOutput], tuple[str, CompletionLogprobs | None]]:
+        """The prompt's text as echoed, and its logprobs in the legacy shape (with logprobs)."""
+        tokenizer = self.engine.engine.processor.tokenizer
+
+        def echo(output: RequestOutput) -> tuple[str, CompletionLogprobs | None]:
+            ids = output.prompt_token_ids
+            text = output.prompt if output.prompt is not None else tokenizer.decode(ids, skip_special_tokens=False)
+            if num_logprobs is None or output.prompt_logprobs is None:
+                return text, None
+            first = tokenizer.decode(ids[:1], skip_special_tokens=False)
+            return text, echo_logprobs(ids, output.prompt_logprobs, num_logprobs, first)
+        return echo
 
     @staticmethod
     def _completion_chunks(request_id: str, model: str, include_usage: bool, cursor: _StreamCursor,
@@ -325,13 +356,18 @@ class OpenAIServing:
         index = completion.index
         finish = completion.finish_reason if cursor.finishes(completion) else None
         out: list[BaseModel] = []
+        echoed, echoed_logprobs = cursor.echo(output) if cursor.echo and cursor.first_chunk(index) else ("", None)
         token_ids, entries = cursor.take(completion)
-        if output.delta_text or finish is not None or entries:
+        if echoed or output.delta_text or finish is not None or entries:
             logprobs = None
             if entries:
                 logprobs = completion_logprobs(token_ids, entries, cursor.num_logprobs, cursor.text_offset.get(index, 0))
+            if echoed_logprobs is not None:
+                logprobs = joined(echoed_logprobs, logprobs) if logprobs else echoed_logprobs
+            if logprobs is not None:
                 cursor.text_offset[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-            choice = CompletionChoice(index=index, text=output.delta_text, finish_reason=finish, logprobs=logprobs)
+            choice = CompletionChoice(index=index, text=echoed + output.delta_text, finish_reason=finish,
+                                      logprobs=logprobs)
             out.append(CompletionResponse(id=request_id, model=model, choices=[choice]))
         if output.finished and include_usage:
             out.append(CompletionResponse(id=request_id, model=model, choices=[], usage=_usage(output)))
