@@ -339,6 +339,19 @@ BAD_REQUESTS = {
     "prompt_logprobs_streamed": ({**_chat_body("hi"), "prompt_logprobs": 1, "stream": True}, 400,
                                  "prompt_logprobs are not available when stream is true"),
     "prompt_logprobs_too_many": ({**_chat_body("hi"), "prompt_logprobs": 30}, 400, "prompt_logprobs must be"),
+    "structured_outputs": ({**_chat_body("hi"), "structured_outputs": {"choice": ["a", "b"]}}, 400,
+                           "'structured_outputs' is not supported"),
+    "guided_json": ({**_chat_body("hi"), "guided_json": {"type": "object"}}, 400, "'guided_json' is not supported"),
+    "cache_salt": ({**_chat_body("hi"), "cache_salt": "s"}, 400, "'cache_salt' is not supported"),
+    "stream_options_without_stream": ({**_chat_body("hi"), "stream_options": {"include_usage": True}}, 400,
+                                      "stream_options needs stream set to true"),
+    "seed_beyond_int64": ({**_chat_body("hi"), "seed": 2**63}, 400, "seed must be a 64-bit signed integer"),
+    "stop_token_ids_outside_vocab": ({**_chat_body("hi"), "stop_token_ids": [10**8]}, 400,
+                                     "stop_token_ids names token id"),
+    "image_url_as_a_string": (_chat_body([{"type": "image_url", "image_url": data_uri(png_bytes((1, 2, 3)))}]), 400,
+                              "needs {'image_url': {'url'"),
+    "continue_and_generation_prompt": ({**_chat_body("hi"), "continue_final_message": True}, 400,
+                                       "continue_final_message and add_generation_prompt"),
     "video_frames_without_urls": (_chat_body([{"type": "video_frames", "video_frames": {"fps": 2}}]), 400,
                                   "needs {'video_frames': {'urls'"),
     "video_frames_over_the_limit": (_chat_body([{"type": "video_frames", "video_frames": {
@@ -368,7 +381,10 @@ BAD_REQUEST_PARAMS = {
     "logit_bias_outside_vocab": "logit_bias", "allowed_token_ids_empty": "allowed_token_ids",
     "bad_words_blank": "bad_words", "top_logprobs_without_logprobs": "top_logprobs",
     "top_logprobs_too_many": "top_logprobs", "best_of": "best_of", "prompt_logprobs_streamed": "prompt_logprobs",
-    "prompt_logprobs_too_many": "prompt_logprobs",
+    "prompt_logprobs_too_many": "prompt_logprobs", "structured_outputs": "structured_outputs",
+    "guided_json": "guided_json", "cache_salt": "cache_salt", "stream_options_without_stream": "stream_options",
+    "seed_beyond_int64": "seed", "stop_token_ids_outside_vocab": "stop_token_ids",
+    "image_url_as_a_string": f"{PART}.image_url", "continue_and_generation_prompt": "continue_final_message",
     "video_frames_without_urls": f"{PART}.video_frames", "video_frames_over_the_limit": f"{PART}.video_frames.urls",
     "video_frames_bad_fps": f"{PART}.video_frames.fps", "video_frames_bad_frame": f"{PART}.video_frames",
     "unknown_video_sampling": "mm_processor_kwargs.video_sampling", "bad_temperature": "temperature",
@@ -678,3 +694,50 @@ def test_prompt_logprobs_and_echo(server, client, llm):
     assert "".join(c.choices[0].text for c in stream if c.choices) == echoed.choices[0].text
     assert [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == \
         logprobs.tokens
+
+
+def test_request_conformance(server, client, llm):
+    """An empty model name means the served model; unsupported values say `unsupported_parameter`;
+    continue_final_message continues the last message; continuous_usage_stats puts the usage so far in
+    every chunk."""
+    reply = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": "", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert reply.status_code == 200 and reply.json()["model"] == server.model
+    refused = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": server.model, "prompt": "hi", "suffix": "x", "max_tokens": 2})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "unsupported_parameter"
+    messages = [{"role": "user", "content": "Count to three."}, {"role": "assistant", "content": "One, two"}]
+    continued = greedy_chat(client, server, messages, max_tokens=4,
+                            extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    offline_prompt = llm.engine.process_chat(messages, add_generation_prompt=False, continue_final_message=True)
+    assert continued.usage.prompt_tokens == len(offline_prompt.prompt_token_ids)
+    rendered = llm.engine.processor.render_chat(messages, add_generation_prompt=False, continue_final_message=True)
+    assert rendered.prompt.endswith("One, two")
+    chunks = list(greedy_chat(client, server, [{"role": "user", "content": "hi"}], max_tokens=4, stream=True,
+                              stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counted = [c.usage.completion_tokens for c in chunks if c.choices and c.usage is not None]
+    assert counted and counted == sorted(counted) and chunks[-1].usage.completion_tokens == counted[-1]
+
+
+def test_tokenize_and_detokenize(server, llm):
+    """/tokenize gives the ids the generation routes run (a chat's pictures expanded to their rows);
+    /detokenize turns ids back into text; /version answers."""
+    messages = image_message(data_uri(png_bytes((70, 70, 70))))
+    chat = httpx.post(server.url + "/tokenize", json={"model": server.model, "messages": messages}, timeout=60)
+    assert chat.status_code == 200, chat.text
+    expected = llm.engine.process_chat(messages).prompt_token_ids
+    body = chat.json()
+    assert body["tokens"] == list(expected) and body["count"] == len(expected)
+    assert body["max_model_len"] == llm.engine.max_model_len
+    reply = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                       json={"model": server.model, "messages": messages, "max_tokens": 1}).json()
+    assert reply["usage"]["prompt_tokens"] == body["count"]
+    text = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}, timeout=60).json()
+    assert text["tokens"] == list(llm.engine.process({"prompt": "Hello world"}).prompt_token_ids)
+    back = httpx.post(server.url + "/detokenize", json={"tokens": text["tokens"]}, timeout=60).json()
+    assert back["prompt"] == "Hello world"
+    both = httpx.post(server.url + "/tokenize", json={"prompt": "x", "messages": messages}, timeout=60)
+    assert both.status_code == 400 and both.json()["error"]["param"] == "prompt"
+    outside = httpx.post(server.url + "/detokenize", json={"tokens": [10**9]}, timeout=60)
+    assert outside.status_code == 400 and outside.json()["error"]["param"] == "tokens"
+    assert httpx.get(server.url + "/version", timeout=10).json()["version"]

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from mmserve.engine.llm_engine import Engine
@@ -113,11 +114,12 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and self._error is None
 
     # ---- the caller's side ------------------------------------------------------------------------
-    async def process_chat(self, messages: list[dict[str, Any]],
-                           mm_processor_kwargs: dict[str, Any] | None = None) -> ProcessedPrompt:
+    async def process_chat(self, messages: list[dict[str, Any]], mm_processor_kwargs: dict[str, Any] | None = None,
+                           **template_kwargs: Any) -> ProcessedPrompt:
         """Render and process a chat off the event loop; raises InvalidInputError on bad input."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, self.engine.process_chat, messages, mm_processor_kwargs)
+        return await loop.run_in_executor(None, partial(self.engine.process_chat, messages, mm_processor_kwargs,
+                                                        **template_kwargs))
 
     async def process(self, raw_prompt: Any, mm_processor_kwargs: dict[str, Any] | None = None,
                       item_params: dict[str, list[str]] | None = None) -> ProcessedPrompt:

@@ -200,7 +200,8 @@ class Engine:
     def _check_token_ids(self, params: SamplingParams) -> None:
         """Token ids a request names must be in the model's vocabulary."""
         vocab_size = self.spec.vocab_size
-        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or ())):
+        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("stop_token_ids", params.stop_token_ids)):
             outside = [t for t in ids if t >= vocab_size]
             if outside:
                 raise InvalidInputError(f"{name} names token id {outside[0]}, outside the vocabulary "

@@ -140,12 +140,19 @@ class MultimodalProcessor:
 
     # ---- chat ---------------------------------------------------------------------------------
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    **template_kwargs: Any) -> ChatInput:
-        """OpenAI-format messages -> prompt with one placeholder per item, media in order."""
+                    continue_final_message: bool = False, **template_kwargs: Any) -> ChatInput:
+        """OpenAI-format messages -> prompt with one placeholder per item, media in order.
+        `continue_final_message`: the prompt ends inside the last message, which the model continues (as
+        transformers does it: the rendered text cut after that message's last text)."""
+        if continue_final_message and add_generation_prompt:
+            raise InvalidInputError("continue_final_message and add_generation_prompt cannot both be true",
+                                    param="continue_final_message")
         out = ChatInput(prompt="")
         normalized = normalize_messages(messages, out)
         self._check_modalities(len(out.images), len(out.videos), out.params)
         out.prompt = self.tokenizer.apply_chat_template(normalized, add_generation_prompt, **template_kwargs)
+        if continue_final_message:
+            out.prompt = _cut_after_final_message(out.prompt, normalized[-1] if normalized else {})
         return out
 
     # ---- prompts ------------------------------------------------------------------------------
@@ -356,3 +363,14 @@ class MultimodalProcessor:
         check_item_rows("the prompt's items together", total, sum(i.output_rows for i in items))
         return ProcessedPrompt(prompt, token_ids, items, mm_mask, embed_mask, embed_cumsum,
                                self.positions(token_ids, items))
+
+
+def _cut_after_final_message(rendered: str, final: dict[str, Any]) -> str:
+    content = final.get("content")
+    if isinstance(content, list):  # the last text part, as transformers takes it
+        content = next((p.get("text") for p in reversed(content) if isinstance(p, dict) and "text" in p), None)
+    text = content.strip() if isinstance(content, str) else ""
+    if not text or text not in rendered:
+        raise InvalidInputError("continue_final_message needs a last message with text the template renders",
+                                param="continue_final_message")
+    return rendered[:rendered.rindex(text) + len(text)]

@@ -58,7 +58,7 @@ class ResolvedMedia:
 
 def _url_of(part: dict[str, Any], kind: str, where: str) -> str:
     value = part.get(kind)
-    url = value.get("url") if isinstance(value, dict) else value
+    url = value.get("url") if isinstance(value, dict) else None  # a bare string is refused, as OpenAI does
     if not isinstance(url, str) or not url:
         raise InvalidInputError(f"{where}.{kind}: a {kind} part needs {{'{kind}': {{'url': '...'}}}}",
                                 param=f"{where}.{kind}")

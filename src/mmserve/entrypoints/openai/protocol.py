@@ -43,6 +43,7 @@ class ErrorResponse(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk
 
 
 # OpenAI request fields mmserve does not implement, with the values that ask for nothing (a client may send
@@ -51,7 +52,12 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}), "best_of": (None, 1),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+    # vLLM's structured outputs (and their older names): refused until mmserve has a grammar engine
+    "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,), "guided_decoding_backend": (None,),
+    "cache_salt": (None,), "truncate_prompt_tokens": (None,),
 }
+INT64_RANGE = (-(2**63), 2**63)  # OpenAI's seed
 # what a refusal adds, where there is a way to get the same
 UNSUPPORTED_HINTS = {"best_of": ": ask for n choices instead (vLLM removed best_of too)"}
 
@@ -115,6 +121,10 @@ class _GenerationRequest(BaseModel):
     def sampling_params(self, max_model_len: int, num_prompt_tokens: int) -> SamplingParams:
         """SamplingParams for this request; max_tokens defaults to the rest of the context and may
         not exceed it."""
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options needs stream set to true", param="stream_options")
+        if self.seed is not None and not INT64_RANGE[0] <= self.seed < INT64_RANGE[1]:
+            raise RequestError(f"seed must be a 64-bit signed integer, got {self.seed}", param="seed")
         extra = self.model_extra or {}
         for name, harmless in UNSUPPORTED_FIELDS.items():
             if name in extra and extra[name] not in harmless:
@@ -150,10 +160,17 @@ class _GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
+    # vLLM's: end the prompt with the assistant's turn opened (the default), or continue the last message
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     logprobs: bool | None = None
     top_logprobs: int | None = None
 
@@ -189,6 +206,35 @@ class CompletionRequest(_GenerationRequest):
         if self.echo and self.logprobs is not None:
             return max(self.logprobs, self.prompt_logprobs or 0)
         return self.prompt_logprobs
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a completion prompt, or chat messages (their pictures expanded to placeholder rows)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool | None = None  # only what the generation routes do (None: that)
+    mm_processor_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 # ---- responses ------------------------------------------------------------------------------------

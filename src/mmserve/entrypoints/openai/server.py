@@ -35,11 +35,15 @@ from mmserve.entrypoints.openai.metrics import ServerMetrics
 from mmserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
     ModelList,
     RequestError,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from mmserve.entrypoints.openai.serving import OpenAIServing, ServerConfig, engine_error
 from mmserve.entrypoints.openai.web_ui import web_ui_router
@@ -155,6 +159,27 @@ def _v1_router(serving: OpenAIServing, engine: AsyncEngine, api_key: str | None)
     return router
 
 
+def _tokens_router(serving: OpenAIServing, api_key: str | None) -> APIRouter:
+    """vLLM's /tokenize and /detokenize (clients count a prompt's tokens before sending it) and /version."""
+    router = APIRouter(dependencies=[Depends(_auth_dependency(api_key))])
+
+    @router.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        return await serving.tokenize(body)
+
+    @router.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return serving.detokenize(body)
+
+    @router.get("/version")
+    async def version() -> dict[str, str]:
+        from mmserve import __version__
+
+        return {"version": __version__}
+
+    return router
+
+
 def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     """A FastAPI app serving `engine`; its lifespan starts and stops the engine thread."""
     metrics = ServerMetrics()
@@ -176,6 +201,7 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     _install_error_handlers(app)
     app.include_router(_v1_router(serving, async_engine, config.api_key))
+    app.include_router(_tokens_router(serving, config.api_key))
     if config.web_ui:  # the chat page and its files need no API key: the user types it into the page
         app.include_router(web_ui_router(config.demo_model, api_key_required=config.api_key is not None))
 

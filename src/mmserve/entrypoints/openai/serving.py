@@ -47,10 +47,14 @@ from mmserve.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
     PromptTokensDetails,
     RequestError,
+    TokenizeRequest,
+    TokenizeResponse,
     Usage,
 )
 from mmserve.inputs.items import ProcessedPrompt
@@ -99,6 +103,7 @@ class _StreamCursor:
 
     num_logprobs: int | None  # top logprobs asked for (None: no logprobs)
     echo: Callable[[RequestOutput], tuple[str, CompletionLogprobs | None]] | None = None  # completions' echo
+    continuous_usage: bool = False  # every chunk carries the usage so far
     announced: set[int] = field(default_factory=set)
     finished: set[int] = field(default_factory=set)
     sent: dict[int, int] = field(default_factory=dict)
@@ -209,7 +214,8 @@ class OpenAIServing:
         return (self.config.served_model_name, *self.config.extra_model_names)
 
     def _check_model(self, name: str | None) -> str:
-        if name is not None and name not in self.model_names:
+        """The served model's name: `model` absent or empty means it (vLLM answers so too)."""
+        if name and name not in self.model_names:
             raise RequestError(f"The model `{name}` does not exist.", status_code=404, param="model",
                                code="model_not_found")
         return self.config.served_model_name
@@ -232,7 +238,9 @@ class OpenAIServing:
     async def _chat_prompt(self, body: ChatCompletionRequest) -> ProcessedPrompt:
         messages = await self._in_worker(resolve_messages, body.messages, self.config.media,
                                          body.mm_processor_kwargs)
-        return await self.engine.process_chat(messages, body.mm_processor_kwargs)
+        return await self.engine.process_chat(messages, body.mm_processor_kwargs,
+                                              add_generation_prompt=body.add_generation_prompt,
+                                              continue_final_message=body.continue_final_message)
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Any:
         arrival_time = time.time()
@@ -262,7 +270,7 @@ class OpenAIServing:
         `whole`."""
         if body.stream:
             render = partial(chunks, request_id, model, body.include_usage,
-                             _StreamCursor(body.requested_logprobs(), echo))
+                             _StreamCursor(body.requested_logprobs(), echo, body.continuous_usage))
             return StreamingResponse(_stream_events(first, outputs, render), media_type="text/event-stream")
         final = first if first.finished else await _unless_disconnected(_last(outputs), raw)
         _raise_if_failed(final)
@@ -285,7 +293,8 @@ class OpenAIServing:
                                            logprobs=logprobs))
         if cursor.finishes(completion):
             choices.append(ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason=completion.finish_reason))
-        out = [ChatCompletionChunk(id=request_id, model=model, choices=[c]) for c in choices]
+        usage = _usage(output) if cursor.continuous_usage else None
+        out = [ChatCompletionChunk(id=request_id, model=model, choices=[c], usage=usage) for c in choices]
         if output.finished and include_usage:
             out.append(ChatCompletionChunk(id=request_id, model=model, choices=[], usage=_usage(output)))
         return out
@@ -295,10 +304,11 @@ class OpenAIServing:
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
             if len(prompt) != 1:
-                raise RequestError("only one prompt per request is supported", param="prompt")
+                raise RequestError("only one prompt per request is supported", param="prompt",
+                                   code="unsupported_parameter")
             prompt = prompt[0]
         if body.suffix:
-            raise RequestError("suffix is not supported", param="suffix")
+            raise RequestError("suffix is not supported", param="suffix", code="unsupported_parameter")
         if isinstance(prompt, str):
             return {"prompt": prompt}
         return {"prompt_token_ids": list(prompt)}
@@ -368,7 +378,42 @@ class OpenAIServing:
                 cursor.text_offset[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
             choice = CompletionChoice(index=index, text=echoed + output.delta_text, finish_reason=finish,
                                       logprobs=logprobs)
-            out.append(CompletionResponse(id=request_id, model=model, choices=[choice]))
+            out.append(CompletionResponse(id=request_id, model=model, choices=[choice],
+                                          usage=_usage(output) if cursor.continuous_usage else None))
         if output.finished and include_usage:
             out.append(CompletionResponse(id=request_id, model=model, choices=[], usage=_usage(output)))
         return out
+
+    # ---- tokens ---------------------------------------------------------------------------------------
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        """The prompt's token ids exactly as /v1/completions (`prompt`) or /v1/chat/completions (`messages`)
+        would run them: pictures expanded to their placeholder rows, the chat template applied."""
+        self._check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise RequestError("give exactly one of prompt and messages", param="prompt")
+        if body.prompt is not None:
+            if body.add_special_tokens is False:
+                raise RequestError("add_special_tokens=false is not supported: the tokens are what "
+                                   "/v1/completions runs", param="add_special_tokens", code="unsupported_parameter")
+            prompt = await self.engine.process({"prompt": body.prompt}, body.mm_processor_kwargs)
+        else:
+            if body.add_special_tokens:
+                raise RequestError("add_special_tokens=true is not supported with messages: the chat template "
+                                   "writes them", param="add_special_tokens", code="unsupported_parameter")
+            messages = await self._in_worker(resolve_messages, body.messages, self.config.media,
+                                             body.mm_processor_kwargs)
+            prompt = await self.engine.process_chat(messages, body.mm_processor_kwargs,
+                                                    add_generation_prompt=body.add_generation_prompt,
+                                                    continue_final_message=body.continue_final_message)
+        ids = list(prompt.prompt_token_ids)
+        return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids)
+
+    def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        self._check_model(body.model)
+        tokenizer = self.engine.engine.processor.tokenizer
+        vocab_size = self.engine.engine.spec.vocab_size
+        outside = [t for t in body.tokens if not 0 <= t < vocab_size]
+        if outside:
+            raise RequestError(f"tokens holds {outside[0]}, outside the vocabulary (ids 0..{vocab_size - 1})",
+                               param="tokens")
+        return DetokenizeResponse(prompt=tokenizer.decode(body.tokens, skip_special_tokens=False))
