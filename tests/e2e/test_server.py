@@ -741,3 +741,33 @@ def test_tokenize_and_detokenize(server, llm):
     outside = httpx.post(server.url + "/detokenize", json={"tokens": [10**9]}, timeout=60)
     assert outside.status_code == 400 and outside.json()["error"]["param"] == "tokens"
     assert httpx.get(server.url + "/version", timeout=10).json()["version"]
+
+
+def test_completions_with_several_prompts(server, client, llm):
+    """A list of prompts (strings or token-id lists) answers one choice per prompt and n, choice j of
+    prompt i at index i * n + j, each the offline answer; streamed alike; usage counts every prompt."""
+    prompts = ["Once upon a time", "The capital of", "One, two,"]
+    params = SamplingParams(temperature=0, max_tokens=5)
+    offline = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    whole = client.completions.create(model=server.model, prompt=prompts, max_tokens=5, temperature=0, n=2)
+    assert [c.index for c in whole.choices] == list(range(6))
+    assert [c.text for c in whole.choices] == [t for t in offline for _ in range(2)]
+    prompt_ids = [llm.engine.process({"prompt": p}).prompt_token_ids for p in prompts]
+    assert whole.usage.prompt_tokens == sum(len(ids) for ids in prompt_ids)
+    texts = {}
+    for chunk in client.completions.create(model=server.model, prompt=[list(ids) for ids in prompt_ids],
+                                           max_tokens=5, temperature=0, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert [texts[i] for i in range(3)] == offline
+    refused = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": server.model, "prompt": prompts, "echo": True, "max_tokens": 2})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
+    bad = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": server.model, "prompt": ["fine", ""], "max_tokens": 2})
+    assert bad.status_code == 400
+    for _ in range(100):  # the first prompt's request is aborted with the refusal (in the engine's thread)
+        if stats(server)["requests_running"] == 0:
+            break
+        time.sleep(0.05)
+    assert stats(server)["requests_running"] == 0

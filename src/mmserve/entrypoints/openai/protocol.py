@@ -190,7 +190,7 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]  # one prompt, or several (one choice each, x n)
     # extension: media for the prompt's placeholders, as chat content parts (image_url / video_url)
     media: list[dict[str, Any]] | None = None
     echo: bool = False

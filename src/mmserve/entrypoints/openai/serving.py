@@ -17,7 +17,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, TypeVar
 
@@ -57,6 +57,7 @@ from mmserve.entrypoints.openai.protocol import (
     TokenizeResponse,
     Usage,
 )
+from mmserve.errors import at_param
 from mmserve.inputs.items import ProcessedPrompt
 from mmserve.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -132,6 +133,49 @@ class _StreamCursor:
 
 def _failed(output: RequestOutput) -> bool:
     return any(c.finish_reason == "error" for c in output.outputs)
+
+
+class _PromptBatch:
+    """Several prompts' requests as one: choice j of prompt i is choice i * n + j; the last output holds
+    every choice and counts every prompt's tokens."""
+
+    def __init__(self, n: int, num_prompts: int) -> None:
+        self.n = n
+        self.latest: list[RequestOutput | None] = [None] * num_prompts
+
+    def reindex(self, i: int, output: RequestOutput) -> RequestOutput:
+        self.latest[i] = output
+        if all(o is not None and o.finished for o in self.latest):
+            every = [replace(c, index=p * self.n + c.index) for p, o in enumerate(self.latest) for c in o.outputs]
+            ids = [t for o in self.latest for t in o.prompt_token_ids]
+            return replace(output, outputs=every, prompt_token_ids=ids, finished=True,
+                           delta_index=i * self.n + output.delta_index)
+        return replace(output, outputs=[replace(c, index=i * self.n + c.index) for c in output.outputs],
+                       finished=False)
+
+    async def merged(self, started: list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]
+                     ) -> AsyncIterator[RequestOutput]:
+        """The prompts' first outputs after the first, then every output as it comes; closing it closes
+        (and so aborts) every prompt's request."""
+        pending: dict[asyncio.Future, int] = {}
+        try:
+            for i, (first, _) in enumerate(started[1:], start=1):
+                yield self.reindex(i, first)
+            pending = {asyncio.ensure_future(anext(outputs)): i for i, (first, outputs) in enumerate(started)
+                       if not first.finished}
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    i = pending.pop(task)
+                    output = task.result()
+                    if not output.finished:
+                        pending[asyncio.ensure_future(anext(started[i][1]))] = i
+                    yield self.reindex(i, output)
+        finally:
+            for task in pending:
+                task.cancel()
+            for _, outputs in started:
+                await outputs.aclose()
 
 
 def _sse(payload: BaseModel) -> str:
@@ -300,21 +344,43 @@ class OpenAIServing:
         return out
 
     # ---- text completions -------------------------------------------------------------------------
-    def _raw_prompt(self, body: CompletionRequest) -> dict[str, Any]:
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            if len(prompt) != 1:
-                raise RequestError("only one prompt per request is supported", param="prompt",
-                                   code="unsupported_parameter")
-            prompt = prompt[0]
+    def _raw_prompts(self, body: CompletionRequest) -> list[dict[str, Any]]:
+        """The request's prompts: a string, a list of strings, token ids, or a list of token-id lists."""
         if body.suffix:
             raise RequestError("suffix is not supported", param="suffix", code="unsupported_parameter")
-        if isinstance(prompt, str):
-            return {"prompt": prompt}
-        return {"prompt_token_ids": list(prompt)}
+        prompt = body.prompt
+        if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise RequestError("prompt must not be empty", param="prompt")
+        if len(prompts) > 1:
+            for name, asked in (("echo", body.echo), ("prompt_logprobs", body.prompt_logprobs is not None),
+                                ("media", bool(body.media))):
+                if asked:
+                    raise RequestError(f"{name} is not supported with several prompts: send one request per "
+                                       "prompt", param=name, code="unsupported_parameter")
+        return [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]
 
-    async def _completion_prompt(self, body: CompletionRequest) -> ProcessedPrompt:
-        raw_prompt = self._raw_prompt(body)
+    async def _start_several(self, request_id: str, raw_prompts: list[dict[str, Any]], body: CompletionRequest,
+                             raw: Request, arrival_time: float) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
+        """One engine request per prompt; their outputs as one request's, choice j of prompt i being choice
+        i * n + j (as OpenAI numbers them). A prompt refused aborts the ones already started."""
+        started: list[tuple[RequestOutput, AsyncIterator[RequestOutput]]] = []
+        try:
+            for i, raw_prompt in enumerate(raw_prompts):
+                with at_param(f"prompt[{i}]"):
+                    prompt = await self._completion_prompt(body, raw_prompt)
+                started.append(await self._start(f"{request_id}-{i}", prompt, body, raw, arrival_time))
+        except BaseException:
+            for _, outputs in started:
+                await outputs.aclose()
+            raise
+        batch = _PromptBatch(body.n, len(started))
+        return batch.reindex(0, started[0][0]), batch.merged(started)
+
+    async def _completion_prompt(self, body: CompletionRequest, raw_prompt: dict[str, Any]) -> ProcessedPrompt:
         if not body.media:
             return await self.engine.process(raw_prompt, body.mm_processor_kwargs)
         media = await self._in_worker(resolve_media, body.media, self.config.media, body.mm_processor_kwargs)
@@ -326,7 +392,12 @@ class OpenAIServing:
         arrival_time = time.time()
         model = self._check_model(body.model)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        first, outputs = await self._start(request_id, await self._completion_prompt(body), body, raw, arrival_time)
+        raw_prompts = self._raw_prompts(body)
+        if len(raw_prompts) == 1:
+            first, outputs = await self._start(request_id, await self._completion_prompt(body, raw_prompts[0]), body,
+                                               raw, arrival_time)
+        else:
+            first, outputs = await self._start_several(request_id, raw_prompts, body, raw, arrival_time)
 
         num_logprobs = body.requested_logprobs()
         echo = self._echo(num_logprobs) if body.echo else None
