@@ -4,7 +4,7 @@ where the exact wire format is the point), the tiny random checkpoint.
 The model is random, so answers are checked for protocol behaviour, token counts and determinism
 (the server's greedy output equals the offline `LLM`'s for the same messages), not correctness.
 Two servers start once for the module: `server` (loopback media URLs allowed, a local media root,
-small limits) and `strict` (default media safety, an API key).
+small limits) and `strict` (default media safety, an API key, logprob tokens named by id, X-Request-Id).
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ def servers(checkpoint_dirs, media_dir, tmp_path_factory):
     main = start_server(model, logs / "main.log", "--allow-private-media-urls", "--allowed-local-media-path",
                         str(media_dir), "--limit-mm-per-prompt", "image=2,video=1", "--max-image-pixels", "1000000",
                         "--max-video-frames", "4", "--num-kv-blocks", "256", "--max-request-bytes", "3000000")
-    strict = start_server(model, logs / "strict.log", "--num-kv-blocks", "64", api_key=API_KEY)
+    strict = start_server(model, logs / "strict.log", "--num-kv-blocks", "64", "--return-tokens-as-token-ids",
+                          "--enable-request-id-headers", api_key=API_KEY)
     try:
         wait_healthy(main)
         wait_healthy(strict)
@@ -771,3 +772,25 @@ def test_completions_with_several_prompts(server, client, llm):
             break
         time.sleep(0.05)
     assert stats(server)["requests_running"] == 0
+
+
+def test_token_ids_in_answers_and_headers(servers, llm):
+    """return_token_ids puts the prompt's and the choice's ids in the answer; --return-tokens-as-token-ids
+    names logprob tokens "token_id:N"; --enable-request-id-headers echoes X-Request-Id (or makes one)."""
+    main, strict = servers["main"], servers["strict"]
+    messages = [{"role": "user", "content": "Say hi."}]
+    body = {"model": main.model, "messages": messages, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    reply = httpx.post(main.url + "/v1/chat/completions", json=body, timeout=60).json()
+    offline = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert reply["prompt_token_ids"] == list(offline.prompt_token_ids)
+    assert reply["choices"][0]["token_ids"] == list(offline.outputs[0].token_ids)
+    assert "x-request-id" not in httpx.get(main.url + "/health").headers
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    named = httpx.post(strict.url + "/v1/chat/completions", headers={**auth, "X-Request-Id": "abc-1"}, timeout=60,
+                       json={**body, "model": strict.model, "logprobs": True, "top_logprobs": 1})
+    assert named.headers["x-request-id"] == "abc-1"
+    content = named.json()["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == [f"token_id:{t}" for t in offline.outputs[0].token_ids]
+    assert httpx.get(strict.url + "/health").headers["x-request-id"]
+    streamed = httpx.post(main.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60)
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "return_token_ids"

@@ -189,6 +189,12 @@ def _add_serve_parser(sub: Any) -> None:
                            "(default: 30)")
     http.add_argument("--max-request-bytes", type=_int_or_size, default=32 * 1024 * 1024, metavar="N",
                       help="largest request body; a larger one gets 413 before it is read (default: 32MiB)")
+    http.add_argument("--return-tokens-as-token-ids", action="store_true",
+                      help="logprobs name tokens as 'token_id:N' instead of their text (vLLM's flag)")
+    http.add_argument("--enable-request-id-headers", action="store_true",
+                      help="answer with an X-Request-Id header (the client's, else a new id)")
+    http.add_argument("--root-path", default="", metavar="PATH",
+                      help="the path prefix a proxy serves the API under (ASGI root_path; default: none)")
     _add_engine_args(serve)
 
 
@@ -287,7 +293,9 @@ def _serve(args: argparse.Namespace) -> int:
     rules = MediaRules(config.media, fetch, args.max_video_bytes, limits, engine.spec.default_video_fps)
     server_config = ServerConfig(name, rules, args.api_key, extra_model_names=(model,) if name != model else (),
                                  max_request_bytes=args.max_request_bytes, web_ui=args.web_ui,
-                                 demo_model=Path(model).resolve() == DEMO_MODEL_DIR.resolve())
+                                 demo_model=Path(model).resolve() == DEMO_MODEL_DIR.resolve(),
+                                 return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                                 request_id_headers=args.enable_request_id_headers, root_path=args.root_path)
     summary = startup_summary(engine, name, f"http://{args.host}:{args.port}", web_ui=args.web_ui)
     serve(engine, server_config, args.host, args.port, args.log_level, args.shutdown_timeout,
           on_ready=lambda: print(summary, file=sys.stderr, flush=True))

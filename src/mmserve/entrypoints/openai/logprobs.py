@@ -4,13 +4,14 @@ Role: `chat_logprobs` makes chat's `{"content": [{token, logprob, bytes, top_log
 likely tokens per position in rank order; `completion_logprobs` makes the legacy completions shape
 (`tokens`, `token_logprobs`, `top_logprobs` — the `k` most likely and the sampled one, as OpenAI has it —
 and `text_offset`; `echo_logprobs` the same for an echoed prompt, its first token without one);
-`prompt_logprobs` makes vLLM's `prompt_logprobs` field. The first two take a slice of a request's entries, so a stream sends each chunk's own.
+`prompt_logprobs` makes vLLM's `prompt_logprobs` field; `named_by_id` names tokens by their ids. The first two take a slice of a request's entries, so a stream sends each chunk's own.
 What it does not know: the engine, requests, streaming.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from mmserve.entrypoints.openai.protocol import (
     ChatLogprobs,
@@ -89,3 +90,9 @@ def prompt_logprobs(entries: Sequence[dict[int, Logprob] | None]) -> PromptLogpr
     return [None if entry is None else {token_id: PromptLogprob(logprob=_wire(lp.logprob), rank=lp.rank,
                                                                 decoded_token=lp.decoded_token)
                                         for token_id, lp in entry.items()} for entry in entries]
+
+
+def named_by_id(entries: Sequence[dict[int, Logprob] | None]) -> list[dict[int, Logprob] | None]:
+    """The entries with each token named "token_id:N" (vLLM's --return-tokens-as-token-ids)."""
+    return [None if entry is None else {t: replace(lp, decoded_token=f"token_id:{t}") for t, lp in entry.items()}
+            for entry in entries]

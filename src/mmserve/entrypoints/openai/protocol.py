@@ -90,6 +90,7 @@ class _GenerationRequest(BaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None  # vLLM's: top logprobs per prompt token
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the answer
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -121,6 +122,9 @@ class _GenerationRequest(BaseModel):
     def sampling_params(self, max_model_len: int, num_prompt_tokens: int) -> SamplingParams:
         """SamplingParams for this request; max_tokens defaults to the rest of the context and may
         not exceed it."""
+        if self.return_token_ids and self.stream:
+            raise RequestError("return_token_ids is not supported with stream", param="return_token_ids",
+                               code="unsupported_parameter")
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options needs stream set to true", param="stream_options")
         if self.seed is not None and not INT64_RANGE[0] <= self.seed < INT64_RANGE[1]:
@@ -301,6 +305,7 @@ class ChatChoice(BaseModel):
     message: ChatMessage
     finish_reason: str | None
     logprobs: ChatLogprobs | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -311,6 +316,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None  # with the request's prompt_logprobs (vLLM's field)
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class DeltaMessage(BaseModel):
@@ -340,6 +346,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     logprobs: CompletionLogprobs | None = None
     prompt_logprobs: PromptLogprobs | None = None  # with the request's prompt_logprobs (vLLM's field)
+    token_ids: list[int] | None = None  # with return_token_ids
+    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class CompletionResponse(BaseModel):

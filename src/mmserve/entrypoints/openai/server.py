@@ -18,6 +18,7 @@ import hmac
 import logging
 import signal
 import threading
+import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -199,6 +200,14 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
                   lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.serving = async_engine, metrics, serving
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
+    if config.request_id_headers:
+        @app.middleware("http")
+        async def request_id_header(request: Request, call_next: Callable[[Request], Any]) -> Response:
+            """X-Request-Id on every answer: the client's own, else a new one (vLLM's flag)."""
+            request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+            response = await call_next(request)
+            response.headers["X-Request-Id"] = request_id
+            return response
     _install_error_handlers(app)
     app.include_router(_v1_router(serving, async_engine, config.api_key))
     app.include_router(_tokens_router(serving, config.api_key))
@@ -265,7 +274,7 @@ def serve(engine: Engine, config: ServerConfig, host: str = "127.0.0.1", port: i
     # handler that does nothing lets the process end normally (exit 0) instead of dying by the signal
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
-        GracefulServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+        GracefulServer(uvicorn.Config(app, host=host, port=port, log_level=log_level, root_path=config.root_path,
                                       timeout_graceful_shutdown=shutdown_timeout_s)).run()
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -32,6 +32,7 @@ from mmserve.entrypoints.openai.logprobs import (
     completion_logprobs,
     echo_logprobs,
     joined,
+    named_by_id,
     prompt_logprobs,
 )
 from mmserve.entrypoints.openai.media import MediaRules, resolve_media, resolve_messages
@@ -74,6 +75,9 @@ class ServerConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a larger body is refused (413) before it is read
     web_ui: bool = True  # the chat page at `/` (web_ui.py)
     demo_model: bool = False  # the bundled demo model is served: the page may draw shapes pictures for it
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens as "token_id:N"
+    request_id_headers: bool = False  # answer with X-Request-Id
+    root_path: str = ""  # the prefix a proxy serves the app under
 
 
 def _timings(output: RequestOutput, num_completion_tokens: int) -> dict[str, float | None]:
@@ -105,6 +109,7 @@ class _StreamCursor:
     num_logprobs: int | None  # top logprobs asked for (None: no logprobs)
     echo: Callable[[RequestOutput], tuple[str, CompletionLogprobs | None]] | None = None  # completions' echo
     continuous_usage: bool = False  # every chunk carries the usage so far
+    names: Callable[[list], list] = list  # how entries name their tokens (text, or token ids)
     announced: set[int] = field(default_factory=set)
     finished: set[int] = field(default_factory=set)
     sent: dict[int, int] = field(default_factory=dict)
@@ -115,7 +120,7 @@ class _StreamCursor:
             return [], []
         start = self.sent.get(completion.index, 0)
         self.sent[completion.index] = len(completion.logprobs)
-        return completion.token_ids[start:len(completion.logprobs)], completion.logprobs[start:]
+        return completion.token_ids[start:len(completion.logprobs)], self.names(completion.logprobs[start:])
 
     def first_chunk(self, index: int) -> bool:
         """Is this the choice's first chunk (then it announces the role)?"""
@@ -253,6 +258,10 @@ class OpenAIServing:
         self.config = config
         self.max_model_len = engine.engine.max_model_len
 
+    def _names(self, entries: list) -> list:
+        """Logprob entries as the responses name their tokens: text, or "token_id:N" with the flag."""
+        return named_by_id(entries) if self.config.return_tokens_as_token_ids else entries
+
     @property
     def model_names(self) -> tuple[str, ...]:
         return (self.config.served_model_name, *self.config.extra_model_names)
@@ -298,12 +307,15 @@ class OpenAIServing:
 
         def whole(final: RequestOutput) -> BaseModel:
             choices = [ChatChoice(index=c.index, message=ChatMessage(content=c.text), finish_reason=c.finish_reason,
-                                  logprobs=None if num_logprobs is None else chat_logprobs(c.token_ids, c.logprobs,
-                                                                                           num_logprobs))
+                                  logprobs=None if num_logprobs is None else chat_logprobs(
+                                      c.token_ids, self._names(c.logprobs), num_logprobs),
+                                  token_ids=list(c.token_ids) if body.return_token_ids else None)
                        for c in final.outputs]
             return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=_usage(final),
                                           prompt_logprobs=None if body.prompt_logprobs is None
-                                          else prompt_logprobs(final.prompt_logprobs))
+                                          else prompt_logprobs(self._names(final.prompt_logprobs)),
+                                          prompt_token_ids=list(final.prompt_token_ids) if body.return_token_ids
+                                          else None)
 
         return await self._respond(request_id, model, body, raw, first, outputs, self._chat_chunks, whole)
 
@@ -314,7 +326,7 @@ class OpenAIServing:
         `whole`."""
         if body.stream:
             render = partial(chunks, request_id, model, body.include_usage,
-                             _StreamCursor(body.requested_logprobs(), echo, body.continuous_usage))
+                             _StreamCursor(body.requested_logprobs(), echo, body.continuous_usage, self._names))
             return StreamingResponse(_stream_events(first, outputs, render), media_type="text/event-stream")
         final = first if first.finished else await _unless_disconnected(_last(outputs), raw)
         _raise_if_failed(final)
@@ -357,7 +369,7 @@ class OpenAIServing:
             raise RequestError("prompt must not be empty", param="prompt")
         if len(prompts) > 1:
             for name, asked in (("echo", body.echo), ("prompt_logprobs", body.prompt_logprobs is not None),
-                                ("media", bool(body.media))):
+                                ("media", bool(body.media)), ("return_token_ids", body.return_token_ids)):
                 if asked:
                     raise RequestError(f"{name} is not supported with several prompts: send one request per "
                                        "prompt", param=name, code="unsupported_parameter")
@@ -408,11 +420,14 @@ class OpenAIServing:
             for c in final.outputs:
                 logprobs = None
                 if num_logprobs is not None:
-                    logprobs = completion_logprobs(c.token_ids, c.logprobs, num_logprobs)
+                    logprobs = completion_logprobs(c.token_ids, self._names(c.logprobs), num_logprobs)
                     logprobs = joined(echoed_logprobs, logprobs) if echoed_logprobs else logprobs
                 choices.append(CompletionChoice(
                     index=c.index, text=echoed + c.text, finish_reason=c.finish_reason, logprobs=logprobs,
-                    prompt_logprobs=None if body.prompt_logprobs is None else prompt_logprobs(final.prompt_logprobs)))
+                    prompt_logprobs=None if body.prompt_logprobs is None
+                    else prompt_logprobs(self._names(final.prompt_logprobs)),
+                    token_ids=list(c.token_ids) if body.return_token_ids else None,
+                    prompt_token_ids=list(final.prompt_token_ids) if body.return_token_ids else None))
             return CompletionResponse(id=request_id, model=model, choices=choices, usage=_usage(final))
 
         return await self._respond(request_id, model, body, raw, first, outputs, self._completion_chunks, whole, echo)
@@ -426,8 +441,9 @@ class OpenAIServing:
             text = output.prompt if output.prompt is not None else tokenizer.decode(ids, skip_special_tokens=False)
             if num_logprobs is None or output.prompt_logprobs is None:
                 return text, None
-            first = tokenizer.decode(ids[:1], skip_special_tokens=False)
-            return text, echo_logprobs(ids, output.prompt_logprobs, num_logprobs, first)
+            first = f"token_id:{ids[0]}" if self.config.return_tokens_as_token_ids else tokenizer.decode(
+                ids[:1], skip_special_tokens=False)
+            return text, echo_logprobs(ids, self._names(output.prompt_logprobs), num_logprobs, first)
         return echo
 
     @staticmethod
