@@ -343,7 +343,7 @@ BAD_REQUESTS = {
     "structured_outputs": ({**_chat_body("hi"), "structured_outputs": {"choice": ["a", "b"]}}, 400,
                            "'structured_outputs' is not supported"),
     "guided_json": ({**_chat_body("hi"), "guided_json": {"type": "object"}}, 400, "'guided_json' is not supported"),
-    "cache_salt": ({**_chat_body("hi"), "cache_salt": "s"}, 400, "'cache_salt' is not supported"),
+    "cache_salt": ({**_chat_body("hi"), "cache_salt": ""}, 400, "cache_salt must be a non-empty string"),
     "stream_options_without_stream": ({**_chat_body("hi"), "stream_options": {"include_usage": True}}, 400,
                                       "stream_options needs stream set to true"),
     "seed_beyond_int64": ({**_chat_body("hi"), "seed": 2**63}, 400, "seed must be a 64-bit signed integer"),
@@ -714,6 +714,12 @@ def test_request_conformance(server, client, llm):
     assert continued.usage.prompt_tokens == len(offline_prompt.prompt_token_ids)
     rendered = llm.engine.processor.render_chat(messages, add_generation_prompt=False, continue_final_message=True)
     assert rendered.prompt.endswith("One, two")
+    long = [{"role": "user", "content": "Please read this shared context carefully. " * 8}]
+
+    def cached(salt):
+        return greedy_chat(client, server, long, max_tokens=1,
+                           extra_body={"cache_salt": salt}).usage.prompt_tokens_details.cached_tokens
+    assert cached("team-a") == 0 and cached("team-a") > 0 and cached("team-b") == 0
     chunks = list(greedy_chat(client, server, [{"role": "user", "content": "hi"}], max_tokens=4, stream=True,
                               stream_options={"include_usage": True, "continuous_usage_stats": True}))
     counted = [c.usage.completion_tokens for c in chunks if c.choices and c.usage is not None]

@@ -280,3 +280,22 @@ def test_prompt_logprobs_are_transformers_log_softmax(served_family, served_mode
                 torch.testing.assert_close(torch.tensor([lp.logprob for lp in top]), expected.topk(3).values,
                                            rtol=0, atol=1e-4)
         llm.check_integrity()
+
+
+def test_cache_salt_separates_prefix_cache_users(all_checkpoints):
+    """Only requests with the same cache_salt share prefix-cache blocks (the answers are the same)."""
+    llm = LLM(str(all_checkpoints["qwen2_vl"]))
+    text = "A long shared instruction that fills several KV blocks. " * 6
+    params = SamplingParams(temperature=0, max_tokens=3)
+
+    def hit(prompt):
+        return llm.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens
+
+    assert hit({"prompt": text, "cache_salt": "alice"}) == 0
+    assert hit({"prompt": text, "cache_salt": "alice"}) > 0
+    assert hit({"prompt": text, "cache_salt": "bob"}) == 0
+    assert hit({"prompt": text}) == 0 and hit({"prompt": text}) > 0
+    with pytest.raises(InvalidInputError) as raised:
+        llm.generate([{"prompt": text, "cache_salt": 5}], params, use_tqdm=False)
+    assert raised.value.param == "cache_salt"
+    llm.check_integrity()

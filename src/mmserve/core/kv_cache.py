@@ -82,6 +82,11 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: Seque
     return h.digest()
 
 
+def salted_root(salt: str | None) -> bytes | None:
+    """The parent hash of a request's first block: none, or its cache salt's (vLLM's cache_salt)."""
+    return None if salt is None else blake3.blake3(b"cache_salt\0" + salt.encode()).digest()
+
+
 def block_extra_keys(items: Sequence[ItemSpec], start: int, end: int) -> list[tuple[str, int]]:
     """(content hash, block start - item start) for every item overlapping tokens [start, end)."""
     return [(it.content_hash, start - it.offset) for it in items if it.offset < end and it.end > start]
@@ -121,7 +126,7 @@ class KVCacheManager:
         tokens = request.all_token_ids
         for i in range(len(hashes), len(tokens) // bs):
             start = i * bs
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else salted_root(request.cache_salt)
             hashes.append(hash_block(parent, tokens[start:start + bs],
                                      block_extra_keys(request.items, start, start + bs)))
 

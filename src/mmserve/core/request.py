@@ -75,6 +75,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks, in order
     # a sibling choice (n > 1) whose prefill this one waits for, to find its prompt in the prefix cache
     prefill_after: str | None = None
+    cache_salt: str | None = None  # seeds the prompt's block hashes: only the same salt shares blocks
     num_mm_items: int = field(init=False)  # items with embedding rows (the media the prompt carries)
 
     def __post_init__(self) -> None:

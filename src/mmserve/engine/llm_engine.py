@@ -148,8 +148,10 @@ class Engine:
                 item_params: dict[str, list[str]] | None = None) -> ProcessedPrompt:
         """`item_params`: the request fields the media items came from (errors name them)."""
         p = parse_prompt(raw_prompt, mm_processor_kwargs)
-        return self.processor.process(p.prompt, p.prompt_token_ids, p.images, p.videos, p.mm_processor_kwargs,
-                                      p.uuids, item_params)
+        processed = self.processor.process(p.prompt, p.prompt_token_ids, p.images, p.videos, p.mm_processor_kwargs,
+                                           p.uuids, item_params)
+        processed.cache_salt = p.cache_salt
+        return processed
 
     def process_chat(self, messages: list[dict[str, Any]], mm_processor_kwargs: dict[str, Any] | None = None,
                      **template_kwargs: Any) -> ProcessedPrompt:
@@ -179,7 +181,7 @@ class Engine:
         items = tuple(ItemSpec(i, it.offset, it.length, it.content_hash, it.encoder_tokens, it.output_rows)
                       for i, it in enumerate(prompt.items))
         request = Request(request_id, list(prompt.prompt_token_ids), params, self.eos_token_ids, items,
-                          arrival_time or time.time(), prefill_after=prefill_after)
+                          arrival_time or time.time(), prefill_after=prefill_after, cache_salt=prompt.cache_salt)
         detok = IncrementalDetokenizer(self.processor.tokenizer, request.prompt_token_ids,
                                        params.skip_special_tokens, params.stop, params.include_stop_str_in_output)
         spans = embed_runs(prompt.embed_mask) if self.spec.bidirectional_media and prompt.items else ()

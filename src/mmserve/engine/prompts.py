@@ -20,7 +20,8 @@ from mmserve.errors import InvalidInputError
 from mmserve.inputs.chat import require_unicode
 from mmserve.inputs.media import VideoFrames
 
-_PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids"}
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids",
+                "cache_salt"}
 
 
 @dataclass
@@ -31,6 +32,7 @@ class PromptInput:
     videos: list[Any] = field(default_factory=list)
     mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
     uuids: dict[str, list[str | None]] = field(default_factory=dict)  # caller-supplied item identities
+    cache_salt: str | None = None  # vLLM's: only requests with the same salt share prefix-cache blocks
 
 
 def _is_frame(value: Any) -> bool:
@@ -86,4 +88,11 @@ def parse_prompt(raw: Any, mm_processor_kwargs: dict[str, Any] | None = None) ->
     prompt = raw.get("prompt")
     if isinstance(prompt, str):
         require_unicode(prompt, "prompt")
-    return PromptInput(prompt, list(ids) if ids is not None else None, images, videos, kwargs, uuids)
+    return PromptInput(prompt, list(ids) if ids is not None else None, images, videos, kwargs, uuids,
+                       check_cache_salt(raw.get("cache_salt")))
+
+
+def check_cache_salt(salt: Any) -> str | None:
+    if salt is not None and not (isinstance(salt, str) and salt):
+        raise InvalidInputError("cache_salt must be a non-empty string", param="cache_salt")
+    return salt

@@ -87,6 +87,7 @@ class ProcessedPrompt:
     embed_mask: np.ndarray | None = None  # (num_tokens,) bool: row comes from an encoder output
     embed_cumsum: np.ndarray | None = None  # (num_tokens,) int64 running count of embed rows
     positions: PromptPositions = field(default_factory=lambda: PromptPositions(1))
+    cache_salt: str | None = None  # only prompts with the same salt share prefix-cache blocks
 
     @property
     def metadata(self) -> ItemMetadata:

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
 from mmserve.engine.async_engine import AsyncEngine, EngineDeadError, ShuttingDownError
+from mmserve.engine.prompts import check_cache_salt
 from mmserve.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from mmserve.entrypoints.openai.logprobs import (
     chat_logprobs,
@@ -280,6 +281,7 @@ class OpenAIServing:
                      arrival_time: float) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
         """Submit and wait for the first output, so refusals are still HTTP errors."""
         params = body.sampling_params(self.max_model_len, prompt.num_tokens)
+        prompt.cache_salt = check_cache_salt(body.cache_salt)
         outputs = self.engine.generate(request_id, prompt, params, arrival_time)
         first = await _unless_disconnected(anext(outputs), raw)
         if _failed(first):
