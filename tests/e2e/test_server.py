@@ -714,6 +714,13 @@ def test_request_conformance(server, client, llm):
     assert continued.usage.prompt_tokens == len(offline_prompt.prompt_token_ids)
     rendered = llm.engine.processor.render_chat(messages, add_generation_prompt=False, continue_final_message=True)
     assert rendered.prompt.endswith("One, two")
+    cut = client.completions.create(model=server.model, prompt="one two three four five six seven eight nine",
+                                    max_tokens=2, temperature=0, extra_body={"truncate_prompt_tokens": 4})
+    assert cut.usage.prompt_tokens == 4
+    for keep, messages in ((3, image_message(data_uri(png_bytes((3, 3, 3))))), (0, [{"role": "user", "content": "x"}])):
+        refused = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "model": server.model, "messages": messages, "max_tokens": 2, "truncate_prompt_tokens": keep})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "truncate_prompt_tokens"
     long = [{"role": "user", "content": "Please read this shared context carefully. " * 8}]
 
     def cached(salt):

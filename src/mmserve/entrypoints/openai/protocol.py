@@ -55,7 +55,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     # vLLM's structured outputs (and their older names): refused until mmserve has a grammar engine
     "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "guided_decoding_backend": (None,),
-    "truncate_prompt_tokens": (None,),
 }
 INT64_RANGE = (-(2**63), 2**63)  # OpenAI's seed
 # what a refusal adds, where there is a way to get the same
@@ -92,6 +91,7 @@ class _GenerationRequest(BaseModel):
     prompt_logprobs: int | None = None  # vLLM's: top logprobs per prompt token
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the answer
     cache_salt: str | None = None  # vLLM's: only requests with the same salt share prefix-cache blocks
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: the context)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens

@@ -277,9 +277,28 @@ class OpenAIServing:
     async def _in_worker(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(None, partial(fn, *args))
 
+    async def _truncated(self, prompt: ProcessedPrompt, keep: int | None) -> ProcessedPrompt:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: as many as the context holds
+        with room for one token), processed again as token ids; a prompt with media is not cut."""
+        if keep is None:
+            return prompt
+        if keep == -1:
+            keep = self.max_model_len - 1
+        if keep < 1:
+            raise RequestError(f"truncate_prompt_tokens must be -1 or >= 1, got {keep}", param="truncate_prompt_tokens")
+        if prompt.num_tokens <= keep:
+            return prompt
+        if prompt.items:
+            raise RequestError("truncate_prompt_tokens would cut a prompt with images or video: only text prompts "
+                               "are truncated", param="truncate_prompt_tokens", code="unsupported_parameter")
+        truncated = await self.engine.process({"prompt_token_ids": list(prompt.prompt_token_ids[-keep:])})
+        truncated.cache_salt = prompt.cache_salt
+        return truncated
+
     async def _start(self, request_id: str, prompt: ProcessedPrompt, body: Any, raw: Request,
                      arrival_time: float) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
         """Submit and wait for the first output, so refusals are still HTTP errors."""
+        prompt = await self._truncated(prompt, body.truncate_prompt_tokens)
         params = body.sampling_params(self.max_model_len, prompt.num_tokens)
         prompt.cache_salt = check_cache_salt(body.cache_salt)
         outputs = self.engine.generate(request_id, prompt, params, arrival_time)
