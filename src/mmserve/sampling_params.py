@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mmserve.errors import InvalidInputError
 
@@ -81,7 +81,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logit_bias: Mapping[int, float] | None = None
+    logit_bias: Mapping[int, float] | None = field(default=None, hash=False)  # a dict: not hashed
     allowed_token_ids: Sequence[int] | None = None
     bad_words: Sequence[str] | None = None
     logprobs: int | None = None

@@ -299,3 +299,24 @@ def test_cache_salt_separates_prefix_cache_users(all_checkpoints):
         llm.generate([{"prompt": text, "cache_salt": 5}], params, use_tqdm=False)
     assert raised.value.param == "cache_salt"
     llm.check_integrity()
+
+
+def test_a_refused_request_leaves_nothing_behind(all_checkpoints):
+    """A request refused while it is added (n choices with a bad word that is not Unicode; the second of a
+    batch naming a token outside the vocabulary) leaves no choice, group or earlier request running;
+    seeds near the top of the range still give every choice its own."""
+    llm = LLM(str(all_checkpoints["qwen2_vl"]))
+    with pytest.raises(InvalidInputError) as raised:
+        llm.generate(["hello"], SamplingParams(n=3, bad_words=["\ud800"]), use_tqdm=False)
+    assert raised.value.param == "bad_words"
+    llm.check_integrity()
+    vocab = llm.engine.spec.vocab_size
+    with pytest.raises(InvalidInputError):
+        llm.generate(["one", "two"], [SamplingParams(max_tokens=3), SamplingParams(logit_bias={vocab: 1.0})],
+                     use_tqdm=False)
+    llm.check_integrity()
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate(["hi"], SamplingParams(n=2, seed=2**64 - 1, max_tokens=3), use_tqdm=False)[0]
+    assert len(out.outputs) == 2
+    assert hash(SamplingParams(logit_bias={1: 2.0})) == hash(SamplingParams(logit_bias={3: 4.0}))
+    llm.check_integrity()

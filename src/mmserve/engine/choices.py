@@ -15,7 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from mmserve.outputs import CompletionOutput, RequestOutput
-from mmserve.sampling_params import SamplingParams
+from mmserve.sampling_params import SEED_RANGE, SamplingParams
+
+
+def _seed(seed: int) -> int:
+    """`seed` within what SamplingParams takes (a generator takes it modulo 2**64 anyway)."""
+    return seed - 2**64 if seed >= SEED_RANGE[1] else seed
 
 
 @dataclass(frozen=True)
@@ -44,13 +49,19 @@ class ChoiceGroups:
         """The choices of a request with params.n > 1 (`share_prompt`: the prefix cache is on)."""
         ids = [f"{request_id}#{i}" for i in range(params.n)]
         # the prompt's logprobs are choice 0's: the others need not compute the prompt for them
-        choices = [Choice(cid, replace(params, n=1, seed=None if params.seed is None else params.seed + i,
+        choices = [Choice(cid, replace(params, n=1, seed=None if params.seed is None else _seed(params.seed + i),
                                        prompt_logprobs=params.prompt_logprobs if i == 0 else None),
                           ids[0] if share_prompt and i > 0 else None) for i, cid in enumerate(ids)]
         self.groups[request_id] = _Group(params.n, [CompletionOutput(i, "", []) for i in range(params.n)], set(ids))
         for i, cid in enumerate(ids):
             self.parent[cid] = (request_id, i)
         return choices
+
+    def forget(self, request_id: str) -> None:
+        """Drop a request's group (its choices were never all added)."""
+        group = self.groups.pop(request_id, None)
+        for cid in [] if group is None else [c for c, (rid, _) in self.parent.items() if rid == request_id]:
+            del self.parent[cid]
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.groups

@@ -34,7 +34,7 @@ from mmserve.engine.graph_settings import resolve_runner_graphs
 from mmserve.engine.inspection import EngineInspection
 from mmserve.engine.prompts import parse_prompt
 from mmserve.engine.sizing import resolve_encoder_budget, resolve_max_model_len, resolve_num_kv_blocks
-from mmserve.errors import InvalidInputError
+from mmserve.errors import InvalidInputError, at_param
 from mmserve.faults import FaultPlan
 from mmserve.inputs.items import ProcessedPrompt
 from mmserve.inputs.placeholders import embed_runs
@@ -169,15 +169,23 @@ class Engine:
         if request_id in self.tracked or request_id in self.choices:
             raise InvalidInputError(f"request id {request_id!r} is already in use")
         self._check_token_ids(params)
+        with at_param("bad_words"):  # checked before any choice is added: nothing below refuses a request
+            bad_words = self.processor.tokenizer.bad_words_token_ids(params.bad_words)
         if params.n == 1:
-            self._add_one(request_id, prompt, params, arrival_time)
+            self._add_one(request_id, prompt, params, arrival_time, bad_words)
             return
         arrival_time = arrival_time or time.time()
-        for choice in self.choices.split(request_id, params, self.config.cache.enable_prefix_caching):
-            self._add_one(choice.request_id, prompt, choice.params, arrival_time, choice.prefill_after)
+        choices = self.choices.split(request_id, params, self.config.cache.enable_prefix_caching)
+        try:
+            for choice in choices:
+                self._add_one(choice.request_id, prompt, choice.params, arrival_time, bad_words, choice.prefill_after)
+        except BaseException:  # none of the request runs: the choices added are aborted, the group dropped
+            self.abort_request([request_id])
+            self.choices.forget(request_id)
+            raise
 
     def _add_one(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, arrival_time: float | None,
-                 prefill_after: str | None = None) -> None:
+                 bad_words: tuple[tuple[int, ...], ...], prefill_after: str | None = None) -> None:
         items = tuple(ItemSpec(i, it.offset, it.length, it.content_hash, it.encoder_tokens, it.output_rows)
                       for i, it in enumerate(prompt.items))
         request = Request(request_id, list(prompt.prompt_token_ids), params, self.eos_token_ids, items,
@@ -188,7 +196,7 @@ class Engine:
         runner_prompt = RunnerPrompt(prompt.positions, prompt.embed_mask, prompt.embed_cumsum,
                                      tuple(i.content_hash for i in prompt.items),
                                      tuple(i.output_rows for i in prompt.items), tuple(sorted(request.stop_token_ids)),
-                                     spans, self.processor.tokenizer.bad_words_token_ids(params.bad_words))
+                                     spans, bad_words)
         tracked = _Tracked(request, prompt.prompt, detok, RequestMetrics(request.arrival_time), runner_prompt,
                            {i: it.payload for i, it in enumerate(prompt.items)},
                            logprobs=None if params.logprobs is None else [],

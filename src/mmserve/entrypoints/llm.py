@@ -90,7 +90,11 @@ class LLM:
              use_tqdm: bool) -> list[RequestOutput]:
         ids = [f"offline-{next(self._ids)}" for _ in processed]
         for i, (rid, p) in enumerate(zip(ids, params)):
-            self.engine.add_request(rid, processed[i], p)
+            try:
+                self.engine.add_request(rid, processed[i], p)
+            except BaseException:  # a later request refused: the ones added before it do not run either
+                self.engine.abort_request(ids[:i])
+                raise
         # the engine owns the prompts now and releases each item's pixels once it is encoded; a list
         # kept here would hold every request's pixels until the whole batch ends
         processed.clear()

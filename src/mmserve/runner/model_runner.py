@@ -44,6 +44,8 @@ from mmserve.runner.sampler import SampledLogprobs, Sampler, make_generator, sam
 from mmserve.runner.sampling_state import RequestSampling, SampledRow, needs_state, sampling_metadata
 from mmserve.runner.state import RunnerPrompt, RunnerRequest, StepInputs
 
+PROMPT_LOGPROB_ROWS = 64  # prompt rows whose logits are materialized at once (each a vocabulary wide)
+
 
 @dataclass
 class StepTiming:
@@ -268,13 +270,17 @@ class ModelRunner:
         distribution, float32), with its rank and the request's top k."""
         out = {}
         for rows in wanted:
-            state = rows.state
-            logits = self.model.compute_logits(hidden[rows.offset:rows.offset + rows.num])  # (num, vocab)
-            targets = torch.tensor(state.token_ids[rows.start + 1:rows.start + 1 + rows.num], device=hidden.device)
-            k = state.sampling_params.prompt_logprobs
-            lp = sampled_logprobs(logits, targets, [k] * rows.num)
-            out[state.request_id] = (rows.start, tuple(_token_logprobs(lp, [state] * rows.num, [k] * rows.num,
-                                                                       by_row=True)))
+            state, k = rows.state, rows.state.sampling_params.prompt_logprobs
+            entries: list[TokenLogprobs] = []
+            # a few rows at a time: a whole chunk's (rows, vocab) logits would be far larger than a step's
+            for first in range(0, rows.num, PROMPT_LOGPROB_ROWS):
+                num = min(PROMPT_LOGPROB_ROWS, rows.num - first)
+                logits = self.model.compute_logits(hidden[rows.offset + first:rows.offset + first + num])
+                start = rows.start + first
+                targets = torch.tensor(state.token_ids[start + 1:start + 1 + num], device=hidden.device)
+                lp = sampled_logprobs(logits, targets, [k] * num)
+                entries += _token_logprobs(lp, [state] * num, [k] * num, by_row=True)
+            out[state.request_id] = (rows.start, tuple(entries))
         return out
 
     def _sampled_row(self, state: RunnerRequest, vocab_size: int) -> SampledRow:
@@ -282,9 +288,9 @@ class ModelRunner:
         if state.sampling is None and needs_state(params):  # built on first use, also after a preemption
             state.sampling = RequestSampling.build(params, state.token_ids, state.num_prompt_tokens, vocab_size,
                                                    self.device)
-        return SampledRow(params, state.num_output_tokens, state.token_ids[state.num_prompt_tokens:],
-                          state.stop_token_ids, state.prompt.bad_words_token_ids, state.sampling,
-                          self._generator(state))
+        bad_words = state.prompt.bad_words_token_ids
+        return SampledRow(params, state.num_output_tokens, state.token_ids[state.num_prompt_tokens:] if bad_words else (),
+                          state.stop_token_ids, bad_words, state.sampling, self._generator(state))
 
     def _generator(self, state: RunnerRequest) -> torch.Generator | None:
         seed = state.sampling_params.seed

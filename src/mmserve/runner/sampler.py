@@ -232,8 +232,8 @@ def _apply_penalties(logits: torch.Tensor, p: PenaltyBatch) -> None:
 
 def _ban_tokens(logits: torch.Tensor, banned_token_ids: list[tuple[int, ...]]) -> None:
     vocab_size = logits.shape[1]
-    # Ids outside the vocab (a user's stop_token_ids may be anything) cannot be sampled anyway;
-    # dropping them here avoids an index error, or a device-side assert on CUDA.
+    # The engine refuses ids outside the vocabulary; dropping any here still avoids an index error, or a
+    # device-side assert on CUDA, for a caller that did not check.
     pairs = [(row, token_id) for row, ids in enumerate(banned_token_ids) for token_id in ids
              if 0 <= token_id < vocab_size]
     if not pairs:

@@ -94,8 +94,9 @@ def _timings(output: RequestOutput, num_completion_tokens: int) -> dict[str, flo
 
 def _usage(output: RequestOutput) -> Usage:
     prompt, completion = len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs)
+    # the timings are of the sequence the metrics belong to (the choice this output moved)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 **_timings(output, completion),
+                 **_timings(output, len(output.outputs[output.delta_index].token_ids)),
                  prompt_tokens_details=PromptTokensDetails(
                      cached_tokens=output.num_cached_tokens, mm_items=output.num_mm_items,
                      cached_mm_items=output.num_encoder_cached_mm_items,
@@ -148,14 +149,19 @@ class _PromptBatch:
     def __init__(self, n: int, num_prompts: int) -> None:
         self.n = n
         self.latest: list[RequestOutput | None] = [None] * num_prompts
+        self.failed: RequestOutput | None = None  # the first prompt's output that carried an error
 
     def reindex(self, i: int, output: RequestOutput) -> RequestOutput:
         self.latest[i] = output
+        if output.error is not None and self.failed is None:
+            self.failed = output
         if all(o is not None and o.finished for o in self.latest):
             every = [replace(c, index=p * self.n + c.index) for p, o in enumerate(self.latest) for c in o.outputs]
             ids = [t for o in self.latest for t in o.prompt_token_ids]
+            failed = self.failed or output
             return replace(output, outputs=every, prompt_token_ids=ids, finished=True,
-                           delta_index=i * self.n + output.delta_index)
+                           delta_index=i * self.n + output.delta_index, error=failed.error,
+                           internal_error=failed.internal_error)
         return replace(output, outputs=[replace(c, index=i * self.n + c.index) for c in output.outputs],
                        finished=False)
 
@@ -180,8 +186,11 @@ class _PromptBatch:
         finally:
             for task in pending:
                 task.cancel()
+            # a generator is closed only once its cancelled step has ended (else: "already running")
+            await asyncio.gather(*pending, return_exceptions=True)
             for _, outputs in started:
-                await outputs.aclose()
+                with contextlib.suppress(Exception):
+                    await outputs.aclose()
 
 
 def _sse(payload: BaseModel) -> str:
@@ -400,16 +409,19 @@ class OpenAIServing:
                              raw: Request, arrival_time: float) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
         """One engine request per prompt; their outputs as one request's, choice j of prompt i being choice
         i * n + j (as OpenAI numbers them). A prompt refused aborts the ones already started."""
-        started: list[tuple[RequestOutput, AsyncIterator[RequestOutput]]] = []
-        try:
-            for i, raw_prompt in enumerate(raw_prompts):
-                with at_param(f"prompt[{i}]"):
-                    prompt = await self._completion_prompt(body, raw_prompt)
-                started.append(await self._start(f"{request_id}-{i}", prompt, body, raw, arrival_time))
-        except BaseException:
+        prompts = []
+        for i, raw_prompt in enumerate(raw_prompts):
+            with at_param(f"prompt[{i}]"):
+                prompts.append(await self._completion_prompt(body, raw_prompt))
+        # submitted together, so their prefills share steps
+        results = await asyncio.gather(*(self._start(f"{request_id}-{i}", prompt, body, raw, arrival_time)
+                                         for i, prompt in enumerate(prompts)), return_exceptions=True)
+        started = [r for r in results if not isinstance(r, BaseException)]
+        refused = next((r for r in results if isinstance(r, BaseException)), None)
+        if refused is not None:
             for _, outputs in started:
                 await outputs.aclose()
-            raise
+            raise refused
         batch = _PromptBatch(body.n, len(started))
         return batch.reindex(0, started[0][0]), batch.merged(started)
 
