@@ -93,7 +93,7 @@ _BLOCKED_ARGMAX_MIN_VOCAB = 4096
 _ARGMAX_BLOCK = 256
 
 
-def _to_device(values: list, device: torch.device) -> torch.Tensor:
+def to_device(values: list, device: torch.device) -> torch.Tensor:
     """A small host-built tensor on `device`: from pinned memory with non_blocking on CUDA, because
     `torch.tensor(values, device=cuda)` copies synchronously (a host sync in the step loop)."""
     host = torch.tensor(values)
@@ -152,7 +152,7 @@ class Sampler:
         if all(greedy_rows):
             return greedy_ids
         sampled_ids = self._sample(logits, meta, greedy_rows)
-        greedy_mask = _to_device(greedy_rows, logits.device)
+        greedy_mask = to_device(greedy_rows, logits.device)
         return torch.where(greedy_mask, greedy_ids, sampled_ids)
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata, greedy_rows: list[bool]) -> torch.Tensor:
@@ -164,14 +164,14 @@ class Sampler:
         top_ps = [2.0 if g or p >= 1.0 else p for g, p in zip(greedy_rows, meta.top_ps)]
         min_ps = [0.0 if g else p for g, p in zip(greedy_rows, meta.min_ps)]
 
-        logits.div_(_to_device(temperatures, device).unsqueeze(1))
+        logits.div_(to_device(temperatures, device).unsqueeze(1))
         if any(k < vocab_size for k in top_ks):
             _apply_top_k(logits, top_ks)
         if any(p < 1.0 for p in top_ps):
-            _apply_top_p(logits, _to_device(top_ps, device))
+            _apply_top_p(logits, to_device(top_ps, device))
         probs = logits.softmax(dim=-1)  # (batch, vocab)
         if any(p > 0.0 for p in min_ps):
-            _apply_min_p(probs, _to_device(min_ps, device))
+            _apply_min_p(probs, to_device(min_ps, device))
         noise = _exponential_noise(probs, meta.generators, greedy_rows)
         # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with probability
         # p_i, and needs exactly one vocab-sized draw per row, whatever the filters did.
@@ -184,7 +184,7 @@ def sampled_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
     rows = [] if num_logprobs is None else [row for row, k in enumerate(num_logprobs) if k is not None]
     if not rows:
         return None
-    index = None if len(rows) == logits.shape[0] else _to_device(rows, logits.device)
+    index = None if len(rows) == logits.shape[0] else to_device(rows, logits.device)
     picked = logits if index is None else logits.index_select(0, index)
     logprobs = picked.to(torch.float32).log_softmax(dim=-1)  # (R, vocab)
     sampled = token_ids if index is None else token_ids.index_select(0, index)
@@ -201,7 +201,7 @@ def sampled_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
 def _apply_allowed_masks(logits: torch.Tensor, masks: list[tuple[int, torch.Tensor]]) -> None:
     if not masks:
         return
-    rows = _to_device([row for row, _ in masks], logits.device)
+    rows = to_device([row for row, _ in masks], logits.device)
     allowed = torch.stack([mask for _, mask in masks])  # (A, vocab) bool
     logits[rows] = logits[rows].masked_fill_(~allowed, -torch.inf)
 
@@ -214,9 +214,9 @@ def _apply_logit_bias(logits: torch.Tensor, biases: list[tuple[int, dict[int, fl
                if token_id < vocab_size]
     if not triples:
         return
-    rows = _to_device([t[0] for t in triples], logits.device)
-    ids = _to_device([t[1] for t in triples], logits.device)
-    logits.index_put_((rows, ids), _to_device([t[2] for t in triples], logits.device).to(logits.dtype),
+    rows = to_device([t[0] for t in triples], logits.device)
+    ids = to_device([t[1] for t in triples], logits.device)
+    logits.index_put_((rows, ids), to_device([t[2] for t in triples], logits.device).to(logits.dtype),
                       accumulate=True)
 
 
@@ -238,7 +238,7 @@ def _ban_tokens(logits: torch.Tensor, banned_token_ids: list[tuple[int, ...]]) -
              if 0 <= token_id < vocab_size]
     if not pairs:
         return
-    index = _to_device(pairs, logits.device)  # (num_banned, 2): row, token id
+    index = to_device(pairs, logits.device)  # (num_banned, 2): row, token id
     logits[index[:, 0], index[:, 1]] = -torch.inf
 
 
@@ -246,7 +246,7 @@ def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> None:
     """Keep each row's k highest logits (ties with the k-th are kept too)."""
     max_k = max(top_ks)
     top_values = logits.topk(max_k, dim=-1).values  # (batch, max_k), descending
-    kth_index = _to_device(top_ks, logits.device).sub_(1).unsqueeze(1)  # (batch, 1)
+    kth_index = to_device(top_ks, logits.device).sub_(1).unsqueeze(1)  # (batch, 1)
     threshold = top_values.gather(1, kth_index)  # (batch, 1)
     logits.masked_fill_(logits < threshold, -torch.inf)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmserve.runner.sampler import PenaltyBatch, SamplingMetadata
+from mmserve.runner.sampler import PenaltyBatch, SamplingMetadata, to_device
 from mmserve.sampling_params import SamplingParams
 
 
@@ -87,9 +87,9 @@ def sampling_metadata(rows: Sequence[SampledRow], device: torch.device) -> Sampl
     penalties = None
     if penalty_rows:
         def column(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32).unsqueeze(1).to(device)
+            return to_device(values, device).to(torch.float32).unsqueeze(1)
         penalties = PenaltyBatch(
-            rows=torch.tensor(penalty_rows, dtype=torch.long).to(device),
+            rows=to_device(penalty_rows, device),
             output_counts=torch.stack([rows[i].state.output_counts for i in penalty_rows]),
             seen=torch.stack([rows[i].state.seen for i in penalty_rows]),
             presence=column([params[i].presence_penalty for i in penalty_rows]),
