@@ -40,7 +40,7 @@ from mmserve.runner.graphs.encoder_graphs import (
     build_encoder_graphs,
     graphed_encode_fn,
 )
-from mmserve.runner.sampler import SampledLogprobs, Sampler, make_generator, sampled_logprobs
+from mmserve.runner.sampler import SampledLogprobs, Sampler, make_generator, sampled_logprobs, to_device
 from mmserve.runner.sampling_state import RequestSampling, SampledRow, needs_state, sampling_metadata
 from mmserve.runner.state import RunnerPrompt, RunnerRequest, StepInputs
 
@@ -225,7 +225,7 @@ class ModelRunner:
             meta = sampling_metadata([self._sampled_row(r, logits.shape[1]) for r in rows], self.device)
             token_ids = self.sampler(logits, meta)
             logprobs = sampled_logprobs(logits, token_ids, meta.num_logprobs)
-            tokens = token_ids.tolist()  # the one sync (two with logprobs)
+            tokens = token_ids.tolist()  # the one sync (with logprobs, their transfers follow)
             self.last_step.forward_s = time.perf_counter() - forward_started
             for state, token in zip(rows, tokens):
                 state.token_ids.append(token)
@@ -233,7 +233,8 @@ class ModelRunner:
                     state.sampling.record(token)
                 result.sampled_token_ids[state.request_id] = token
             if logprobs is not None:
-                result.sampled_logprobs = _token_logprobs(logprobs, rows, meta.num_logprobs)
+                result.sampled_logprobs = {rows[row].request_id: entry for row, entry in
+                                           zip(logprobs.rows, _token_logprobs(logprobs, meta.num_logprobs))}
         for rid, num in scheduled.items():
             self.requests[rid].num_computed_tokens += num
 
@@ -277,9 +278,8 @@ class ModelRunner:
                 num = min(PROMPT_LOGPROB_ROWS, rows.num - first)
                 logits = self.model.compute_logits(hidden[rows.offset + first:rows.offset + first + num])
                 start = rows.start + first
-                targets = torch.tensor(state.token_ids[start + 1:start + 1 + num], device=hidden.device)
-                lp = sampled_logprobs(logits, targets, [k] * num)
-                entries += _token_logprobs(lp, [state] * num, [k] * num, by_row=True)
+                targets = to_device(state.token_ids[start + 1:start + 1 + num], hidden.device)
+                entries += _token_logprobs(sampled_logprobs(logits, targets, [k] * num), [k] * num)
             out[state.request_id] = (rows.start, tuple(entries))
         return out
 
@@ -301,16 +301,9 @@ class ModelRunner:
 
 
 
-def _token_logprobs(logprobs: SampledLogprobs, rows: list[RunnerRequest], num_logprobs: list[int | None],
-                    by_row: bool = False) -> dict[str, TokenLogprobs] | list[TokenLogprobs]:
-    """The sampler's logprob tensors as plain values, per request (each row's own top k); `by_row`: a list
-    in row order instead."""
+def _token_logprobs(logprobs: SampledLogprobs, num_logprobs: list[int | None]) -> list[TokenLogprobs]:
+    """The sampler's logprob tensors as plain values, one per row of `logprobs.rows` (each row's own top k)."""
     values, ranks = logprobs.logprobs.tolist(), logprobs.ranks.tolist()
     top_ids, top_values = logprobs.top_ids.tolist(), logprobs.top_logprobs.tolist()
-    entries = []
-    for i, row in enumerate(logprobs.rows):
-        k = num_logprobs[row]
-        entries.append(TokenLogprobs(values[i], ranks[i], tuple(top_ids[i][:k]), tuple(top_values[i][:k])))
-    if by_row:
-        return entries
-    return {rows[row].request_id: entry for row, entry in zip(logprobs.rows, entries)}
+    return [TokenLogprobs(values[i], ranks[i], tuple(top_ids[i][:num_logprobs[row]]),
+                          tuple(top_values[i][:num_logprobs[row]])) for i, row in enumerate(logprobs.rows)]
