@@ -9,7 +9,8 @@ Role: the issue's two speed targets, measured side by side in one process, alter
 - `n=--n` choices of one image request (temperature 0.8, seeded) against `--n` separate requests of the
   same prompt on an engine without the prefix cache (target: >= 3x the tokens/s), with the engine's
   stats for the n run: items encoded and prompt tokens computed; for the peers shape's image and for a
-  large one (`--large-px` square: a prompt of about a thousand tokens), both with `--tokens` tokens.
+  large one (`--large-px` square taken at its size, raising the processor's max_pixels: 896 px is a
+  prompt of about a thousand tokens), both with `--tokens` tokens.
 Each run builds its requests afresh with new pictures, so nothing is served from the encoder or prefix
 cache across runs or rounds. Prints a card, a table and one JSON line last.
 
@@ -48,9 +49,11 @@ def _request(seed: int, px: int | None) -> list[dict]:
                                          {"type": "text", "text": "Describe the image."}]}]
 
 
-def _generated_tokens_per_s(llm: Any, chats: list, params: Any) -> tuple[float, list]:
+def _generated_tokens_per_s(llm: Any, chats: list, params: Any, px: int | None = None) -> tuple[float, list]:
+    # a `px` picture is taken at its size (the checkpoint's processor would cap it at a few hundred rows)
+    kwargs = None if px is None else {"max_pixels": px * px}
     started = time.perf_counter()
-    outputs = llm.chat(chats, params, use_tqdm=False)
+    outputs = llm.chat(chats, params, use_tqdm=False, mm_processor_kwargs=kwargs)
     elapsed = time.perf_counter() - started
     return sum(len(c.token_ids) for o in outputs for c in o.outputs) / elapsed, outputs
 
@@ -98,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
             for kind, engine, copies, params in (runs if r % 2 == 0 else runs[::-1]):
                 chat = _request(1000 * r + 100 + 10 * s + (kind == "separate"), px)
                 before = engine.get_stats()
-                rates[f"n {kind}{shape}"].append(_generated_tokens_per_s(engine, [chat] * copies, params)[0])
+                rates[f"n {kind}{shape}"].append(_generated_tokens_per_s(engine, [chat] * copies, params, px)[0])
                 if kind == "choices":
                     n_stats[shape].append(_stats_delta(engine, before))
     llm.check_integrity()
@@ -108,8 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     penalties_ratio = median["penalties"] / median["plain"]
     n_ratios = {shape.strip(" ()") or "peers": median[f"n choices{shape}"] / median[f"n separate{shape}"]
                 for shape in shapes}
-    prompt_tokens = {shape.strip(" ()") or "peers": len(llm.engine.process_chat(_request(7, px)).prompt_token_ids)
-                     for shape, px in shapes.items()}
+    prompt_tokens = {shape.strip(" ()") or "peers": len(llm.engine.process_chat(
+        _request(7, px), None if px is None else {"max_pixels": px * px}).prompt_token_ids) for shape, px in shapes.items()}
     machine = machine_info(torch.get_num_threads())
     print("== mmserve sampling surface ==")
     print(f"machine : {machine['usable_cpus']} CPUs, torch {machine['torch']}, {torch.get_num_threads()} threads")

@@ -805,5 +805,29 @@ def test_token_ids_in_answers_and_headers(servers, llm):
     content = named.json()["choices"][0]["logprobs"]["content"]
     assert [e["token"] for e in content] == [f"token_id:{t}" for t in offline.outputs[0].token_ids]
     assert httpx.get(strict.url + "/health").headers["x-request-id"]
-    streamed = httpx.post(main.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60)
-    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "return_token_ids"
+    # streamed: each chunk its new ids, each choice's first chunk the prompt's, joined as the whole answer's
+    sampled = {"temperature": 0.9, "seed": 5, "n": 2}
+    for route, extra in (("/v1/chat/completions", {"messages": messages}),
+                         ("/v1/completions", {"prompt": "Once upon a time"})):
+        request = {k: v for k, v in body.items() if k != "messages"} | extra | sampled
+        whole = httpx.post(main.url + route, json=request, timeout=60).json()
+        events = _sse_payloads(httpx.post(main.url + route, json={**request, "stream": True}, timeout=60))
+        ids = {0: [], 1: []}
+        prompts = {}
+        for event in events:
+            for choice in event["choices"]:
+                ids[choice["index"]] += choice["token_ids"]
+                prompt_ids = event.get("prompt_token_ids") or choice.get("prompt_token_ids")
+                if prompt_ids is not None:
+                    assert choice["index"] not in prompts
+                    prompts[choice["index"]] = prompt_ids
+        assert ids == {c["index"]: c["token_ids"] for c in whole["choices"]}
+        expected_prompt = whole.get("prompt_token_ids") or whole["choices"][0]["prompt_token_ids"]
+        assert prompts == {0: expected_prompt, 1: expected_prompt}
+
+
+def _sse_payloads(response: httpx.Response) -> list[dict]:
+    assert response.status_code == 200, response.text
+    lines = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]

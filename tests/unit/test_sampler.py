@@ -8,6 +8,7 @@ from mmserve.runner.sampler import (
     Sampler,
     SamplingMetadata,
     _apply_penalties,
+    _inverse_cdf_draw,
     greedy_argmax,
     make_generator,
     sampled_logprobs,
@@ -151,6 +152,26 @@ def test_frequencies_follow_softmax():
     freq = torch.bincount(out, minlength=5).float() / num_rows
     expected = (logits / temperature).softmax(dim=-1)
     assert torch.allclose(freq, expected, atol=0.03), (freq, expected)
+
+
+@pytest.mark.parametrize("vocab", [5, 256, 700, 1037])
+def test_draw_follows_probabilities_across_blocks_and_never_picks_zero_mass(vocab):
+    # mass spread over several 256-token blocks, with zero-mass tokens (masked: inside blocks, whole blocks,
+    # the vocabulary's tail) that no uniform may reach, including the extreme uniforms 0 and 1 - 2^-24
+    probs = torch.rand(vocab, generator=torch.Generator().manual_seed(vocab))
+    probs[::3] = 0.0
+    probs[-min(vocab // 2, 300):] = 0.0
+    probs *= 7.0  # unnormalised: the draw scales by the row's mass
+    uniforms = torch.cat([torch.rand(20000, generator=torch.Generator().manual_seed(1)),
+                          torch.tensor([0.0, 1.0 - 2.0**-24, 0.5])])
+    drawn = _inverse_cdf_draw(probs.expand(len(uniforms), -1), uniforms)
+    assert drawn.min() >= 0 and drawn.max() < vocab
+    assert (probs[drawn] > 0).all()
+    freq = torch.bincount(drawn[:20000], minlength=vocab).double() / 20000
+    assert torch.allclose(freq, (probs / probs.sum()).double(), atol=0.012)
+    # the first positive token for uniform 0, the last positive one for the largest uniform
+    positive = probs.nonzero().squeeze(1)
+    assert drawn[20000] == positive[0] and drawn[20001] == positive[-1]
 
 
 def test_make_generator():

@@ -5,8 +5,8 @@ pipeline of whole-batch tensor ops, in vLLM's order: allowed-token masks (the se
 per-row mask applies too), banned tokens, logit biases, penalties (repetition, then frequency and
 presence), then greedy argmax or temperature, top-k, top-p, min-p and the random draw. Each stage is
 skipped when no row needs it, so rows that ask for nothing pay nothing; the only Python loop over rows
-draws the noise of seeded rows, each from its own generator, so a seeded request's tokens do not depend
-on which other requests share its batch or their order. Rows that ask for logprobs get them from the
+draws the one uniform number of each seeded row from its own generator, so a seeded request's tokens do
+not depend on which other requests share its batch or their order. Rows that ask for logprobs get them from the
 raw logits (log-softmax in float32, before any stage).
 What it does not know: requests, SamplingParams, tokenizers, why a token is banned (the caller
 bans eos and stop ids while min_tokens is not reached, and bad words' last tokens), where penalty
@@ -91,6 +91,8 @@ class SampledLogprobs:
 # vocabularies at least this big take the blocked argmax below
 _BLOCKED_ARGMAX_MIN_VOCAB = 4096
 _ARGMAX_BLOCK = 256
+# tokens per block of the two-level cumulative sum that draws a sampled row's token
+_DRAW_BLOCK = 256
 
 
 def to_device(values: list, device: torch.device) -> torch.Tensor:
@@ -172,10 +174,7 @@ class Sampler:
         probs = logits.softmax(dim=-1)  # (batch, vocab)
         if any(p > 0.0 for p in min_ps):
             _apply_min_p(probs, to_device(min_ps, device))
-        noise = _exponential_noise(probs, meta.generators, greedy_rows)
-        # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with probability
-        # p_i, and needs exactly one vocab-sized draw per row, whatever the filters did.
-        return probs.div_(noise).argmax(dim=-1)
+        return _inverse_cdf_draw(probs, _uniforms(meta.generators, greedy_rows, device))
 
 
 def sampled_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
@@ -266,18 +265,42 @@ def _apply_top_p(logits: torch.Tensor, top_ps: torch.Tensor) -> None:
 def _apply_min_p(probs: torch.Tensor, min_ps: torch.Tensor) -> None:
     """Zero tokens whose probability is below min_p times the row's top probability."""
     threshold = probs.amax(dim=-1, keepdim=True).mul_(min_ps.unsqueeze(1))  # (batch, 1)
-    # No renormalisation needed: the exponential race is invariant to scaling a row.
+    # No renormalisation needed: the draw below scales its uniform by the row's mass.
     probs.masked_fill_(probs < threshold, 0.0)
 
 
-def _exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | None],
-                       greedy_rows: list[bool]) -> torch.Tensor:
-    """Exp(1) noise of probs' shape; a seeded row draws only from its own generator."""
-    noise = torch.empty_like(probs)
+def _uniforms(generators: list[torch.Generator | None], greedy_rows: list[bool],
+              device: torch.device) -> torch.Tensor:
+    """(batch,) float32 uniforms in [0, 1); a seeded row's comes from its own generator, one per step."""
+    uniforms = torch.rand(len(generators), device=device)  # global RNG; seeded rows are replaced below
     seeded_rows = [row for row, g in enumerate(generators) if g is not None and not greedy_rows[row]]
-    if len(seeded_rows) < len(generators):
-        noise.exponential_()  # global RNG for unseeded rows; seeded rows are overwritten below
-    for row in seeded_rows:
-        noise[row].exponential_(generator=generators[row])
-    # exponential_ may return exactly 0 (p/0 = inf, or NaN for p = 0, which argmax would pick).
-    return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+    if seeded_rows:
+        drawn = torch.cat([torch.rand(1, generator=generators[row], device=device) for row in seeded_rows])
+        uniforms.index_copy_(0, to_device(seeded_rows, device), drawn)
+    return uniforms
+
+
+def _inverse_cdf_draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row with probability proportional to `probs` (unnormalised, zeros never drawn):
+    the first token whose cumulative mass exceeds uniform x the row's mass. The cumulative sum is taken
+    in two levels, over blocks of _DRAW_BLOCK tokens and then inside the one block drawn, so it costs
+    about one pass over the vocabulary (a vocab-sized random draw per row costs several) and keeps
+    float32 rounding to a block's few hundred additions."""
+    batch, vocab = probs.shape
+    pad = -vocab % _DRAW_BLOCK
+    blocks = (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).view(batch, -1, _DRAW_BLOCK)
+    block_mass = blocks.sum(dim=-1)  # (batch, num_blocks)
+    block_cdf = block_mass.cumsum(dim=-1)
+    total = block_cdf[:, -1:]  # (batch, 1)
+    # Strictly below the total, so some block's cumulative mass exceeds it; the first that does has
+    # mass > 0 (its cdf is above the target, its predecessor's is not).
+    target = torch.minimum(uniforms.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    block = torch.searchsorted(block_cdf, target, right=True)  # (batch, 1)
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp_(min=0)), torch.zeros_like(target))
+    rows = torch.arange(batch, device=probs.device)
+    inner_cdf = blocks[rows, block.squeeze(1)].cumsum(dim=-1)  # (batch, _DRAW_BLOCK)
+    inner_total = inner_cdf[:, -1:]
+    # The block's own sum may round differently from block_mass: clamp again, as above.
+    inner_target = torch.minimum(target - before, torch.nextafter(inner_total, torch.zeros_like(inner_total)))
+    inner = torch.searchsorted(inner_cdf, inner_target, right=True)
+    return (block * _DRAW_BLOCK + inner).squeeze(1)

@@ -123,9 +123,6 @@ class _GenerationRequest(BaseModel):
     def sampling_params(self, max_model_len: int, num_prompt_tokens: int) -> SamplingParams:
         """SamplingParams for this request; max_tokens defaults to the rest of the context and may
         not exceed it."""
-        if self.return_token_ids and self.stream:
-            raise RequestError("return_token_ids is not supported with stream", param="return_token_ids",
-                               code="unsupported_parameter")
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options needs stream set to true", param="stream_options")
         if self.seed is not None and not INT64_RANGE[0] <= self.seed < INT64_RANGE[1]:
@@ -330,6 +327,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = None
+    token_ids: list[int] | None = None  # with return_token_ids: the tokens new in this chunk
 
 
 class ChatCompletionChunk(BaseModel):
@@ -339,6 +337,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids, in each choice's first chunk
 
 
 class CompletionChoice(BaseModel):
@@ -347,9 +346,8 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     logprobs: CompletionLogprobs | None = None
     prompt_logprobs: PromptLogprobs | None = None  # with the request's prompt_logprobs (vLLM's field)
-    token_ids: list[int] | None = None  # with return_token_ids
-    prompt_token_ids: list[int] | None = None
-    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    token_ids: list[int] | None = None  # with return_token_ids (streamed: the tokens new in this chunk)
+    prompt_token_ids: list[int] | None = None  # with return_token_ids (streamed: in the choice's first chunk)
 
 
 class CompletionResponse(BaseModel):

@@ -112,9 +112,11 @@ class _StreamCursor:
     echo: Callable[[RequestOutput], tuple[str, CompletionLogprobs | None]] | None = None  # completions' echo
     continuous_usage: bool = False  # every chunk carries the usage so far
     names: Callable[[list], list] = list  # how entries name their tokens (text, or token ids)
+    return_token_ids: bool = False  # chunks carry their new token ids (and the first, the prompt's)
     announced: set[int] = field(default_factory=set)
     finished: set[int] = field(default_factory=set)
     sent: dict[int, int] = field(default_factory=dict)
+    ids_sent: dict[int, int] = field(default_factory=dict)
     text_offset: dict[int, int] = field(default_factory=dict)
 
     def take(self, completion: CompletionOutput) -> tuple[list[int], list[dict[int, Logprob]]]:
@@ -123,6 +125,17 @@ class _StreamCursor:
         start = self.sent.get(completion.index, 0)
         self.sent[completion.index] = len(completion.logprobs)
         return completion.token_ids[start:len(completion.logprobs)], self.names(completion.logprobs[start:])
+
+    def take_ids(self, completion: CompletionOutput) -> list[int] | None:
+        """The choice's token ids not sent yet (with return_token_ids; else None)."""
+        if not self.return_token_ids:
+            return None
+        start = self.ids_sent.get(completion.index, 0)
+        self.ids_sent[completion.index] = len(completion.token_ids)
+        return list(completion.token_ids[start:])
+
+    def prompt_ids(self, output: RequestOutput, first: bool) -> list[int] | None:
+        return list(output.prompt_token_ids) if self.return_token_ids and first else None
 
     def first_chunk(self, index: int) -> bool:
         """Is this the choice's first chunk (then it announces the role)?"""
@@ -356,7 +369,8 @@ class OpenAIServing:
         `whole`."""
         if body.stream:
             render = partial(chunks, request_id, model, body.include_usage,
-                             _StreamCursor(body.requested_logprobs(), echo, body.continuous_usage, self._names))
+                             _StreamCursor(body.requested_logprobs(), echo, body.continuous_usage, self._names,
+                                           body.return_token_ids))
             return StreamingResponse(_stream_events(first, outputs, render), media_type="text/event-stream")
         final = first if first.finished else await _unless_disconnected(_last(outputs), raw)
         _raise_if_failed(final)
@@ -370,17 +384,23 @@ class OpenAIServing:
         completion = output.outputs[output.delta_index]
         index = completion.index
         choices = []
-        if cursor.first_chunk(index):
-            choices.append(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
+        first = cursor.first_chunk(index)
+        if first:
+            choices.append(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""),
+                                           token_ids=[] if cursor.return_token_ids else None))
         token_ids, entries = cursor.take(completion)
-        if output.delta_text or entries:
+        new_ids = cursor.take_ids(completion)
+        if output.delta_text or entries or new_ids:
             logprobs = chat_logprobs(token_ids, entries, cursor.num_logprobs) if entries else None
             choices.append(ChatChunkChoice(index=index, delta=DeltaMessage(content=output.delta_text),
-                                           logprobs=logprobs))
+                                           logprobs=logprobs, token_ids=new_ids))
         if cursor.finishes(completion):
-            choices.append(ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason=completion.finish_reason))
+            choices.append(ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason=completion.finish_reason,
+                                           token_ids=[] if cursor.return_token_ids else None))
         usage = _usage(output) if cursor.continuous_usage else None
-        out = [ChatCompletionChunk(id=request_id, model=model, choices=[c], usage=usage) for c in choices]
+        out = [ChatCompletionChunk(id=request_id, model=model, choices=[c], usage=usage,
+                                   prompt_token_ids=cursor.prompt_ids(output, first and i == 0))
+               for i, c in enumerate(choices)]
         if output.finished and include_usage:
             out.append(ChatCompletionChunk(id=request_id, model=model, choices=[], usage=_usage(output)))
         return out
@@ -486,9 +506,11 @@ class OpenAIServing:
         index = completion.index
         finish = completion.finish_reason if cursor.finishes(completion) else None
         out: list[BaseModel] = []
-        echoed, echoed_logprobs = cursor.echo(output) if cursor.echo and cursor.first_chunk(index) else ("", None)
+        first = cursor.first_chunk(index)
+        echoed, echoed_logprobs = cursor.echo(output) if cursor.echo and first else ("", None)
         token_ids, entries = cursor.take(completion)
-        if echoed or output.delta_text or finish is not None or entries:
+        new_ids = cursor.take_ids(completion)
+        if echoed or output.delta_text or finish is not None or entries or new_ids or (first and cursor.return_token_ids):
             logprobs = None
             if entries:
                 logprobs = completion_logprobs(token_ids, entries, cursor.num_logprobs, cursor.text_offset.get(index, 0))
@@ -497,7 +519,7 @@ class OpenAIServing:
             if logprobs is not None:
                 cursor.text_offset[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
             choice = CompletionChoice(index=index, text=echoed + output.delta_text, finish_reason=finish,
-                                      logprobs=logprobs)
+                                      logprobs=logprobs, token_ids=new_ids, prompt_token_ids=cursor.prompt_ids(output, first))
             out.append(CompletionResponse(id=request_id, model=model, choices=[choice],
                                           usage=_usage(output) if cursor.continuous_usage else None))
         if output.finished and include_usage:
