@@ -265,11 +265,26 @@ def test_logprobs_are_the_raw_distribution_whatever_the_processing():
     for i, row in enumerate(out.rows):
         token = tokens[row].item()
         assert out.logprobs[i].item() == pytest.approx(raw[row, token].item(), abs=1e-6)
-        assert out.ranks[i].item() == 1 + int((raw[row] > raw[row, token]).sum())
+        assert out.ranks()[i] == 1 + int((raw[row] > raw[row, token]).sum())
         top = raw[row].topk(5)
         assert torch.equal(out.top_ids[i], top.indices) and torch.allclose(out.top_logprobs[i], top.values)
-    assert out.ranks[0].item() > 1  # the bias picked a token the model did not rank first
+    assert out.ranks()[0] > 1  # the bias picked a token the model did not rank first
     assert sampled_logprobs(logits, tokens, None) is None and sampled_logprobs(logits, tokens, [None] * 4) is None
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_ranks_inside_and_outside_the_top_k(k):
+    """A rank is 1 + the tokens strictly more likely, for tokens sampled inside the top k, at its edge
+    (ties with the k-th best), and from the tail (counted over the vocabulary)."""
+    logits = random_logits(6, seed=9)
+    logits[2, 10] = logits[2, 11] = logits[2].max() + 1.0  # a tie for the best token
+    raw = logits.log_softmax(dim=-1)
+    order = raw.argsort(dim=-1, descending=True)
+    picks = [order[0, 0], order[1, max(k - 1, 0)], torch.tensor(11), order[3, k], order[4, -1], order[5, 20]]
+    tokens = torch.stack(picks).long()
+    out = sampled_logprobs(logits, tokens, [k] * 6)
+    assert out.ranks() == [1 + int((raw[r] > raw[r, t]).sum()) for r, t in enumerate(tokens.tolist())]
+    assert out.ranks()[2] == 1
 
 
 def test_bad_word_bans_match_the_output_tail():

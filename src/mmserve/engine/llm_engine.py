@@ -125,6 +125,8 @@ class Engine:
         self.eos_token_ids = tuple(sorted(eos))
         self.tracked: dict[str, _Tracked] = {}  # by the id of each sequence (a choice, for n > 1)
         self.choices = ChoiceGroups()
+        # one token's text, as logprob entries name it: decoded once per id (at most the vocabulary)
+        self._token_texts: dict[int, str] = {}
         self._pending_outputs: list[RequestOutput] = []  # rejected at admission, returned by the next step
 
     def _start_encoder_pool(self) -> EncoderPool:
@@ -320,12 +322,17 @@ class Engine:
 
     def _logprob_entry(self, token_id: int, logprobs: TokenLogprobs) -> dict[int, Logprob]:
         """The sampled token first, then the top ones (the sampled one among them keeps its entry)."""
-        decode = self.processor.tokenizer.decode
-        entry = {token_id: Logprob(logprobs.logprob, logprobs.rank, decode([token_id], skip_special_tokens=False))}
+        entry = {token_id: Logprob(logprobs.logprob, logprobs.rank, self._token_text(token_id))}
         for rank, (top_id, value) in enumerate(zip(logprobs.top_token_ids, logprobs.top_logprobs), start=1):
             if top_id not in entry:
-                entry[top_id] = Logprob(value, rank, decode([top_id], skip_special_tokens=False))
+                entry[top_id] = Logprob(value, rank, self._token_text(top_id))
         return entry
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.processor.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     def _make_output(self, tracked: _Tracked, finish: str | None, error: str | None = None) -> RequestOutput:
         request = tracked.request

@@ -303,7 +303,7 @@ class ModelRunner:
 
 def _token_logprobs(logprobs: SampledLogprobs, num_logprobs: list[int | None]) -> list[TokenLogprobs]:
     """The sampler's logprob tensors as plain values, one per row of `logprobs.rows` (each row's own top k)."""
-    values, ranks = logprobs.logprobs.tolist(), logprobs.ranks.tolist()
+    values, ranks = logprobs.logprobs.tolist(), logprobs.ranks()
     top_ids, top_values = logprobs.top_ids.tolist(), logprobs.top_logprobs.tolist()
     return [TokenLogprobs(values[i], ranks[i], tuple(top_ids[i][:num_logprobs[row]]),
                           tuple(top_values[i][:num_logprobs[row]])) for i, row in enumerate(logprobs.rows)]

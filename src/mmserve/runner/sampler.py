@@ -83,9 +83,25 @@ class SampledLogprobs:
 
     rows: list[int]
     logprobs: torch.Tensor  # (R,) float32
-    ranks: torch.Tensor  # (R,) int64, 1: the most likely token
-    top_ids: torch.Tensor  # (R, k) int64
-    top_logprobs: torch.Tensor  # (R, k) float32
+    top_ids: torch.Tensor  # (R, max(k, 1)) int64
+    top_logprobs: torch.Tensor  # (R, max(k, 1)) float32
+    distribution: torch.Tensor  # (R, vocab) float32 log-probabilities, for the ranks the top k cannot tell
+
+    def ranks(self) -> list[int]:
+        """Each row's sampled-token rank as vLLM counts it: 1 + the tokens strictly more likely. A token
+        at least as likely as the row's k-th best has every more likely token among the top k, so only
+        the other rows (a token sampled from the tail) count over the vocabulary (host values: the
+        caller has synced on the step's tokens already)."""
+        sampled = self.logprobs.unsqueeze(1)  # (R, 1)
+        ranks = (self.top_logprobs > sampled).sum(dim=-1).add_(1).tolist()
+        within = (sampled.squeeze(1) >= self.top_logprobs[:, -1]).tolist()
+        tail = [i for i, inside in enumerate(within) if not inside]
+        if tail:
+            index = to_device(tail, self.distribution.device)
+            counted = (self.distribution.index_select(0, index) > sampled.index_select(0, index)).sum(dim=-1)
+            for i, rank in zip(tail, counted.add_(1).tolist()):
+                ranks[i] = rank
+        return ranks
 
 
 # vocabularies at least this big take the blocked argmax below
@@ -188,13 +204,9 @@ def sampled_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
     logprobs = picked.to(torch.float32).log_softmax(dim=-1)  # (R, vocab)
     sampled = token_ids if index is None else token_ids.index_select(0, index)
     sampled_logprobs = logprobs.gather(1, sampled.unsqueeze(1))  # (R, 1)
-    # rank as vLLM counts it: 1 + the tokens strictly more likely than the sampled one
-    ranks = (logprobs > sampled_logprobs).sum(dim=-1).add_(1)
-    k = max(num_logprobs[row] for row in rows)
-    top = logprobs.topk(k, dim=-1) if k > 0 else None
-    empty = logprobs.new_empty(len(rows), 0)
-    return SampledLogprobs(rows, sampled_logprobs.squeeze(1), ranks,
-                           empty.long() if top is None else top.indices, empty if top is None else top.values)
+    # at least the best token, which ranks most sampled tokens without a pass over the vocabulary
+    top = logprobs.topk(max(max(num_logprobs[row] for row in rows), 1), dim=-1)
+    return SampledLogprobs(rows, sampled_logprobs.squeeze(1), top.indices, top.values, logprobs)
 
 
 def _apply_allowed_masks(logits: torch.Tensor, masks: list[tuple[int, torch.Tensor]]) -> None:
