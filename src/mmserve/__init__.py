@@ -4,7 +4,7 @@ from mmserve.entrypoints.llm import LLM
 from mmserve.errors import InvalidInputError, ModelLoadError
 from mmserve.inputs.media import VideoFrames
 from mmserve.outputs import CompletionOutput, Logprob, RequestOutput
-from mmserve.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "CompletionOutput", "InvalidInputError", "Logprob", "ModelLoadError", "RequestOutput", "SamplingParams", "VideoFrames"]
+__all__ = ["LLM", "CompletionOutput", "InvalidInputError", "Logprob", "ModelLoadError", "RequestOutput", "SamplingParams", "StructuredOutputsParams", "VideoFrames"]
 __version__ = "0.1.0"

@@ -8,9 +8,11 @@ tokenizer (eos ids and stop strings are matched elsewhere), the scheduler.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from mmserve.errors import InvalidInputError
 
@@ -38,6 +40,68 @@ def _check(condition: bool, message: str) -> None:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What a request's output must match (vLLM's names; exactly one of them):
+    - `json`: a JSON schema (a dict, or its JSON text); `json_object`: any JSON object;
+    - `regex`: a regular expression the whole output matches; `choice`: one of these strings;
+    - `grammar`: an EBNF grammar (xgrammar's dialect, GBNF-like, `root ::= ...`).
+    JSON is generated compact (no whitespace between tokens) unless `any_whitespace` is true: a model
+    free to pad can pad until max_tokens. After construction `json` is compact JSON text (key order kept:
+    properties are generated in it), so equal schemas share one compiled grammar, and `choice` a tuple."""
+
+    json: str | Mapping[str, Any] | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        _check_field(isinstance(self.json_object, bool) and isinstance(self.any_whitespace, bool),
+                     "structured_outputs", "structured_outputs json_object and any_whitespace must be true or false")
+        _check_field(len(given) == 1, "structured_outputs",
+                     f"structured_outputs must set exactly one of json, regex, choice, grammar, json_object; got "
+                     f"{given or 'none'}")
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as exc:
+                    raise InvalidInputError(f"structured_outputs json is not valid JSON: {exc}",
+                                            param="structured_outputs") from None
+            _check_field(isinstance(schema, (Mapping, bool)), "structured_outputs",
+                         f"structured_outputs json must be a JSON schema (an object), got {type(schema).__name__}")
+            object.__setattr__(self, "json", json.dumps(schema, separators=(",", ":")))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check_field(value is None or (isinstance(value, str) and value != ""), "structured_outputs",
+                         f"structured_outputs {name} must be a non-empty string")
+        if self.choice is not None:
+            _check_field(isinstance(self.choice, (list, tuple)) and len(self.choice) > 0
+                         and all(isinstance(c, str) and c for c in self.choice), "structured_outputs",
+                         "structured_outputs choice must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """What the compiled grammar depends on: kind, canonical text, whitespace option."""
+        for kind in ("json", "regex", "grammar"):
+            if getattr(self, kind) is not None:
+                return kind, getattr(self, kind), self.any_whitespace
+        if self.choice is not None:
+            return "choice", json.dumps(list(self.choice)), self.any_whitespace
+        return "json_object", "", self.any_whitespace
+
+
+def _check_field(condition: bool, param: str, message: str) -> None:
+    if not condition:
+        raise InvalidInputError(message, param=param)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Sampling and stopping options of one request.
 
@@ -60,7 +124,9 @@ class SamplingParams:
     `prompt_logprobs` likewise per prompt token after the first (a request asking for them is computed
     whole: the prefix cache does not serve its prompt).
     Logprobs are of the model's raw distribution (the
-    log-softmax of its logits before temperature, penalties, biases or masks), in float32.
+    log-softmax of its logits before temperature, penalties, biases, masks or grammars), in float32.
+    `structured_outputs` (a `StructuredOutputsParams`): the output must match a JSON schema, a regex, a
+    choice or a grammar; only tokens that keep it matchable are sampled, and EOS only where it is complete.
     After construction `logit_bias` is a `dict[int, float]`, `allowed_token_ids` a tuple or None and
     `bad_words` a tuple of strings.
     """
@@ -86,9 +152,12 @@ class SamplingParams:
     bad_words: Sequence[str] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._validate_numbers()
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs must be a mmserve.StructuredOutputsParams")
         object.__setattr__(self, "stop", _normalise_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _normalise_logit_bias(self.logit_bias))

@@ -13,6 +13,7 @@ import base64
 import concurrent.futures
 import io
 import json
+import re
 import subprocess
 import sys
 import time
@@ -323,8 +324,11 @@ BAD_REQUESTS = {
     "n_zero": ({**_chat_body("hi"), "n": 0}, 400, "n must be an integer in [1, 128]"),
     "tools": ({**_chat_body("hi"), "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
               "'tools' is not supported"),
-    "json_response_format": ({**_chat_body("hi"), "response_format": {"type": "json_object"}}, 400,
-                             "'response_format' is not supported"),
+    "invalid_json_schema": ({**_chat_body("hi"), "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}}, 400,
+        "response_format json does not compile"),
+    "unknown_response_format": ({**_chat_body("hi"), "response_format": {"type": "yaml"}}, 400,
+                                "response_format type must be text, json_object or json_schema"),
     "presence_penalty": ({**_chat_body("hi"), "presence_penalty": 2.5}, 400, "presence_penalty must be a number in"),
     "repetition_penalty": ({**_chat_body("hi"), "repetition_penalty": 0}, 400, "repetition_penalty must be a"),
     "logit_bias": ({**_chat_body("hi"), "logit_bias": {"five": 10}}, 400, "logit_bias keys must be token ids"),
@@ -340,9 +344,13 @@ BAD_REQUESTS = {
     "prompt_logprobs_streamed": ({**_chat_body("hi"), "prompt_logprobs": 1, "stream": True}, 400,
                                  "prompt_logprobs are not available when stream is true"),
     "prompt_logprobs_too_many": ({**_chat_body("hi"), "prompt_logprobs": 30}, 400, "prompt_logprobs must be"),
-    "structured_outputs": ({**_chat_body("hi"), "structured_outputs": {"choice": ["a", "b"]}}, 400,
-                           "'structured_outputs' is not supported"),
-    "guided_json": ({**_chat_body("hi"), "guided_json": {"type": "object"}}, 400, "'guided_json' is not supported"),
+    "invalid_regex": ({**_chat_body("hi"), "structured_outputs": {"regex": "(unclosed"}}, 400,
+                      "structured_outputs regex does not compile"),
+    "structured_outputs_unknown_key": ({**_chat_body("hi"), "structured_outputs": {"yaml": "x"}}, 400,
+                                       "structured_outputs has unknown keys"),
+    "two_constraints": ({**_chat_body("hi"), "guided_choice": ["a"], "response_format": {"type": "json_object"}},
+                        400, "each constrains the output"),
+    "guided_choice_empty": ({**_chat_body("hi"), "guided_choice": []}, 400, "guided_choice choice must be"),
     "cache_salt": ({**_chat_body("hi"), "cache_salt": ""}, 400, "cache_salt must be a non-empty string"),
     "stream_options_without_stream": ({**_chat_body("hi"), "stream_options": {"include_usage": True}}, 400,
                                       "stream_options needs stream set to true"),
@@ -377,13 +385,14 @@ BAD_REQUEST_PARAMS = {
     "second_part_is_bad": "messages[0].content[1].image_url",
     "too_many_images": "messages[0].content[2].image_url", "image_too_large": f"{PART}.image_url",
     "unknown_model": "model", "max_tokens_beyond_context": "max_tokens", "n_zero": "n", "tools": "tools",
-    "json_response_format": "response_format", "presence_penalty": "presence_penalty", "logit_bias": "logit_bias",
+    "invalid_json_schema": "response_format", "unknown_response_format": "response_format",
+    "invalid_regex": "structured_outputs", "structured_outputs_unknown_key": "structured_outputs",
+    "two_constraints": "guided_choice", "guided_choice_empty": "guided_choice", "presence_penalty": "presence_penalty", "logit_bias": "logit_bias",
     "repetition_penalty": "repetition_penalty", "logit_bias_value": "logit_bias",
     "logit_bias_outside_vocab": "logit_bias", "allowed_token_ids_empty": "allowed_token_ids",
     "bad_words_blank": "bad_words", "top_logprobs_without_logprobs": "top_logprobs",
     "top_logprobs_too_many": "top_logprobs", "best_of": "best_of", "prompt_logprobs_streamed": "prompt_logprobs",
-    "prompt_logprobs_too_many": "prompt_logprobs", "structured_outputs": "structured_outputs",
-    "guided_json": "guided_json", "cache_salt": "cache_salt", "stream_options_without_stream": "stream_options",
+    "prompt_logprobs_too_many": "prompt_logprobs", "cache_salt": "cache_salt", "stream_options_without_stream": "stream_options",
     "seed_beyond_int64": "seed", "stop_token_ids_outside_vocab": "stop_token_ids",
     "image_url_as_a_string": f"{PART}.image_url", "continue_and_generation_prompt": "continue_final_message",
     "video_frames_without_urls": f"{PART}.video_frames", "video_frames_over_the_limit": f"{PART}.video_frames.urls",
@@ -831,3 +840,34 @@ def _sse_payloads(response: httpx.Response) -> list[dict]:
     lines = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     return [json.loads(line) for line in lines[:-1]]
+
+
+def test_structured_outputs_whole_and_streamed(server, client, llm):
+    """response_format json_schema / json_object, vLLM's structured_outputs and guided_choice: the answers
+    match, equal the offline engine's, streamed chunks join into the same text; no matcher outlives them."""
+    import jsonschema
+
+    from mmserve import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["color", "n"], "additionalProperties": False}
+    messages = image_message(data_uri(png_bytes((200, 30, 30))), "What color is it?")
+    kwargs = dict(model=server.model, messages=messages, max_tokens=40, temperature=0,
+                  response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    whole = client.chat.completions.create(**kwargs)
+    offline = llm.chat(messages, SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(
+        json=schema)), use_tqdm=False)[0]
+    assert whole.choices[0].message.content == offline.outputs[0].text
+    if whole.choices[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(whole.choices[0].message.content), schema)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kwargs, stream=True)
+                       if c.choices)
+    assert streamed == whole.choices[0].message.content
+    choice = client.chat.completions.create(model=server.model, messages=messages, max_tokens=8, temperature=0.9,
+                                            seed=4, n=3, extra_body={"guided_choice": ["red", "green", "blue"]})
+    assert all(c.message.content in ("red", "green", "blue") for c in choice.choices)
+    regex = client.completions.create(model=server.model, prompt="The code is", max_tokens=12, temperature=0.9,
+                                      extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{2}"}})
+    assert re.fullmatch("[A-Z]{2}-[0-9]{2}", regex.choices[0].text), regex.choices[0].text
+    assert stats(server)["grammar_matchers"] == 0

@@ -34,6 +34,7 @@ from mmserve.engine.graph_settings import resolve_runner_graphs
 from mmserve.engine.inspection import EngineInspection
 from mmserve.engine.prompts import parse_prompt
 from mmserve.engine.sizing import resolve_encoder_budget, resolve_max_model_len, resolve_num_kv_blocks
+from mmserve.engine.structured_outputs import StructuredOutputs
 from mmserve.errors import InvalidInputError, at_param
 from mmserve.faults import FaultPlan
 from mmserve.inputs.items import ProcessedPrompt
@@ -128,6 +129,7 @@ class Engine:
         # one token's text, as logprob entries name it: decoded once per id (at most the vocabulary)
         self._token_texts: dict[int, str] = {}
         self._pending_outputs: list[RequestOutput] = []  # rejected at admission, returned by the next step
+        self.structured = StructuredOutputs(self.processor.tokenizer, spec.vocab_size, self.eos_token_ids)
 
     def _start_encoder_pool(self) -> EncoderPool:
         """Encoder workers: the cores are split evenly between the workers and the engine's own step."""
@@ -144,6 +146,7 @@ class Engine:
         """Stop the encoder workers (if any); the engine takes no more work afterwards."""
         if self.encoder_pool is not None:
             self.encoder_pool.shutdown()
+        self.structured.close()
 
     # ---- input ----------------------------------------------------------------------------------
     def process(self, raw_prompt: Any, mm_processor_kwargs: dict[str, Any] | None = None,
@@ -173,6 +176,8 @@ class Engine:
         self._check_token_ids(params)
         with at_param("bad_words"):  # checked before any choice is added: nothing below refuses a request
             bad_words = self.processor.tokenizer.bad_words_token_ids(params.bad_words)
+        if params.structured_outputs is not None:  # compiled (or refused) before any choice is added
+            self.structured.compiled(params.structured_outputs)
         if params.n == 1:
             self._add_one(request_id, prompt, params, arrival_time, bad_words)
             return
@@ -203,6 +208,8 @@ class Engine:
                            {i: it.payload for i, it in enumerate(prompt.items)},
                            logprobs=None if params.logprobs is None else [],
                            prompt_logprobs=None if params.prompt_logprobs is None else [None])
+        if params.structured_outputs is not None:
+            self.structured.start(request_id, params.structured_outputs)
         rejection = self.scheduler.add_request(request)
         if rejection is not None:  # can never fit the encoder budgets: finish now, others run on
             self._pending_outputs.append(self._make_output(tracked, "error", rejection))
@@ -265,7 +272,8 @@ class Engine:
 
     def _step_inputs(self, sched: SchedulerOutput) -> StepInputs:
         """The prompts of new (or resumed) requests and the payloads of this step's items, by content key."""
-        inputs = StepInputs({n.request_id: self.tracked[n.request_id].runner_prompt for n in sched.new_requests})
+        inputs = StepInputs({n.request_id: self.tracked[n.request_id].runner_prompt for n in sched.new_requests},
+                            token_bitmasks=self.structured.fill(list(sched.num_scheduled_tokens)))
         for rid, indices in sched.encoder_items.items():
             tracked = self.tracked[rid]
             for i in indices:
@@ -300,6 +308,13 @@ class Engine:
             for token_id, logprobs in zip(core.new_token_ids, core.new_logprobs):
                 tracked.logprobs.append(self._logprob_entry(token_id, logprobs))
                 tracked.cumulative_logprob += logprobs.logprob
+        error = core.error
+        if core.new_token_ids and not self.structured.accept(core.request_id, list(core.new_token_ids)):
+            # the mask allowed only tokens the grammar accepts: a refusal is the engine's fault
+            logger.error("%s: the grammar refused a sampled token", core.request_id)
+            if finish is None:
+                self.scheduler.finish_requests([core.request_id], RequestStatus.FINISHED_ABORTED)
+            finish, error, tracked.internal_error = "error", "internal error: the grammar refused a sampled token", True
         if core.new_token_ids:
             stop_string = tracked.detokenizer.update(list(core.new_token_ids))
             if stop_string is not None and finish is None:
@@ -307,7 +322,7 @@ class Engine:
                 finish, tracked.stop_reason = "stop", stop_string
         if core.stop_token_id is not None:
             tracked.stop_reason = core.stop_token_id
-        return self._make_output(tracked, finish, core.error)
+        return self._make_output(tracked, finish, error)
 
     def _record_prompt_logprobs(self, computed: dict[str, tuple[int, tuple[TokenLogprobs, ...]]]) -> None:
         """Append each request's new prompt logprobs (a prompt recomputed after a preemption has them)."""
@@ -342,6 +357,7 @@ class Engine:
             tracked.metrics.num_preemptions = request.num_preemptions
             self.tracked.pop(request.request_id, None)
             self.runner.release(request.request_id)
+            self.structured.release(request.request_id)
         delta = tracked.detokenizer.take_delta(finished)
         completion = CompletionOutput(0, tracked.detokenizer.output_text, list(request.output_token_ids), finish,
                                       tracked.stop_reason if finish == "stop" else None,
@@ -378,6 +394,8 @@ class Engine:
             "prefix_cache_hit_tokens": kv.stats.prefix_cache_hit_tokens,
             "generation_tokens": s.generation_tokens,
             "num_preemptions": s.num_preemptions,
+            "grammars_compiled": self.structured.num_compiled,
+            "grammar_matchers": len(self.structured.matchers),
             "kv_blocks_total": kv.num_blocks,
             "kv_blocks_free": kv.num_free_blocks,
             "kv_cache_dtype": self.config.cache.kv_cache_dtype,
@@ -424,6 +442,7 @@ class Engine:
         live = set(self.scheduler.requests)
         assert set(self.tracked) == live, "engine and scheduler disagree on live requests"
         self.choices.check_integrity(live)
+        assert set(self.structured.matchers) <= live, "a grammar matcher outlived its request"
         assert set(self.runner.request_views()) <= live, "runner holds state of finished requests"
         cache = self.scheduler.encoder_cache
         ready = {k for k, e in cache.entries.items() if e.state == EntryState.READY}

@@ -57,6 +57,11 @@ class TextTokenizer:
                                                                                 special_tokens(config))
 
     @property
+    def backend(self) -> Tokenizer:
+        """The `tokenizers` tokenizer itself (for libraries that read its vocabulary and type)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 

@@ -186,7 +186,7 @@ class ModelRunner:
         result.skipped = {rid for rid, pieces in plans.items() if not self._rows_ready(rid, pieces)}
         scheduled = {rid: n for rid, n in sched.num_scheduled_tokens.items() if rid not in result.skipped}
         if scheduled:
-            self._forward(scheduled, plans, result)
+            self._forward(scheduled, plans, result, inputs.token_bitmasks)
         self.last_step.total_s = time.perf_counter() - started
         return result
 
@@ -210,7 +210,7 @@ class ModelRunner:
         return all(keys[p.item_index] in self.encoder.store for p in pieces)
 
     def _forward(self, scheduled: dict[str, int], plans: dict[str, list[ChunkPiece]],
-                 result: ModelRunnerOutput) -> None:
+                 result: ModelRunnerOutput, token_bitmasks: dict[str, torch.Tensor]) -> None:
         builder = BatchBuilder(self.block_size, self.device, self.attention.cpu_plan)
         for rid, num in scheduled.items():
             state, pieces = self.requests[rid], plans[rid]
@@ -222,7 +222,8 @@ class ModelRunner:
             logits, forward_started, result.prompt_logprobs = self._eager_logits(builder)
         if builder.sample_rows:
             rows = builder.sample_rows
-            meta = sampling_metadata([self._sampled_row(r, logits.shape[1]) for r in rows], self.device)
+            meta = sampling_metadata([self._sampled_row(r, logits.shape[1], token_bitmasks.get(r.request_id))
+                                      for r in rows], self.device)
             token_ids = self.sampler(logits, meta)
             logprobs = sampled_logprobs(logits, token_ids, meta.num_logprobs)
             tokens = token_ids.tolist()  # the one sync (with logprobs, their transfers follow)
@@ -283,14 +284,14 @@ class ModelRunner:
             out[state.request_id] = (rows.start, tuple(entries))
         return out
 
-    def _sampled_row(self, state: RunnerRequest, vocab_size: int) -> SampledRow:
+    def _sampled_row(self, state: RunnerRequest, vocab_size: int, token_bitmask: torch.Tensor | None) -> SampledRow:
         params = state.sampling_params
         if state.sampling is None and needs_state(params):  # built on first use, also after a preemption
             state.sampling = RequestSampling.build(params, state.token_ids, state.num_prompt_tokens, vocab_size,
                                                    self.device)
         bad_words = state.prompt.bad_words_token_ids
         return SampledRow(params, state.num_output_tokens, state.token_ids[state.num_prompt_tokens:] if bad_words else (),
-                          state.stop_token_ids, bad_words, state.sampling, self._generator(state))
+                          state.stop_token_ids, bad_words, state.sampling, self._generator(state), token_bitmask)
 
     def _generator(self, state: RunnerRequest) -> torch.Generator | None:
         seed = state.sampling_params.seed

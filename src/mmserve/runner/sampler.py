@@ -47,8 +47,11 @@ class SamplingMetadata:
     min_ps: list[float]  # 0.0: disabled
     generators: list[torch.Generator | None]  # a per-request seeded generator, or None (global RNG)
     banned_token_ids: list[tuple[int, ...]]  # tokens this row must not produce this step
-    # (row, (vocab,) bool): the only tokens that row may produce (allowed_token_ids; a grammar's mask)
+    # (row, (vocab,) bool): the only tokens that row may produce (allowed_token_ids)
     allowed_masks: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # grammars' masks: the constrained rows and their packed bitmasks, (len(rows), ceil(vocab / 32)) int32
+    # on the logits' device, bit j % 32 of word j // 32 set = token j allowed
+    token_bitmask: tuple[list[int], torch.Tensor] | None = None
     logit_bias: list[tuple[int, dict[int, float]]] = field(default_factory=list)  # (row, token id -> bias)
     penalties: PenaltyBatch | None = None
     num_logprobs: list[int | None] | None = None  # per row: top logprobs wanted (None: none); None: no row
@@ -72,8 +75,8 @@ class SamplingMetadata:
     @property
     def processes_logits(self) -> bool:
         """Does any stage before sampling change a logit?"""
-        return bool(self.allowed_masks or self.logit_bias or self.penalties is not None
-                    or any(self.banned_token_ids))
+        return bool(self.allowed_masks or self.token_bitmask is not None or self.logit_bias
+                    or self.penalties is not None or any(self.banned_token_ids))
 
 
 @dataclass
@@ -160,6 +163,8 @@ class Sampler:
         # logits the logprobs are taken from)
         logits = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # (batch, vocab)
         _apply_allowed_masks(logits, meta.allowed_masks)
+        if meta.token_bitmask is not None:
+            _apply_token_bitmask(logits, *meta.token_bitmask)
         _ban_tokens(logits, meta.banned_token_ids)
         _apply_logit_bias(logits, meta.logit_bias)
         if meta.penalties is not None:
@@ -215,6 +220,17 @@ def _apply_allowed_masks(logits: torch.Tensor, masks: list[tuple[int, torch.Tens
     rows = to_device([row for row, _ in masks], logits.device)
     allowed = torch.stack([mask for _, mask in masks])  # (A, vocab) bool
     logits[rows] = logits[rows].masked_fill_(~allowed, -torch.inf)
+
+
+def _apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """-inf for the tokens the rows' grammars do not allow (tokens past the bitmask's words too)."""
+    vocab_size = logits.shape[1]
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)  # (R, words * 32)
+    if allowed.shape[1] < vocab_size:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]), value=False)
+    index = to_device(rows, logits.device)
+    logits[index] = logits[index].masked_fill_(~allowed[:, :vocab_size], -torch.inf)
 
 
 def _apply_logit_bias(logits: torch.Tensor, biases: list[tuple[int, dict[int, float]]]) -> None:

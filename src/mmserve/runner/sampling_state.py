@@ -74,12 +74,14 @@ class SampledRow:
     bad_words_token_ids: tuple[tuple[int, ...], ...]
     state: RequestSampling | None
     generator: torch.Generator | None
+    token_bitmask: torch.Tensor | None = None  # (ceil(vocab / 32),) int32: the grammar's allowed tokens
 
 def sampling_metadata(rows: Sequence[SampledRow], device: torch.device) -> SamplingMetadata:
     params = [r.params for r in rows]
     banned = []
     for r in rows:
-        ids = r.stop_token_ids if r.num_output_tokens < r.params.min_tokens else ()
+        # a grammar decides where its output may end: min_tokens does not hold it open past that
+        ids = r.stop_token_ids if r.num_output_tokens < r.params.min_tokens and r.token_bitmask is None else ()
         if r.bad_words_token_ids:
             ids = ids + bad_word_bans(r.bad_words_token_ids, r.output_ids)
         banned.append(ids)
@@ -96,6 +98,12 @@ def sampling_metadata(rows: Sequence[SampledRow], device: torch.device) -> Sampl
             frequency=column([params[i].frequency_penalty for i in penalty_rows]),
             repetition=column([params[i].repetition_penalty for i in penalty_rows]))
     wants_logprobs = any(p.logprobs is not None for p in params)
+    grammar_rows = [i for i, r in enumerate(rows) if r.token_bitmask is not None]
+    token_bitmask = None
+    if grammar_rows:
+        packed = torch.stack([rows[i].token_bitmask for i in grammar_rows])
+        token_bitmask = (grammar_rows, packed.pin_memory().to(device, non_blocking=True) if device.type == "cuda"
+                         else packed.to(device))
     return SamplingMetadata(
         temperatures=[p.temperature for p in params],
         top_ks=[p.top_k for p in params],
@@ -105,6 +113,7 @@ def sampling_metadata(rows: Sequence[SampledRow], device: torch.device) -> Sampl
         banned_token_ids=banned,
         allowed_masks=[(i, r.state.allowed_mask) for i, r in enumerate(rows)
                        if r.state is not None and r.state.allowed_mask is not None],
+        token_bitmask=token_bitmask,
         logit_bias=[(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias],
         penalties=penalties,
         num_logprobs=[p.logprobs for p in params] if wants_logprobs else None,

@@ -12,7 +12,7 @@ What it does not know: scheduling, the model, devices.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -46,6 +46,8 @@ class StepInputs:
 
     prompts: dict[str, RunnerPrompt] = field(default_factory=dict)
     encoder_jobs: list[EncodeJob] = field(default_factory=list)
+    # request id -> its grammar's packed bitmask for the token it samples this step ((words,) int32, CPU)
+    token_bitmasks: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Role: the wire format of `/v1/chat/completions`, `/v1/completions`, `/v1/models` and errors, and
 the one mapping from a request's sampling fields to `SamplingParams`. Unknown request fields are
 accepted and ignored (clients send fields such as `user` that change nothing), except the OpenAI
-features mmserve does not implement (`UNSUPPORTED_FIELDS`: tools, response formats, ...): set to anything
+features mmserve does not implement (`UNSUPPORTED_FIELDS`: tools, audio, ...): set to anything
 but their neutral value, they are refused with a 400 that names them.
 What it does not know: the engine, media, HTTP routing.
 """
@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from mmserve.errors import InvalidInputError
-from mmserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from mmserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 
 class RequestError(Exception):
@@ -50,12 +50,15 @@ class StreamOptions(BaseModel):
 # those): any other value is refused with a 400 naming the field, never silently ignored
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}), "best_of": (None, 1),
+    "parallel_tool_calls": (None,), "best_of": (None, 1),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
-    # vLLM's structured outputs (and their older names): refused until mmserve has a grammar engine
-    "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,), "guided_decoding_backend": (None,),
+    "guided_decoding_backend": (None, "xgrammar", "auto"),  # vLLM's older name for the one backend there is
 }
+# vLLM's older names of structured_outputs' keys
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "any_whitespace",
+                   "disable_any_whitespace")
 INT64_RANGE = (-(2**63), 2**63)  # OpenAI's seed
 # what a refusal adds, where there is a way to get the same
 UNSUPPORTED_HINTS = {"best_of": ": ask for n choices instead (vLLM removed best_of too)"}
@@ -92,6 +95,55 @@ class _GenerationRequest(BaseModel):
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the answer
     cache_salt: str | None = None  # vLLM's: only requests with the same salt share prefix-cache blocks
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: the context)
+    response_format: dict[str, Any] | None = None  # OpenAI's: text, json_object, json_schema
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar, json_object
+
+    def structured(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """What the output must match, and the field that asked (errors name it): response_format,
+        structured_outputs, or one of vLLM's older guided_* fields."""
+        extra = self.model_extra or {}
+        asked = [(name, value) for name, value in (("response_format", self.response_format),
+                                                   ("structured_outputs", self.structured_outputs),
+                                                   *((g, extra.get(g)) for g in GUIDED_FIELDS))
+                 if value is not None and not (name == "response_format" and value == {"type": "text"})]
+        if not asked:
+            return None, None
+        if len(asked) > 1:
+            raise RequestError(f"give one of {', '.join(n for n, _ in asked)}: each constrains the output",
+                               param=asked[1][0])
+        name, value = asked[0]
+        try:
+            return self._structured_params(name, value), name
+        except InvalidInputError as exc:
+            raise RequestError(str(exc).replace("structured_outputs", name, 1), param=name) from exc
+
+    @staticmethod
+    def _structured_params(name: str, value: Any) -> StructuredOutputsParams:
+        if name in GUIDED_FIELDS:
+            return StructuredOutputsParams(**{GUIDED_FIELDS[name]: value})
+        if not isinstance(value, dict):
+            raise InvalidInputError(f"{name} must be an object", param=name)
+        if name == "structured_outputs":
+            unknown = sorted(set(value) - set(STRUCTURED_KEYS))
+            if unknown:
+                raise InvalidInputError(f"structured_outputs has unknown keys {unknown}: it takes "
+                                        f"{', '.join(STRUCTURED_KEYS)}", param=name)
+            fields = {k: v for k, v in value.items() if k in STRUCTURED_KEYS[:6] and v is not None}
+            if value.get("disable_any_whitespace") is not None:
+                fields["any_whitespace"] = not value["disable_any_whitespace"]
+            return StructuredOutputsParams(**fields)
+        kind = value.get("type")
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if kind == "json_schema":
+            spec = value.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+                raise InvalidInputError("response_format json_schema must be an object with a 'schema' object",
+                                        param=name)
+            # OpenAI's schema may be absent (any JSON object)
+            return StructuredOutputsParams(json=spec.get("schema", {"type": "object"}))
+        raise InvalidInputError(f"response_format type must be text, json_object or json_schema, got {kind!r:.40}",
+                                param=name)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -147,7 +199,8 @@ class _GenerationRequest(BaseModel):
                                   "include_stop_str_in_output": self.include_stop_str_in_output,
                                   "logit_bias": self._logit_bias(), "allowed_token_ids": self.allowed_token_ids,
                                   "bad_words": self.bad_words, "logprobs": self.requested_logprobs(),
-                                  "prompt_logprobs": self.requested_prompt_logprobs()}
+                                  "prompt_logprobs": self.requested_prompt_logprobs(),
+                                  "structured_outputs": self.structured()[0]}
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             value = getattr(self, name)

@@ -59,7 +59,7 @@ from mmserve.entrypoints.openai.protocol import (
     TokenizeResponse,
     Usage,
 )
-from mmserve.errors import at_param
+from mmserve.errors import InvalidInputError, at_param
 from mmserve.inputs.items import ProcessedPrompt
 from mmserve.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -323,6 +323,12 @@ class OpenAIServing:
         prompt = await self._truncated(prompt, body.truncate_prompt_tokens)
         params = body.sampling_params(self.max_model_len, prompt.num_tokens)
         prompt.cache_salt = check_cache_salt(body.cache_salt)
+        if params.structured_outputs is not None:  # compiled off the engine's loop; refused as a 400
+            try:
+                await asyncio.wrap_future(self.engine.engine.structured.compile(params.structured_outputs))
+            except InvalidInputError as exc:
+                field_name = body.structured()[1]
+                raise RequestError(str(exc).replace("structured_outputs", field_name, 1), param=field_name) from exc
         outputs = self.engine.generate(request_id, prompt, params, arrival_time)
         first = await _unless_disconnected(anext(outputs), raw)
         if _failed(first):

@@ -1,0 +1,177 @@
+"""Structured outputs: grammars compiled off the step loop, one matcher per sequence, each step's bitmask.
+
+Role: turn a request's `StructuredOutputsParams` into an xgrammar grammar (compiled on one worker thread,
+cached by kind and canonical text), hold one `GrammarMatcher` per constrained sequence (each choice of an
+`n > 1` request its own), fill the packed token bitmask of the constrained sequences a step schedules, and
+advance a matcher by the tokens its sequence got. xgrammar is imported on first use: an engine that never
+sees a grammar never pays for it.
+What it does not know: the scheduler, the model, the sampler (it hands out packed int32 rows: bit j of row
+word j // 32 set = token j allowed), why a request finished.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from mmserve.errors import InvalidInputError
+from mmserve.inputs.tokenizer import TextTokenizer
+from mmserve.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+MAX_CACHED_GRAMMARS = 256  # compiled grammars kept (least recently used dropped first)
+PARAM = "structured_outputs"
+
+
+def _choice_regex(choices: tuple[str, ...]) -> str:
+    """A regex matching exactly one of the strings (each escaped for xgrammar's regex dialect)."""
+    special = set(r"\.^$|?*+()[]{}/")
+    return "(" + "|".join("".join("\\" + c if c in special else c for c in choice) for choice in choices) + ")"
+
+
+class StructuredOutputs:
+    """The engine's grammars and matchers (the engine thread calls everything but the compile worker)."""
+
+    def __init__(self, tokenizer: TextTokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._stop_token_ids = list(stop_token_ids)
+        self._pool: ThreadPoolExecutor | None = None
+        self._compiler: Any = None  # xgrammar.GrammarCompiler, built by the worker on first compile
+        self._lock = threading.Lock()  # the cache is read by callers' threads and written by the worker's
+        self._grammars: OrderedDict[tuple, Future] = OrderedDict()
+        self.matchers: dict[str, Any] = {}  # request id -> xgrammar.GrammarMatcher
+        self.num_compiled = 0
+
+    @property
+    def bitmask_words(self) -> int:
+        return -(-self.vocab_size // 32)
+
+    # ---- compiling (any thread) -------------------------------------------------------------------
+    def compile(self, params: StructuredOutputsParams) -> Future:
+        """The grammar's compile, started on the worker thread unless cached; its result is the compiled
+        grammar, its exception an InvalidInputError naming structured_outputs."""
+        with self._lock:
+            future = self._grammars.get(params.key)
+            if future is not None and not (future.done() and future.exception() is not None):
+                self._grammars.move_to_end(params.key)
+                return future
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmserve-grammar")
+            future = self._pool.submit(self._compile, params)
+            self._grammars[params.key] = future
+            while len(self._grammars) > MAX_CACHED_GRAMMARS:
+                self._grammars.popitem(last=False)
+            return future
+
+    def compiled(self, params: StructuredOutputsParams) -> Any:
+        """The compiled grammar, waiting for it if needed; InvalidInputError if it does not compile."""
+        return self.compile(params).result()
+
+    def _compile(self, params: StructuredOutputsParams) -> Any:
+        import xgrammar as xgr
+
+        if self._compiler is None:
+            self._compiler = xgr.GrammarCompiler(self._tokenizer_info(xgr), max_threads=1)
+        compiler = self._compiler
+        kind, text, any_whitespace = params.key
+        try:
+            if kind == "json":
+                schema = json.dumps(rewrite_bounded_strings(json.loads(text)))
+                grammar = compiler.compile_json_schema(schema, any_whitespace=any_whitespace, strict_mode=True)
+            elif kind == "json_object":
+                grammar = compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+            elif kind == "regex":
+                grammar = compiler.compile_regex(text)
+            elif kind == "choice":
+                grammar = compiler.compile_regex(_choice_regex(tuple(json.loads(text))))
+            else:
+                grammar = compiler.compile_grammar(text)
+        except InvalidInputError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with its reason
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise InvalidInputError(f"structured_outputs {kind} does not compile: {reason}", param=PARAM) from None
+        self.num_compiled += 1
+        return grammar
+
+    def _tokenizer_info(self, xgr: Any) -> Any:
+        """xgrammar's view of the vocabulary: every id's token string, decoded as the tokenizer's type
+        says (byte-level, byte-fallback, raw), over the model's whole (padded) vocabulary."""
+        tok = self._tokenizer.backend
+        metadata = xgr.TokenizerInfo._detect_metadata_from_hf(tok.to_str())
+        vocab = [""] * self.vocab_size
+        for token, token_id in tok.get_vocab(with_added_tokens=True).items():
+            if token_id < self.vocab_size:
+                vocab[token_id] = token
+        return xgr.TokenizerInfo(vocab, metadata["vocab_type"], vocab_size=self.vocab_size,
+                                 stop_token_ids=self._stop_token_ids, add_prefix_space=metadata["add_prefix_space"])
+
+    # ---- matchers (the engine thread) ---------------------------------------------------------------
+    def start(self, request_id: str, params: StructuredOutputsParams) -> None:
+        import xgrammar as xgr
+
+        self.matchers[request_id] = xgr.GrammarMatcher(self.compiled(params))
+
+    def fill(self, request_ids: list[str]) -> dict[str, torch.Tensor]:
+        """The packed bitmask row of each constrained request among `request_ids` (int32, bitmask_words)."""
+        constrained = [rid for rid in request_ids if rid in self.matchers]
+        if not constrained:
+            return {}
+        bitmask = torch.empty(len(constrained), self.bitmask_words, dtype=torch.int32)
+        for row, rid in enumerate(constrained):
+            self.matchers[rid].fill_next_token_bitmask(bitmask, row)
+        return {rid: bitmask[row] for row, rid in enumerate(constrained)}
+
+    def accept(self, request_id: str, token_ids: list[int]) -> bool:
+        """Advance the request's matcher by its new tokens; False if the grammar refused one (the mask
+        allowed only what the grammar accepts, so this is a bookkeeping fault)."""
+        matcher = self.matchers.get(request_id)
+        if matcher is None:
+            return True
+        for token_id in token_ids:
+            if matcher.is_terminated():
+                return token_id in self._stop_token_ids
+            if not matcher.accept_token(token_id):
+                return False
+        return True
+
+    def release(self, request_id: str) -> None:
+        self.matchers.pop(request_id, None)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# a JSON string's characters that need no escape: xgrammar's length-bounded string rule lets raw control
+# characters through (invalid JSON), so bounded strings are rewritten to this class, repeated min..max times
+_UNESCAPED_CHAR = '[^\\x00-\\x1f"\\\\]'
+
+
+def rewrite_bounded_strings(node: Any) -> Any:
+    """The schema with each `minLength`/`maxLength` string as a pattern over characters needing no escape
+    (so a length-bounded string holds no quotes, backslashes or control characters); one that also has a
+    `pattern` or `format` is refused, since the two cannot be combined into one pattern here."""
+    if isinstance(node, list):
+        return [rewrite_bounded_strings(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: rewrite_bounded_strings(v) for k, v in node.items()}
+    if out.get("type") == "string" and ("minLength" in out or "maxLength" in out):
+        if "pattern" in out or "format" in out:
+            raise InvalidInputError("structured_outputs json: a string with minLength/maxLength and a pattern or "
+                                    "format is not supported (xgrammar would let invalid characters through)",
+                                    param=PARAM)
+        low, high = out.pop("minLength", 0), out.pop("maxLength", None)
+        if not isinstance(low, int) or (high is not None and not isinstance(high, int)):
+            raise InvalidInputError("structured_outputs json: minLength and maxLength must be integers", param=PARAM)
+        out["pattern"] = f"^{_UNESCAPED_CHAR}{{{low},{'' if high is None else high}}}$"
+    return out

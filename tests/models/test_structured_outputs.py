@@ -1,0 +1,200 @@
+"""Structured outputs on xgrammar: every output of a constrained request matches its schema, regex, choice
+or grammar (greedy and sampled, with images, in mixed batches, chunked, preempted, n > 1); unconstrained
+neighbours are untouched; bad grammars are refused naming the field; matchers are released."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from mmserve import LLM, InvalidInputError, SamplingParams, StructuredOutputsParams
+from mmserve.demo import shapes
+from mmserve.demo.eval import default_model_dir
+from tests.fixtures.conversations import parity_workload
+
+SHAPE_SCHEMA = {"type": "object", "properties": {
+    "color": {"enum": list(shapes.COLOR_NAMES)}, "shape": {"enum": list(shapes.KINDS)},
+    "count": {"type": "integer", "minimum": 1, "maximum": 3}}, "required": ["color", "shape", "count"],
+    "additionalProperties": False}
+
+# JSON Schema features xgrammar supports, each a schema of its own, bounded so a random model ends
+SCHEMAS = [
+    SHAPE_SCHEMA,
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "score": {"type": "number", "minimum": 0,
+                                                                            "maximum": 1}},
+     "required": ["ok", "score"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5}, "minItems": 1, "maxItems": 3},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
+                                               "maxItems": 2},
+                                      "inner": {"type": "object", "properties": {"n": {"type": "integer",
+                                                                                      "minimum": 0, "maximum": 9}},
+                                                "required": ["n"], "additionalProperties": False}},
+     "required": ["tags", "inner"], "additionalProperties": False},
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                      "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{1,3}$"}},
+     "required": ["name", "code"], "additionalProperties": False},
+    {"anyOf": [{"type": "null"}, {"const": "none"}, {"type": "integer", "minimum": 0, "maximum": 99}]},
+]
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return LLM(str(default_model_dir()))
+
+
+def _chats(count: int, start: int = 0) -> list:
+    return [shapes.make_sample(7, i, "describe").messages for i in range(start, start + count)]
+
+
+def _valid(params: StructuredOutputsParams, text: str) -> bool:
+    if params.json is not None:
+        try:
+            jsonschema.validate(json.loads(text), json.loads(params.json))
+        except (ValueError, jsonschema.ValidationError):
+            return False
+        return True
+    if params.json_object:
+        try:
+            return isinstance(json.loads(text), dict)
+        except ValueError:
+            return False
+    if params.regex is not None:
+        return re.fullmatch(params.regex, text) is not None
+    return text in params.choice
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.3])
+def test_every_kind_of_constraint_holds_with_images(demo, temperature):
+    """Schemas (a picture's shapes into an object, and the other supported features), any JSON object,
+    a regex, a choice and an EBNF grammar: each finished output matches; sampled ones too."""
+    cases = [StructuredOutputsParams(json=s) for s in SCHEMAS] + [
+        StructuredOutputsParams(json_object=True),
+        StructuredOutputsParams(regex=r"(a|an) (red|blue|green|yellow) (circle|square|triangle)"),
+        StructuredOutputsParams(choice=["circle", "square", "triangle", "none of them"]),
+        StructuredOutputsParams(grammar='root ::= "count: " [1-3] ("." | "!")')]
+    chats = _chats(len(cases))
+    params = [SamplingParams(temperature=temperature, seed=11, max_tokens=96, structured_outputs=c) for c in cases]
+    outputs = demo.chat(chats, params, use_tqdm=False)
+    for case, out in zip(cases, outputs):
+        completion = out.outputs[0]
+        if case.json_object and completion.finish_reason == "length":
+            continue  # an untrained model may write a long object: only finished outputs must parse
+        assert completion.finish_reason == "stop", (case, completion.text)
+        if case.grammar is not None:
+            assert re.fullmatch(r"count: [1-3][.!]", completion.text), completion.text
+        else:
+            assert _valid(case, completion.text), (case, completion.text)
+    demo.engine.check_integrity()
+    assert demo.get_stats()["grammar_matchers"] == 0
+
+
+def test_demo_model_fills_a_schema_from_the_picture(demo):
+    """The demo model (never trained on JSON) answers the describe question in the schema's fields with
+    a colour and kind the picture holds far more often than chance (one pair in twelve per shape)."""
+    hits = 0
+    samples = [shapes.make_sample(3, i, "describe") for i in range(16)]
+    schema = {"type": "object", "properties": {"color": {"enum": list(shapes.COLOR_NAMES)},
+                                               "shape": {"enum": list(shapes.KINDS)}},
+              "required": ["color", "shape"], "additionalProperties": False}
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))
+    for sample, out in zip(samples, demo.chat([s.messages for s in samples], params, use_tqdm=False)):
+        answer = json.loads(out.outputs[0].text)
+        scene_pairs = {(s.color, s.kind) for s in sample.scenes[0].shapes}
+        hits += (answer["color"], answer["shape"]) in scene_pairs
+    assert hits >= 6, hits  # chance: about 3 of 16
+
+
+def test_unconstrained_neighbours_are_untouched(demo):
+    """A request's tokens are the same alone and in a batch where other rows carry grammars."""
+    chats = _chats(6, start=20)
+    plain = SamplingParams(temperature=0, max_tokens=24)
+    alone = demo.chat(chats[0::2], plain, use_tqdm=False)
+    constrained = SamplingParams(temperature=0, max_tokens=80,
+                                 structured_outputs=StructuredOutputsParams(json=SHAPE_SCHEMA))
+    mixed = demo.chat(chats, [plain, constrained, plain, constrained, plain, constrained], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in alone] == [mixed[i].outputs[0].token_ids for i in (0, 2, 4)]
+    for i in (1, 3, 5):
+        assert _valid(constrained.structured_outputs, mixed[i].outputs[0].text)
+
+
+def test_grammar_follows_chunking_preemption_and_n_choices(all_checkpoints):
+    """On a tiny random checkpoint, a tight KV cache preempts and prompts are chunked: greedy constrained
+    outputs equal those of an unhurried engine and stay valid; n=3 greedy gives 3 identical valid
+    outputs, n=3 sampled 3 valid ones, each choice with its own matcher."""
+    model_dir = str(all_checkpoints["qwen2_vl"])
+    chats = parity_workload("qwen2_vl")[:8]
+    so = StructuredOutputsParams(json=SCHEMAS[3])
+    params = SamplingParams(temperature=0, max_tokens=48, structured_outputs=so)
+    calm = LLM(model_dir)
+    tight = LLM(model_dir, num_kv_blocks=24, max_num_batched_tokens=64)
+    expected = calm.chat(chats, params, use_tqdm=False)
+    hurried = tight.chat(chats, params, use_tqdm=False)
+    assert tight.get_stats()["num_preemptions"] > 0
+    assert [o.outputs[0].token_ids for o in expected] == [o.outputs[0].token_ids for o in hurried]
+    for out in hurried:
+        if out.outputs[0].finish_reason == "stop":
+            assert _valid(so, out.outputs[0].text), out.outputs[0].text
+    greedy = calm.chat(chats[0], SamplingParams(n=3, temperature=0, max_tokens=48, structured_outputs=so),
+                       use_tqdm=False)[0]
+    assert len({c.text for c in greedy.outputs}) == 1
+    sampled = calm.chat(chats[1], SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=48,
+                                                 structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+                        use_tqdm=False)[0]
+    assert all(c.text in ("yes", "no") for c in sampled.outputs)
+    for engine in (calm, tight):
+        engine.engine.check_integrity()
+        assert engine.get_stats()["grammar_matchers"] == 0
+
+
+def test_length_bounded_strings_stay_valid_json(demo):
+    """xgrammar 0.2.9 lets raw control characters into a maxLength string; mmserve's rewrite keeps every
+    such output parseable and within its bounds, sampled hot."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 1, "maxLength": 5}},
+              "required": ["s"], "additionalProperties": False}
+    so = StructuredOutputsParams(json=schema)
+    params = [SamplingParams(temperature=2.0, seed=i, max_tokens=30, structured_outputs=so) for i in range(12)]
+    for out in demo.chat(_chats(12, start=40), params, use_tqdm=False):
+        if out.outputs[0].finish_reason == "stop":
+            value = json.loads(out.outputs[0].text)["s"]
+            assert 1 <= len(value) <= 5 and not any(ord(c) < 0x20 for c in value)
+    with pytest.raises(InvalidInputError) as info:
+        demo.chat(_chats(1), SamplingParams(structured_outputs=StructuredOutputsParams(
+            json={"type": "string", "maxLength": 3, "pattern": "^a+$"})), use_tqdm=False)
+    assert info.value.param == "structured_outputs"
+
+
+def test_abort_mid_generation_releases_the_matcher(demo):
+    engine = demo.engine
+    prompt = engine.process_chat(_chats(1, start=60)[0])
+    engine.add_request("grammar-abort", prompt, SamplingParams(
+        temperature=0, max_tokens=64, structured_outputs=StructuredOutputsParams(json=SHAPE_SCHEMA)))
+    for _ in range(4):
+        engine.step()
+    assert demo.get_stats()["grammar_matchers"] == 1
+    engine.abort_request(["grammar-abort"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()
+    assert demo.get_stats()["grammar_matchers"] == 0
+
+
+@pytest.mark.parametrize("bad", [
+    dict(json={"type": "object", "properties": {"a": {"type": "nonsense"}}}),
+    dict(json="{not json"),
+    dict(regex="(unclosed"),
+    dict(grammar="root ::= missing_rule"),
+    dict(choice=[]),
+    dict(json={"type": "object"}, regex="a"),
+    dict(),
+])
+def test_bad_grammars_are_refused_naming_the_field(demo, bad):
+    with pytest.raises(InvalidInputError) as info:
+        params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(**bad))
+        demo.chat(_chats(1), params, use_tqdm=False)
+    assert info.value.param == "structured_outputs"
+    out = demo.chat(_chats(1), SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason is not None
+    demo.engine.check_integrity()
