@@ -63,12 +63,18 @@ def _stats_delta(llm: Any, before: dict) -> dict:
     return {k: after[k] - before[k] for k in ("encoder_items_encoded", "prompt_tokens_computed")}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def batch_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments of a batch benchmark of this kind: model, rounds, batch size, tokens per request."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--model", default="30m", help="30m (default), 100m, tiny, or a checkpoint directory")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=32)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = batch_parser(__doc__)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--large-px", type=int, default=896)
     args = parser.parse_args(argv)

@@ -39,7 +39,7 @@ from torch import nn
 
 from mmserve.demo import shapes
 from mmserve.models.layers.attention import FULL, AttentionMetadata, LayerAttention
-from mmserve.models.qwen2_vl.chat_template import QWEN2_VL_CHAT_TEMPLATE, QWEN_SPECIAL_TOKENS
+from mmserve.models.qwen2_vl.chat_template import QWEN2_VL_TOOLS_CHAT_TEMPLATE, QWEN_SPECIAL_TOKENS
 from mmserve.models.qwen2_vl.config import parse_config
 from mmserve.models.qwen2_vl.export import save_weights
 from mmserve.models.qwen2_vl.model import Qwen2VLForConditionalGeneration
@@ -127,7 +127,7 @@ def write_assets(out_dir: Path, tok) -> dict:
                            "single_word": False, "special": True} for t in QWEN_SPECIAL_TOKENS}
     tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "added_tokens_decoder": added,
                "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "model_max_length": 2048,
-               "chat_template": QWEN2_VL_CHAT_TEMPLATE}
+               "chat_template": QWEN2_VL_TOOLS_CHAT_TEMPLATE}
     preprocessor = {"image_processor_type": "Qwen2VLImageProcessor", "do_convert_rgb": True, "do_normalize": True,
                     "do_rescale": True, "do_resize": True, "image_mean": [0.48145466, 0.4578275, 0.40821073],
                     "image_std": [0.26862954, 0.26130258, 0.27577711], "merge_size": MERGE, "patch_size": PATCH,

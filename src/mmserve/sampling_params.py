@@ -44,7 +44,8 @@ class StructuredOutputsParams:
     """What a request's output must match (vLLM's names; exactly one of them):
     - `json`: a JSON schema (a dict, or its JSON text); `json_object`: any JSON object;
     - `regex`: a regular expression the whole output matches; `choice`: one of these strings;
-    - `grammar`: an EBNF grammar (xgrammar's dialect, GBNF-like, `root ::= ...`).
+    - `grammar`: an EBNF grammar (xgrammar's dialect, GBNF-like, `root ::= ...`);
+    - `structural_tag`: an xgrammar structural tag (a dict or its JSON text; tool calls are built so).
     JSON is generated compact (no whitespace between tokens) unless `any_whitespace` is true: a model
     free to pad can pad until max_tokens. After construction `json` is compact JSON text (key order kept:
     properties are generated in it), so equal schemas share one compiled grammar, and `choice` a tuple."""
@@ -53,16 +54,19 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: Sequence[str] | None = None
     grammar: str | None = None
+    structural_tag: str | Mapping[str, Any] | None = None
     json_object: bool = False
     any_whitespace: bool = False
 
     def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given = [name for name in ("json", "regex", "choice", "grammar", "structural_tag")
+                 if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object is True else []
         _check_field(isinstance(self.json_object, bool) and isinstance(self.any_whitespace, bool),
                      "structured_outputs", "structured_outputs json_object and any_whitespace must be true or false")
         _check_field(len(given) == 1, "structured_outputs",
-                     f"structured_outputs must set exactly one of json, regex, choice, grammar, json_object; got "
+                     "structured_outputs must set exactly one of json, regex, choice, grammar, structural_tag, "
+                     f"json_object; got "
                      f"{given or 'none'}")
         if self.json is not None:
             schema = self.json
@@ -75,7 +79,9 @@ class StructuredOutputsParams:
             _check_field(isinstance(schema, (Mapping, bool)), "structured_outputs",
                          f"structured_outputs json must be a JSON schema (an object), got {type(schema).__name__}")
             object.__setattr__(self, "json", json.dumps(schema, separators=(",", ":")))
-        for name in ("regex", "grammar"):
+        if isinstance(self.structural_tag, Mapping):
+            object.__setattr__(self, "structural_tag", json.dumps(self.structural_tag, separators=(",", ":")))
+        for name in ("regex", "grammar", "structural_tag"):
             value = getattr(self, name)
             _check_field(value is None or (isinstance(value, str) and value != ""), "structured_outputs",
                          f"structured_outputs {name} must be a non-empty string")
@@ -88,7 +94,7 @@ class StructuredOutputsParams:
     @property
     def key(self) -> tuple[str, str, bool]:
         """What the compiled grammar depends on: kind, canonical text, whitespace option."""
-        for kind in ("json", "regex", "grammar"):
+        for kind in ("json", "regex", "grammar", "structural_tag"):
             if getattr(self, kind) is not None:
                 return kind, getattr(self, kind), self.any_whitespace
         if self.choice is not None:

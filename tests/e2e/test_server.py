@@ -79,13 +79,16 @@ def servers(checkpoint_dirs, media_dir, tmp_path_factory):
                         "--max-video-frames", "4", "--num-kv-blocks", "256", "--max-request-bytes", "3000000")
     strict = start_server(model, logs / "strict.log", "--num-kv-blocks", "64", "--return-tokens-as-token-ids",
                           "--enable-request-id-headers", api_key=API_KEY)
+    # the bundled demo model: its chat template renders tools
+    demo = start_server(None, logs / "demo.log", "--tool-call-parser", "hermes", "--enable-auto-tool-choice",
+                        "--num-kv-blocks", "128")
     try:
-        wait_healthy(main)
-        wait_healthy(strict)
-        yield {"main": main, "strict": strict}
+        for started in (main, strict, demo):
+            wait_healthy(started)
+        yield {"main": main, "strict": strict, "demo": demo}
     finally:
-        stop_server(main)
-        stop_server(strict)
+        for started in (main, strict, demo):
+            stop_server(started)
 
 
 @pytest.fixture(scope="module")
@@ -323,7 +326,8 @@ BAD_REQUESTS = {
     "max_tokens_beyond_context": ({**_chat_body("hi"), "max_tokens": 10**6}, 400, "maximum context length"),
     "n_zero": ({**_chat_body("hi"), "n": 0}, 400, "n must be an integer in [1, 128]"),
     "tools": ({**_chat_body("hi"), "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
-              "'tools' is not supported"),
+              "chat template renders no tools"),
+    "tool_choice_without_tools": ({**_chat_body("hi"), "tool_choice": "required"}, 400, "tool_choice needs tools"),
     "invalid_json_schema": ({**_chat_body("hi"), "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}}, 400,
         "response_format json does not compile"),
@@ -384,7 +388,7 @@ BAD_REQUEST_PARAMS = {
     "unknown_role": "messages[0].role", "message_without_role": "messages[0]", "empty_messages": "messages",
     "second_part_is_bad": "messages[0].content[1].image_url",
     "too_many_images": "messages[0].content[2].image_url", "image_too_large": f"{PART}.image_url",
-    "unknown_model": "model", "max_tokens_beyond_context": "max_tokens", "n_zero": "n", "tools": "tools",
+    "unknown_model": "model", "max_tokens_beyond_context": "max_tokens", "n_zero": "n", "tools": "tools", "tool_choice_without_tools": "tool_choice",
     "invalid_json_schema": "response_format", "unknown_response_format": "response_format",
     "invalid_regex": "structured_outputs", "structured_outputs_unknown_key": "structured_outputs",
     "two_constraints": "guided_choice", "guided_choice_empty": "guided_choice", "presence_penalty": "presence_penalty", "logit_bias": "logit_bias",
@@ -521,7 +525,7 @@ def test_openai_client_error_types(server, client):
     """The official client maps our error responses onto its own error types, with our message."""
     import openai
 
-    with pytest.raises(openai.BadRequestError, match="'tools' is not supported"):
+    with pytest.raises(openai.BadRequestError, match="chat template renders no tools"):
         greedy_chat(client, server, image_message(data_uri(png_bytes((1, 1, 1)))), max_tokens=2,
                     tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
@@ -871,3 +875,75 @@ def test_structured_outputs_whole_and_streamed(server, client, llm):
                                       extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{2}"}})
     assert re.fullmatch("[A-Z]{2}-[0-9]{2}", regex.choices[0].text), regex.choices[0].text
     assert stats(server)["grammar_matchers"] == 0
+
+
+COUNT_TOOL = {"type": "function", "function": {
+    "name": "count_shapes", "description": "Count the shapes of one colour in the picture", "strict": True,
+    "parameters": {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue", "yellow", "purple",
+                                                                       "orange"]}},
+                   "required": ["color"], "additionalProperties": False}}}
+AREA_TOOL = {"type": "function", "function": {"name": "area", "parameters": {"type": "object"}}}
+
+
+def test_tool_calls_forced_streamed_and_round_tripped(servers):
+    """On the demo model: tool_choice required (one call with parallel_tool_calls false) and a named choice
+    return calls that parse and match the strict tool's schema, finish_reason tool_calls; streamed, the
+    official client's deltas assemble into the same call; the tool's result sent back renders and the
+    model answers; bad tool requests are 400s naming their field."""
+    import jsonschema
+
+    from mmserve.demo import shapes
+
+    demo = servers["demo"]
+    client = OpenAI(base_url=demo.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    sample = shapes.make_sample(5, 0, "describe")
+    buffer = io.BytesIO()
+    sample.images[0].save(buffer, format="PNG")
+    messages = image_message(data_uri(buffer.getvalue()), "How many red shapes are there?")
+    tools = [COUNT_TOOL, AREA_TOOL]
+    for choice, parallel in (("required", False), ({"type": "function", "function": {"name": "count_shapes"}}, None)):
+        reply = client.chat.completions.create(model=demo.model, messages=messages, tools=tools, tool_choice=choice,
+                                               max_tokens=80, temperature=0,
+                                               **({} if parallel is None else {"parallel_tool_calls": parallel}))
+        answer = reply.choices[0]
+        assert answer.finish_reason == "tool_calls" and len(answer.message.tool_calls) == 1
+        called = answer.message.tool_calls[0]
+        assert called.type == "function" and called.id.startswith("call_")
+        if called.function.name == "count_shapes":
+            jsonschema.validate(json.loads(called.function.arguments), COUNT_TOOL["function"]["parameters"])
+        else:
+            assert choice == "required" and isinstance(json.loads(called.function.arguments), dict)
+    named = {"type": "function", "function": {"name": "count_shapes"}}
+    whole = client.chat.completions.create(model=demo.model, messages=messages, tools=tools, tool_choice=named,
+                                           max_tokens=80, temperature=0)
+    assembled: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(model=demo.model, messages=messages, tools=tools, tool_choice=named,
+                                                max_tokens=80, temperature=0, stream=True):
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for delta in choice.delta.tool_calls or []:
+                entry = assembled.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+                entry["id"] = delta.id or entry["id"]
+                entry["name"] += (delta.function.name or "") if delta.function else ""
+                entry["arguments"] += (delta.function.arguments or "") if delta.function else ""
+    call = whole.choices[0].message.tool_calls[0]
+    assert finish == "tool_calls" and len(assembled) == 1 and assembled[0]["id"]
+    assert (assembled[0]["name"], json.loads(assembled[0]["arguments"])) == (
+        call.function.name, json.loads(call.function.arguments))
+    history = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                          {"role": "tool", "tool_call_id": call.id, "content": "2"}]
+    final = client.chat.completions.create(model=demo.model, messages=history, tools=tools, max_tokens=16,
+                                           temperature=0)
+    assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    tokenized = httpx.post(demo.url + "/tokenize", json={"model": demo.model, "messages": history}, timeout=60)
+    assert tokenized.status_code == 200
+    for bad, param in (({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                        "tool_choice"),
+                       ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0]"),
+                       ({"tools": tools, "tool_choice": "required", "response_format": {"type": "json_object"}},
+                        "tool_choice")):
+        response = httpx.post(demo.url + "/v1/chat/completions", timeout=60,
+                              json={"model": demo.model, "messages": messages, "max_tokens": 4, **bad})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    assert stats(demo)["grammar_matchers"] == 0

@@ -131,3 +131,24 @@ def test_a_gemma_conversation_that_does_not_alternate_is_refused_by_its_template
     messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
     with pytest.raises(InvalidInputError, match="Conversation roles must alternate"):
         load_processor(ckpt).render_chat(messages)
+
+
+def test_the_demo_models_template_renders_tools_as_transformers(tmp_path):
+    """The bundled demo model's template renders tools, assistant tool calls and tool results (and every
+    other conversation of the set) to transformers' text; without tools, as the plain Qwen2-VL one does."""
+    from mmserve.demo.eval import default_model_dir
+    from mmserve.models.qwen2_vl.chat_template import QWEN2_VL_CHAT_TEMPLATE
+
+    processor = load_processor(default_model_dir())
+    hf = AutoTokenizer.from_pretrained(default_model_dir())
+    plain = _checkpoint_with(default_model_dir(), tmp_path, "jinja", QWEN2_VL_CHAT_TEMPLATE)
+    plain_processor = load_processor(plain)
+    for messages, variables in _conversations(True):
+        want = hf.apply_chat_template(_for_transformers(messages), tokenize=False, add_generation_prompt=True,
+                                      **variables)
+        assert processor.render_chat(messages, **variables).prompt == want
+        if "tools" in variables:
+            assert "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>" in want
+            assert "<tool_response>\n-3 C\n</tool_response>" in want
+        else:
+            assert plain_processor.render_chat(messages, **variables).prompt == want

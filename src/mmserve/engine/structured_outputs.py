@@ -92,6 +92,8 @@ class StructuredOutputs:
                 grammar = compiler.compile_regex(text)
             elif kind == "choice":
                 grammar = compiler.compile_regex(_choice_regex(tuple(json.loads(text))))
+            elif kind == "structural_tag":
+                grammar = compiler.compile_structural_tag(text)
             else:
                 grammar = compiler.compile_grammar(text)
         except InvalidInputError:
@@ -149,6 +151,22 @@ class StructuredOutputs:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def json_schema_ebnf(schema: Any, param: str, any_whitespace: bool = False) -> str:
+    """The EBNF grammar (xgrammar's dialect) of JSON matching `schema`, compact unless `any_whitespace`,
+    length-bounded strings rewritten as below; InvalidInputError naming `param` if it does not convert."""
+    import xgrammar as xgr
+
+    try:
+        grammar = xgr.Grammar.from_json_schema(json.dumps(rewrite_bounded_strings(schema)),
+                                               any_whitespace=any_whitespace, strict_mode=True)
+    except InvalidInputError as exc:
+        raise InvalidInputError(str(exc).replace(PARAM, param, 1), param=param) from None
+    except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with its reason
+        raise InvalidInputError(f"{param}: the JSON schema does not compile: {str(exc).strip()[:200]}",
+                                param=param) from None
+    return str(grammar)
 
 
 # a JSON string's characters that need no escape: xgrammar's length-bounded string rule lets raw control

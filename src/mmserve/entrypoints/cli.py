@@ -193,6 +193,14 @@ def _add_serve_parser(sub: Any) -> None:
                       help="logprobs name tokens as 'token_id:N' instead of their text (vLLM's flag)")
     http.add_argument("--enable-request-id-headers", action="store_true",
                       help="answer with an X-Request-Id header (the client's, else a new id)")
+    http.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                      help="accepted for vLLM compatibility: the call syntax is chosen from the model's chat "
+                           "template (hermes: <tool_call>{json}</tool_call>); a name other than that is refused")
+    http.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help="accepted for vLLM compatibility: tool_choice auto is always enabled")
+    http.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                      help="accepted for vLLM compatibility: a chat template that thinks (<think>...</think>) has "
+                           "its thought returned as reasoning_content whatever the name")
     http.add_argument("--root-path", default="", metavar="PATH",
                       help="the path prefix a proxy serves the API under (ASGI root_path; default: none)")
     _add_engine_args(serve)
@@ -282,6 +290,10 @@ def _serve(args: argparse.Namespace) -> int:
     from mmserve.inputs.fetch import FetchPolicy
 
     _log_to_stderr(args.log_level)
+    if args.tool_call_parser not in (None, "hermes", "auto"):
+        print(f"error: --tool-call-parser {args.tool_call_parser}: mmserve reads calls in the syntax the model's "
+              "chat template renders (hermes); give hermes or leave it out", file=sys.stderr)
+        return 2
     model = _model(args)
     limits = {"image": 16, "video": 4, **_limit_per_prompt(args.limit_mm_per_prompt)}
     config = EngineConfig.from_kwargs(model, **_engine_kwargs(args))

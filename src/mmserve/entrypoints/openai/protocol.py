@@ -49,16 +49,15 @@ class StreamOptions(BaseModel):
 # OpenAI request fields mmserve does not implement, with the values that ask for nothing (a client may send
 # those): any other value is refused with a 400 naming the field, never silently ignored
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "parallel_tool_calls": (None,), "best_of": (None, 1),
+    "functions": (None, []), "function_call": (None, "none"), "best_of": (None, 1),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
     "guided_decoding_backend": (None, "xgrammar", "auto"),  # vLLM's older name for the one backend there is
 }
 # vLLM's older names of structured_outputs' keys
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
-STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "any_whitespace",
-                   "disable_any_whitespace")
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "structural_tag", "json_object", "any_whitespace")
+STRUCTURED_ALIASES = ("disable_any_whitespace",)
 INT64_RANGE = (-(2**63), 2**63)  # OpenAI's seed
 # what a refusal adds, where there is a way to get the same
 UNSUPPORTED_HINTS = {"best_of": ": ask for n choices instead (vLLM removed best_of too)"}
@@ -124,11 +123,11 @@ class _GenerationRequest(BaseModel):
         if not isinstance(value, dict):
             raise InvalidInputError(f"{name} must be an object", param=name)
         if name == "structured_outputs":
-            unknown = sorted(set(value) - set(STRUCTURED_KEYS))
+            unknown = sorted(set(value) - set(STRUCTURED_KEYS) - set(STRUCTURED_ALIASES))
             if unknown:
                 raise InvalidInputError(f"structured_outputs has unknown keys {unknown}: it takes "
-                                        f"{', '.join(STRUCTURED_KEYS)}", param=name)
-            fields = {k: v for k, v in value.items() if k in STRUCTURED_KEYS[:6] and v is not None}
+                                        f"{', '.join(STRUCTURED_KEYS + STRUCTURED_ALIASES)}", param=name)
+            fields = {k: v for k, v in value.items() if k in STRUCTURED_KEYS and v is not None}
             if value.get("disable_any_whitespace") is not None:
                 fields["any_whitespace"] = not value["disable_any_whitespace"]
             return StructuredOutputsParams(**fields)
@@ -223,6 +222,9 @@ class _GenerationRequest(BaseModel):
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
+    tools: list[Any] | None = None  # OpenAI's: [{"type": "function", "function": {name, parameters, strict}}]
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
+    parallel_tool_calls: bool | None = None
     # vLLM's: end the prompt with the assistant's turn opened (the default), or continue the last message
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -313,9 +315,29 @@ class Usage(BaseModel):
     decode_tokens_per_s: float | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallModel(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None  # a thinking model's thought (vLLM's field)
+    tool_calls: list[ToolCallModel] = Field(default_factory=list)
 
 
 class TopLogprob(BaseModel):
@@ -373,6 +395,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -49,19 +50,25 @@ from mmserve.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DeltaToolCall,
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
+    FunctionCall,
     PromptTokensDetails,
     RequestError,
     TokenizeRequest,
     TokenizeResponse,
+    ToolCallModel,
     Usage,
 )
+from mmserve.entrypoints.openai.reasoning import ReasoningStream, opens_thought, split, thinks
+from mmserve.entrypoints.openai.tools import ToolCallStream, ToolFormat, ToolRequest, parse_tools, tool_format
 from mmserve.errors import InvalidInputError, at_param
 from mmserve.inputs.items import ProcessedPrompt
 from mmserve.outputs import CompletionOutput, Logprob, RequestOutput
+from mmserve.sampling_params import StructuredOutputsParams
 
 T = TypeVar("T")
 CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request": nobody reads it, the logs do
@@ -113,6 +120,10 @@ class _StreamCursor:
     continuous_usage: bool = False  # every chunk carries the usage so far
     names: Callable[[list], list] = list  # how entries name their tokens (text, or token ids)
     return_token_ids: bool = False  # chunks carry their new token ids (and the first, the prompt's)
+    tools: tuple[ToolRequest, ToolFormat] | None = None  # chat with tools: calls are parsed out of the text
+    tool_streams: dict[int, ToolCallStream] = field(default_factory=dict)
+    in_thought: bool | None = None  # a thinking template: does the answer start inside a thought?
+    reasoning_streams: dict[int, ReasoningStream] = field(default_factory=dict)
     announced: set[int] = field(default_factory=set)
     finished: set[int] = field(default_factory=set)
     sent: dict[int, int] = field(default_factory=dict)
@@ -136,6 +147,18 @@ class _StreamCursor:
 
     def prompt_ids(self, output: RequestOutput, first: bool) -> list[int] | None:
         return list(output.prompt_token_ids) if self.return_token_ids and first else None
+
+    def reasoning_stream(self, index: int) -> ReasoningStream:
+        assert self.in_thought is not None
+        if index not in self.reasoning_streams:
+            self.reasoning_streams[index] = ReasoningStream(self.in_thought)
+        return self.reasoning_streams[index]
+
+    def tool_stream(self, index: int) -> ToolCallStream:
+        assert self.tools is not None
+        if index not in self.tool_streams:
+            self.tool_streams[index] = ToolCallStream(self.tools[1], self.tools[0])
+        return self.tool_streams[index]
 
     def first_chunk(self, index: int) -> bool:
         """Is this the choice's first chunk (then it announces the role)?"""
@@ -204,6 +227,29 @@ class _PromptBatch:
             for _, outputs in started:
                 with contextlib.suppress(Exception):
                     await outputs.aclose()
+
+
+def _parsed_tool_arguments(messages: Any) -> Any:
+    """The messages with assistant tool calls' `arguments` as objects, as templates render them (OpenAI
+    sends them as JSON text; vLLM parses them the same way); text that is not JSON is left as it is."""
+    if not isinstance(messages, list):
+        return messages
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if isinstance(calls, list):
+            parsed = []
+            for call in calls:
+                function = call.get("function") if isinstance(call, dict) else None
+                if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                    try:
+                        call = {**call, "function": {**function, "arguments": json.loads(function["arguments"])}}
+                    except ValueError:
+                        pass
+                parsed.append(call)
+            message = {**message, "tool_calls": parsed}
+        out.append(message)
+    return out
 
 
 def _sse(payload: BaseModel) -> str:
@@ -318,16 +364,20 @@ class OpenAIServing:
         return truncated
 
     async def _start(self, request_id: str, prompt: ProcessedPrompt, body: Any, raw: Request,
-                     arrival_time: float) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
-        """Submit and wait for the first output, so refusals are still HTTP errors."""
+                     arrival_time: float, tool_grammar: StructuredOutputsParams | None = None,
+                     ) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
+        """Submit and wait for the first output, so refusals are still HTTP errors. `tool_grammar`: the
+        grammar of a forced tool choice."""
         prompt = await self._truncated(prompt, body.truncate_prompt_tokens)
         params = body.sampling_params(self.max_model_len, prompt.num_tokens)
+        if tool_grammar is not None:
+            params = replace(params, structured_outputs=tool_grammar)
         prompt.cache_salt = check_cache_salt(body.cache_salt)
         if params.structured_outputs is not None:  # compiled off the engine's loop; refused as a 400
             try:
                 await asyncio.wrap_future(self.engine.engine.structured.compile(params.structured_outputs))
             except InvalidInputError as exc:
-                field_name = body.structured()[1]
+                field_name = "tools" if tool_grammar is not None else body.structured()[1]
                 raise RequestError(str(exc).replace("structured_outputs", field_name, 1), param=field_name) from exc
         outputs = self.engine.generate(request_id, prompt, params, arrival_time)
         first = await _unless_disconnected(anext(outputs), raw)
@@ -337,12 +387,52 @@ class OpenAIServing:
         return first, outputs
 
     # ---- chat -------------------------------------------------------------------------------------
-    async def _chat_prompt(self, body: ChatCompletionRequest) -> ProcessedPrompt:
-        messages = await self._in_worker(resolve_messages, body.messages, self.config.media,
+    async def _chat_prompt(self, body: ChatCompletionRequest, tools: ToolRequest | None = None) -> ProcessedPrompt:
+        messages = await self._in_worker(resolve_messages, _parsed_tool_arguments(body.messages), self.config.media,
                                          body.mm_processor_kwargs)
+        template_kwargs = {} if tools is None else {"tools": list(tools.template_tools)}
         return await self.engine.process_chat(messages, body.mm_processor_kwargs,
                                               add_generation_prompt=body.add_generation_prompt,
-                                              continue_final_message=body.continue_final_message)
+                                              continue_final_message=body.continue_final_message, **template_kwargs)
+
+    def _tools(self, body: ChatCompletionRequest) -> tuple[ToolRequest, ToolFormat] | None:
+        """The request's tools and the model's call syntax (None: no tools), or a 400 naming the field."""
+        try:
+            tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+        except InvalidInputError as exc:
+            raise RequestError(str(exc), param=exc.param) from exc
+        if tools is None:
+            return None
+        fmt = tool_format(self.engine.engine.processor.tokenizer.chat_template)
+        if fmt is None:
+            raise RequestError("this model's chat template renders no tools, so it cannot call them", param="tools",
+                               code="unsupported_parameter")
+        if tools.forced and body.structured()[0] is not None:
+            raise RequestError("tool_choice required or a named function is a grammar of its own: it cannot be "
+                               "combined with response_format or structured_outputs", param="tool_choice")
+        return tools, fmt
+
+    def _in_thought(self, output: RequestOutput) -> bool | None:
+        """For a thinking template: does the answer start inside a thought (None: the template does not think)?"""
+        tokenizer = self.engine.engine.processor.tokenizer
+        if not thinks(tokenizer.chat_template):
+            return None
+        return opens_thought(tokenizer.decode(list(output.prompt_token_ids[-8:]), skip_special_tokens=False))
+
+    @staticmethod
+    def _message(completion: CompletionOutput, tools: tuple[ToolRequest, ToolFormat] | None,
+                 in_thought: bool | None = None) -> tuple[ChatMessage, str | None]:
+        """The choice's message (its thought apart, its calls parsed out, where the request has tools) and
+        finish reason."""
+        reasoning, text = (None, completion.text) if in_thought is None else split(completion.text, in_thought)
+        if tools is None or tools[0].choice == "none":
+            return ChatMessage(content=text, reasoning_content=reasoning), completion.finish_reason
+        content, calls = tools[1].parse(text, tools[0])
+        if not calls:
+            return ChatMessage(content=text, reasoning_content=reasoning), completion.finish_reason
+        message = ChatMessage(content=content, reasoning_content=reasoning, tool_calls=[
+            ToolCallModel(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls])
+        return message, "tool_calls" if completion.finish_reason == "stop" else completion.finish_reason
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Any:
         arrival_time = time.time()
@@ -350,33 +440,44 @@ class OpenAIServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         # the media and the processed prompt live in no frame of this request past submission: once
         # encoded, the engine releases the pixels and nothing else holds them
-        first, outputs = await self._start(request_id, await self._chat_prompt(body), body, raw, arrival_time)
+        tools = self._tools(body)
+        grammar = None
+        if tools is not None and tools[0].forced:
+            grammar = StructuredOutputsParams(structural_tag=tools[1].structural_tag(tools[0]))
+        first, outputs = await self._start(request_id, await self._chat_prompt(body, tools and tools[0]), body, raw,
+                                           arrival_time, grammar)
 
         num_logprobs = body.requested_logprobs()
+        in_thought = self._in_thought(first)
 
         def whole(final: RequestOutput) -> BaseModel:
-            choices = [ChatChoice(index=c.index, message=ChatMessage(content=c.text), finish_reason=c.finish_reason,
-                                  logprobs=None if num_logprobs is None else chat_logprobs(
-                                      c.token_ids, self._names(c.logprobs), num_logprobs),
-                                  token_ids=list(c.token_ids) if body.return_token_ids else None)
-                       for c in final.outputs]
+            choices = []
+            for c in final.outputs:
+                message, finish_reason = self._message(c, tools, in_thought)
+                choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason,
+                                          logprobs=None if num_logprobs is None else chat_logprobs(
+                                              c.token_ids, self._names(c.logprobs), num_logprobs),
+                                          token_ids=list(c.token_ids) if body.return_token_ids else None))
             return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=_usage(final),
                                           prompt_logprobs=None if body.prompt_logprobs is None
                                           else prompt_logprobs(self._names(final.prompt_logprobs)),
                                           prompt_token_ids=list(final.prompt_token_ids) if body.return_token_ids
                                           else None)
 
-        return await self._respond(request_id, model, body, raw, first, outputs, self._chat_chunks, whole)
+        return await self._respond(request_id, model, body, raw, first, outputs, self._chat_chunks, whole,
+                                   tools=tools if tools is not None and tools[0].choice != "none" else None,
+                                   in_thought=in_thought)
 
     async def _respond(self, request_id: str, model: str, body: Any, raw: Request, first: RequestOutput,
                        outputs: AsyncIterator[RequestOutput], chunks: Callable[..., list[BaseModel]],
-                       whole: Callable[[RequestOutput], BaseModel], echo: Callable | None = None) -> Any:
+                       whole: Callable[[RequestOutput], BaseModel], echo: Callable | None = None,
+                       tools: tuple[ToolRequest, ToolFormat] | None = None, in_thought: bool | None = None) -> Any:
         """Finish one submitted request: server-sent events rendered by `chunks`, or the answer built by
         `whole`."""
         if body.stream:
             render = partial(chunks, request_id, model, body.include_usage,
                              _StreamCursor(body.requested_logprobs(), echo, body.continuous_usage, self._names,
-                                           body.return_token_ids))
+                                           body.return_token_ids, tools, in_thought=in_thought))
             return StreamingResponse(_stream_events(first, outputs, render), media_type="text/event-stream")
         final = first if first.finished else await _unless_disconnected(_last(outputs), raw)
         _raise_if_failed(final)
@@ -396,12 +497,28 @@ class OpenAIServing:
                                            token_ids=[] if cursor.return_token_ids else None))
         token_ids, entries = cursor.take(completion)
         new_ids = cursor.take_ids(completion)
-        if output.delta_text or entries or new_ids:
+        text, calls, finish_reason = output.delta_text, [], completion.finish_reason
+        finished, thought, answer = completion.finish_reason is not None, "", completion.text
+        if cursor.in_thought is not None:  # the thought as reasoning, then the answer
+            reasoning = cursor.reasoning_stream(index)
+            thought, answer = reasoning.update(completion.text, finished)
+            text, reasoning.sent_content = answer[reasoning.sent_content:], max(reasoning.sent_content, len(answer))
+        if cursor.tools is not None:  # content until a call may begin; each call whole once its end arrives
+            stream = cursor.tool_stream(index)
+            text, calls = stream.update(answer, finished)
+            if stream.calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        if text or thought or entries or new_ids:
             logprobs = chat_logprobs(token_ids, entries, cursor.num_logprobs) if entries else None
-            choices.append(ChatChunkChoice(index=index, delta=DeltaMessage(content=output.delta_text),
+            choices.append(ChatChunkChoice(index=index, delta=DeltaMessage(content=text, reasoning_content=thought or None),
                                            logprobs=logprobs, token_ids=new_ids))
+        for i, call in calls:  # id and name first, then the arguments, as OpenAI streams them
+            for delta in (DeltaToolCall(index=i, id=call.id, type="function",
+                                        function=FunctionCall(name=call.name, arguments="")),
+                          DeltaToolCall(index=i, function=FunctionCall(arguments=call.arguments))):
+                choices.append(ChatChunkChoice(index=index, delta=DeltaMessage(tool_calls=[delta])))
         if cursor.finishes(completion):
-            choices.append(ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason=completion.finish_reason,
+            choices.append(ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason=finish_reason,
                                            token_ids=[] if cursor.return_token_ids else None))
         usage = _usage(output) if cursor.continuous_usage else None
         out = [ChatCompletionChunk(id=request_id, model=model, choices=[c], usage=usage,
