@@ -9,6 +9,8 @@ import re
 
 import jsonschema
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from mmserve import LLM, InvalidInputError, SamplingParams, StructuredOutputsParams
 from mmserve.demo import shapes
@@ -38,6 +40,34 @@ SCHEMAS = [
      "required": ["name", "code"], "additionalProperties": False},
     {"anyOf": [{"type": "null"}, {"const": "none"}, {"type": "integer", "minimum": 0, "maximum": 99}]},
 ]
+
+
+def _leaf_schemas() -> st.SearchStrategy[dict]:
+    word = st.text(alphabet="abcxyz", min_size=1, max_size=4)
+    low = st.integers(-20, 20)
+    return st.one_of(
+        st.lists(word, min_size=1, max_size=4, unique=True).map(lambda ws: {"enum": ws}),
+        word.map(lambda w: {"const": w}),
+        low.map(lambda lo: {"type": "integer", "minimum": lo, "maximum": lo + 30}),
+        st.just({"type": "number", "minimum": 0, "maximum": 1}),
+        st.just({"type": "boolean"}), st.just({"type": "null"}),
+        st.integers(1, 6).map(lambda n: {"type": "string", "maxLength": n}),
+        st.just({"type": "string", "pattern": "^[a-z]{1,4}$"}),
+    )
+
+
+def _schemas() -> st.SearchStrategy[dict]:
+    """JSON schemas over the features xgrammar supports, bounded so that a sampled model ends them."""
+    def compound(children: st.SearchStrategy[dict]) -> st.SearchStrategy[dict]:
+        return st.one_of(
+            st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), children, min_size=1, max_size=3).map(
+                lambda props: {"type": "object", "properties": props, "required": sorted(props),
+                               "additionalProperties": False}),
+            st.tuples(children, st.integers(0, 3)).map(
+                lambda t: {"type": "array", "items": t[0], "maxItems": t[1]}),
+            st.lists(children, min_size=2, max_size=2).map(lambda cs: {"anyOf": cs}),
+        )
+    return st.recursive(_leaf_schemas(), compound, max_leaves=4)
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +118,23 @@ def test_every_kind_of_constraint_holds_with_images(demo, temperature):
         else:
             assert _valid(case, completion.text), (case, completion.text)
     demo.engine.check_integrity()
+    assert demo.get_stats()["grammar_matchers"] == 0
+
+
+@settings(max_examples=4, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(schemas=st.lists(_schemas(), min_size=6, max_size=6))
+def test_generated_schemas_hold_for_sampled_outputs(demo, schemas):
+    """Property: for generated schemas (enums, consts, bounded numbers, booleans, nulls, length-bounded and
+    patterned strings, objects, arrays, anyOf, nested), every sampled output that finishes validates."""
+    cases = [StructuredOutputsParams(json=schema) for schema in schemas]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=160, structured_outputs=c) for i, c in enumerate(cases)]
+    finished = 0
+    for case, out in zip(cases, demo.chat(_chats(len(cases), start=80), params, use_tqdm=False)):
+        if out.outputs[0].finish_reason == "stop":
+            finished += 1
+            assert _valid(case, out.outputs[0].text), (case.json, out.outputs[0].text)
+    assert finished >= 3  # the bounds let most end: a property over outputs that exist
     assert demo.get_stats()["grammar_matchers"] == 0
 
 
