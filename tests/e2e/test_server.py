@@ -946,4 +946,7 @@ def test_tool_calls_forced_streamed_and_round_tripped(servers):
         response = httpx.post(demo.url + "/v1/chat/completions", timeout=60,
                               json={"model": demo.model, "messages": messages, "max_tokens": 4, **bad})
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    on_completions = httpx.post(demo.url + "/v1/completions", timeout=60,
+                                json={"model": demo.model, "prompt": "hi", "max_tokens": 4, "tools": tools})
+    assert on_completions.status_code == 400 and on_completions.json()["error"]["param"] == "tools"
     assert stats(demo)["grammar_matchers"] == 0

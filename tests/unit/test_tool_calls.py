@@ -33,6 +33,12 @@ def test_parse_calls_and_content(request_tools):
     assert HERMES.parse(call("count", {"color": "red"}), request_tools)[0] is None
 
 
+def test_without_parallel_calls_only_the_first_is_taken():
+    two = call("count", {"color": "red"}) + "\n" + call("area", {})
+    content, calls = HERMES.parse(two, parse_tools(TOOLS, "auto", False))
+    assert content is None and [c.name for c in calls] == ["count"]
+
+
 @pytest.mark.parametrize("text", [
     "plain answer", "<tool_call>\n{not json}\n</tool_call>", call("nope", {}),
     "<tool_call>\n{\"name\": \"count\", \"arguments\": {\"color\": \"r",  # cut by max_tokens

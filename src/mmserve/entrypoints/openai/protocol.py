@@ -11,7 +11,7 @@ What it does not know: the engine, media, HTTP routing.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -67,6 +67,8 @@ class _GenerationRequest(BaseModel):
     """Fields shared by chat and text completions (vLLM's extensions included)."""
 
     model_config = ConfigDict(extra="allow")
+    # fields another route implements that this one refuses (with their harmless values)
+    route_unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {}
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -179,7 +181,7 @@ class _GenerationRequest(BaseModel):
         if self.seed is not None and not INT64_RANGE[0] <= self.seed < INT64_RANGE[1]:
             raise RequestError(f"seed must be a 64-bit signed integer, got {self.seed}", param="seed")
         extra = self.model_extra or {}
-        for name, harmless in UNSUPPORTED_FIELDS.items():
+        for name, harmless in {**UNSUPPORTED_FIELDS, **self.route_unsupported_fields}.items():
             if name in extra and extra[name] not in harmless:
                 raise RequestError(f"'{name}' is not supported by this server (got {extra[name]!r:.80})"
                                    f"{UNSUPPORTED_HINTS.get(name, '')}", param=name, code="unsupported_parameter")
@@ -247,6 +249,8 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 class CompletionRequest(_GenerationRequest):
+    route_unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,)}  # chat only
     prompt: str | list[str] | list[int] | list[list[int]]  # one prompt, or several (one choice each, x n)
     # extension: media for the prompt's placeholders, as chat content parts (image_url / video_url)
     media: list[dict[str, Any]] | None = None

@@ -37,8 +37,8 @@ def split(text: str, in_thought: bool) -> tuple[str | None, str]:
     return body[:end].strip("\n"), body[end + len(CLOSE):].lstrip("\n")
 
 
-def _held(text: str, tag: str) -> int:
-    """How many characters at the end of `text` may be the start of `tag`."""
+def partial_tag_len(text: str, tag: str) -> int:
+    """How many characters at the end of `text` may be the start of `tag` (a stream holds them back)."""
     return max((k for k in range(1, len(tag)) if text.endswith(tag[:k])), default=0)
 
 
@@ -49,8 +49,8 @@ class ReasoningStream:
     sent_content: int = 0
 
     def update(self, text: str, finished: bool) -> tuple[str, str]:
-        """(new reasoning, the content so far) of the growing answer; the caller diffs the content (tool
-        calls are parsed out of it)."""
+        """(new reasoning, the content so far) of the growing answer (tool calls are parsed out of the whole
+        content; `take_content` gives its new part)."""
         stripped = text.lstrip()
         if not finished and not self.in_thought and len(stripped) < len(OPEN) and OPEN.startswith(stripped):
             return "", ""  # may yet open a thought
@@ -60,9 +60,14 @@ class ReasoningStream:
         if CLOSE not in text and not finished:
             # inside the thought: hold back what may begin the closing tag
             body = stripped[len(OPEN):] if stripped.startswith(OPEN) else text
-            visible = body[:len(body) - _held(body, CLOSE)].strip("\n")  # as split strips the whole thought
+            visible = body[:len(body) - partial_tag_len(body, CLOSE)].strip("\n")  # as split strips the whole thought
             new, self.sent_reasoning = visible[self.sent_reasoning:], max(self.sent_reasoning, len(visible))
             return new, ""
         new = reasoning[self.sent_reasoning:]
         self.sent_reasoning = max(self.sent_reasoning, len(reasoning))
         return new, content
+
+    def take_content(self, content: str) -> str:
+        """The part of the content so far not sent yet."""
+        new, self.sent_content = content[self.sent_content:], max(self.sent_content, len(content))
+        return new

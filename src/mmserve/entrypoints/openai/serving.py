@@ -502,7 +502,7 @@ class OpenAIServing:
         if cursor.in_thought is not None:  # the thought as reasoning, then the answer
             reasoning = cursor.reasoning_stream(index)
             thought, answer = reasoning.update(completion.text, finished)
-            text, reasoning.sent_content = answer[reasoning.sent_content:], max(reasoning.sent_content, len(answer))
+            text = reasoning.take_content(answer)
         if cursor.tools is not None:  # content until a call may begin; each call whole once its end arrives
             stream = cursor.tool_stream(index)
             text, calls = stream.update(answer, finished)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mmserve.engine.structured_outputs import json_schema_ebnf
+from mmserve.entrypoints.openai.reasoning import partial_tag_len
 from mmserve.errors import InvalidInputError
 
 
@@ -136,6 +137,8 @@ class ToolFormat:
             if not isinstance(call, dict) or call.get("name") not in names or not isinstance(arguments, dict):
                 return text, []
             calls.append(ToolCall(new_call_id(), call["name"], json.dumps(arguments, ensure_ascii=False)))
+        if not tools.parallel:  # parallel_tool_calls false: the first call only (a forced choice makes just one)
+            calls = calls[:1]
         content = text[:start].strip()
         return content or None, calls
 
@@ -180,14 +183,13 @@ class ToolCallStream:
         start = text.find(begin)
         if start < 0:
             # hold back a tail that could be the start of a call's opening tag
-            hold = 0 if finished else max((k for k in range(1, len(begin)) if text.endswith(begin[:k])), default=0)
-            safe = len(text) - hold
+            safe = len(text) - (0 if finished else partial_tag_len(text, begin))
             new, self.sent_content = text[self.sent_content:safe], max(self.sent_content, safe)
             return new, []
         content_end = len(text[:start].rstrip())
         new_content = text[self.sent_content:content_end] if content_end > self.sent_content else ""
         self.sent_content = max(self.sent_content, content_end)
-        _, calls = self.format.parse(text, self.tools) if finished else self._complete_calls(text[start:])
+        calls = self.format.parse(text, self.tools)[1] if finished else self._complete_calls(text[start:])
         if finished and not calls:  # not calls after all: the rest is content
             rest, self.sent_content = text[self.sent_content:], len(text)
             return new_content + rest, []
@@ -195,12 +197,8 @@ class ToolCallStream:
         self.calls.extend(c for _, c in fresh)
         return new_content, fresh
 
-    def _complete_calls(self, tail: str) -> tuple[None, list[ToolCall]]:
-        """The calls whose end tag has arrived (the ones already sent keep their ids)."""
+    def _complete_calls(self, tail: str) -> list[ToolCall]:
+        """The calls whose end tag has arrived (only those past the ones already sent are used)."""
         end = self.format.end.strip()
         cut = tail.rfind(end)
-        if cut < 0:
-            return None, list(self.calls)
-        _, calls = self.format.parse(tail[:cut + len(end)], self.tools)
-        calls = calls or []
-        return None, list(self.calls) + calls[len(self.calls):]
+        return [] if cut < 0 else self.format.parse(tail[:cut + len(end)], self.tools)[1]
