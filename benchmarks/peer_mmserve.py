@@ -11,7 +11,9 @@ different image and question, so no timed request is in the prefix or encoder ca
   TTFT per request from the call's start (`RequestOutput.metrics`);
 - `one`: one `llm.chat` call per request, in order; TTFT, decode tokens/s = (n - 1) / (finish -
   first token), end-to-end tokens/s.
-Every request asks for exactly the workload's output tokens (min = max, ignore_eos), greedy.
+Every request asks for exactly the workload's output tokens (min = max, ignore_eos), greedy; in a
+structured workload (`peers.py --structured`) up to that many under its JSON schema (compact JSON, the
+warm-up compiles the schema).
 With `--reference N` it instead runs transformers' `generate` (float32, greedy, the PIL image
 processor, the same prompt text) on the first N requests and writes their token ids.
 
@@ -45,23 +47,35 @@ def _messages(req, image) -> list[dict]:
                                          {"type": "text", "text": req.question}]}]
 
 
+def _params(json_schema: dict | None, n_out: int) -> tuple:
+    """(timed, warm-up) sampling parameters: exactly n_out plain tokens, or up to n_out under the schema
+    (the warm-up compiles it, so the timed call finds it compiled)."""
+    from mmserve import SamplingParams, StructuredOutputsParams
+
+    if json_schema is None:
+        return (SamplingParams(temperature=0, max_tokens=n_out, min_tokens=n_out, ignore_eos=True),
+                SamplingParams(temperature=0, max_tokens=4, min_tokens=4, ignore_eos=True))
+    so = StructuredOutputsParams(json=json_schema)
+    return (SamplingParams(temperature=0, max_tokens=n_out, structured_outputs=so),
+            SamplingParams(temperature=0, max_tokens=4, structured_outputs=so))
+
+
 def run_mmserve(args: argparse.Namespace) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
-    from mmserve import LLM, SamplingParams
+    from mmserve import LLM
 
     wl = load_workload(args.run_dir, args.num_requests)
     images = [r.image() for r in wl.requests]
     n_out = wl.output_tokens
-    params = SamplingParams(temperature=0, max_tokens=n_out, min_tokens=n_out, ignore_eos=True)
+    params, warm_params = _params(wl.json_schema, n_out)
     started = time.perf_counter()
     engine_args = dict(dtype=args.dtype, max_num_seqs=max(len(images), 1), compile_cpu_decode=args.compile_cpu_decode)
     llm = LLM(str(args.model_dir), **engine_args)
     load_s = time.perf_counter() - started
     started = time.perf_counter()  # cold call: first request of the process, on the warm-up image
-    llm.chat([_messages(wl.warmup, wl.warmup.image())],
-             SamplingParams(temperature=0, max_tokens=4, min_tokens=4, ignore_eos=True), use_tqdm=False)
+    llm.chat([_messages(wl.warmup, wl.warmup.image())], warm_params, use_tqdm=False)
     cold_s = time.perf_counter() - started
     out = {"system": "mmserve", "dtype": args.dtype, "mode": args.mode, "load_s": round(load_s, 3),
            "cold_call_s": round(cold_s, 3), "threads": torch.get_num_threads(),
@@ -75,6 +89,8 @@ def run_mmserve(args: argparse.Namespace) -> dict:
         outputs = llm.chat(convs, params, use_tqdm=False)
         wall_s = time.perf_counter() - started
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        out["texts"] = [o.outputs[0].text for o in outputs]
+        out["finish_reasons"] = [o.outputs[0].finish_reason for o in outputs]
         out.update(summarize_batch(t_wall, wall_s, tokens, [o.metrics.first_token_time for o in outputs],
                                    [o.metrics.finish_time for o in outputs]))
         if args.dtype == "float32":  # the peak is float32's

@@ -14,7 +14,9 @@ processor to transformers' own list of processors that default to PIL, in this p
 engine runs in-process); the class that loads is reported. After one short warm-up request on the warm-up
 image (the cold call, compilation included, is timed and reported), `batch` mode times one
 `generate` call with every request: exactly the workload's output tokens (min = max, ignore_eos),
-greedy. TTFT comes from vLLM's per-request metrics when it reports them (`disable_log_stats=False`).
+greedy; in a structured workload (`peers.py --structured`) up to that many under its JSON schema
+on vLLM's xgrammar backend with `disable_any_whitespace` (mmserve's compact default), the warm-up
+compiling the schema. TTFT comes from vLLM's per-request metrics when it reports them (`disable_log_stats=False`).
 
 What it does not know: vLLM internals; only its public offline API. Stdlib, Pillow and vLLM only.
 """
@@ -67,7 +69,17 @@ def run(args: argparse.Namespace) -> dict:
     wl = load_workload(args.run_dir, args.num_requests)
     images = [r.image() for r in wl.requests]
     n_out = wl.output_tokens
-    params = SamplingParams(temperature=0, max_tokens=n_out, min_tokens=n_out, ignore_eos=True)
+    if wl.json_schema is None:
+        params = SamplingParams(temperature=0, max_tokens=n_out, min_tokens=n_out, ignore_eos=True)
+        warm_params = SamplingParams(temperature=0, max_tokens=4, min_tokens=4, ignore_eos=True)
+        structured = {}
+    else:  # vLLM's xgrammar backend, compact JSON as mmserve generates it by default
+        from vllm.sampling_params import StructuredOutputsParams
+
+        so = dict(json=wl.json_schema, disable_any_whitespace=True)
+        params = SamplingParams(temperature=0, max_tokens=n_out, structured_outputs=StructuredOutputsParams(**so))
+        warm_params = SamplingParams(temperature=0, max_tokens=4, structured_outputs=StructuredOutputsParams(**so))
+        structured = {"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}
     from transformers import AutoImageProcessor
     from transformers.models.auto import image_processing_auto
 
@@ -78,11 +90,11 @@ def run(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     llm = LLM(model=str(args.model_dir), dtype=args.dtype, limit_mm_per_prompt={"image": 1},
               max_model_len=args.max_model_len, max_num_seqs=max(len(images), 1), seed=0,
-              mm_processor_kwargs=mm_kwargs, disable_log_stats=False, enforce_eager=args.eager)
+              mm_processor_kwargs=mm_kwargs, disable_log_stats=False, enforce_eager=args.eager, **structured)
     load_s = time.perf_counter() - started
     started = time.perf_counter()
     llm.generate([{"prompt": wl.warmup.prompt, "multi_modal_data": {"image": wl.warmup.image()}}],
-                 SamplingParams(temperature=0, max_tokens=4, min_tokens=4, ignore_eos=True), use_tqdm=False)
+                 warm_params, use_tqdm=False)
     cold_s = time.perf_counter() - started
     prompts = [{"prompt": r.prompt, "multi_modal_data": {"image": im}} for r, im in zip(wl.requests, images)]
     t_wall = time.time()
@@ -99,6 +111,8 @@ def run(args: argparse.Namespace) -> dict:
            "ld_preload": os.environ.get("LD_PRELOAD", "")}
     out.update(summarize_batch(t_wall, wall_s, tokens, [s[0] for s in stamps], [s[1] for s in stamps]))
     out["tokens"] = tokens
+    out["texts"] = [o.outputs[0].text for o in outputs]
+    out["finish_reasons"] = [o.outputs[0].finish_reason for o in outputs]
     return out
 
 

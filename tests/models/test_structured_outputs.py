@@ -245,3 +245,79 @@ def test_bad_grammars_are_refused_naming_the_field(demo, bad):
     out = demo.chat(_chats(1), SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
     assert out.outputs[0].finish_reason is not None
     demo.engine.check_integrity()
+
+
+@pytest.fixture(scope="module")
+def thinking_llm(tmp_path_factory):
+    """A tiny checkpoint whose template thinks and whose thought tags are single tokens."""
+    from tests.fixtures.tiny_checkpoints import build_checkpoint
+
+    llm = LLM(str(build_checkpoint(tmp_path_factory.mktemp("thinking"), thinking=True)), dtype="float32")
+    tok = llm.engine.processor.tokenizer
+    yield llm, tok.token_to_id("<think>"), tok.token_to_id("</think>")
+    llm.engine.check_integrity()
+
+
+def _thinking_chat(seed: int = 0) -> list[dict]:
+    return shapes.make_sample(3, seed, "describe").messages
+
+
+def test_grammar_applies_after_a_thought_the_prompt_opened(thinking_llm):
+    """The generation prompt opened a thought: the thought is free (here the bias makes its first token the
+    closing tag, which no JSON could start with) and the schema holds from the token after it."""
+    llm, open_id, close_id = thinking_llm
+    so = StructuredOutputsParams(json=SHAPE_SCHEMA)
+    params = SamplingParams(temperature=0, max_tokens=60, logit_bias={close_id: 100}, structured_outputs=so)
+    (out,) = llm.chat([_thinking_chat()], params, use_tqdm=False, chat_template_kwargs={"enable_thinking": True})
+    assert open_id in out.prompt_token_ids[-3:]
+    ids = out.outputs[0].token_ids
+    assert ids[0] == close_id
+    assert close_id not in ids[1:]  # after the thought the mask holds, whatever the bias
+    answer = llm.engine.processor.tokenizer.decode(list(ids[1:]))
+    jsonschema.validate(json.loads(answer), SHAPE_SCHEMA)
+    # outside a thought the closing tag is masked, whatever its bias (here the opening tag is biased away)
+    params = SamplingParams(temperature=0, max_tokens=60, logit_bias={close_id: 100, open_id: -100},
+                            structured_outputs=so)
+    (plain,) = llm.chat([_thinking_chat()], params, use_tqdm=False)
+    assert close_id not in plain.outputs[0].token_ids
+    jsonschema.validate(json.loads(plain.outputs[0].text), SHAPE_SCHEMA)
+    assert llm.get_stats()["grammar_matchers"] == 0
+    llm.engine.check_integrity()
+
+
+def test_a_model_may_open_a_thought_before_the_grammar(thinking_llm):
+    """Without a thought in the prompt the first token may open one: the mask allows the grammar's tokens and
+    the opening tag, not the closing one; inside the thought there is no mask; after its closing tag the
+    grammar's mask alone, the tags excluded."""
+    llm, open_id, close_id = thinking_llm
+    structured = llm.engine.structured
+    tok = llm.engine.processor.tokenizer
+    brace = tok.token_to_id("{")
+
+    def allowed(rid: str) -> set[int] | None:
+        rows = structured.fill([rid])
+        if rid not in rows:
+            return None
+        words = rows[rid].tolist()
+        return {t for t in (open_id, close_id, brace) if (words[t // 32] >> (t % 32)) & 1}
+
+    so = StructuredOutputsParams(json=SHAPE_SCHEMA)
+    structured.start("probe", so, tok.encode("<|im_start|>assistant\n"))
+    try:
+        assert allowed("probe") == {open_id, brace}
+        assert structured.accept("probe", [open_id])
+        assert allowed("probe") is None  # inside the thought: unconstrained
+        assert structured.accept("probe", tok.encode("two shapes") + [open_id])
+        assert allowed("probe") is None
+        assert structured.accept("probe", [close_id])
+        assert allowed("probe") == {brace}
+        assert structured.accept("probe", tok.encode('{"color":"red"'))  # compact: no space after separators
+        assert not structured.accept("probe", [close_id])  # the thought is over: its tags are not JSON
+    finally:
+        structured.release("probe")
+    assert not structured.tracked_ids()
+    # the engine path: bias opens a thought (allowed by the mask), then the bias alone rules inside it
+    params = SamplingParams(temperature=0, max_tokens=4, logit_bias={open_id: 100}, structured_outputs=so)
+    (out,) = llm.chat([_thinking_chat(1)], params, use_tqdm=False)
+    assert out.outputs[0].token_ids == [open_id] * 4
+    llm.engine.check_integrity()

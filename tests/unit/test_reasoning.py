@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mmserve.entrypoints.openai.reasoning import ReasoningStream, opens_thought, split, thinks
+from mmserve.entrypoints.openai.reasoning import ReasoningStream, opens_thought, split
+from mmserve.inputs.chat_template import thinks
 
 CASES = [
     ("<think>\nLook at the colours.\n</think>\n\nA red circle.", False, ("Look at the colours.", "A red circle.")),

@@ -209,7 +209,7 @@ class Engine:
                            logprobs=None if params.logprobs is None else [],
                            prompt_logprobs=None if params.prompt_logprobs is None else [None])
         if params.structured_outputs is not None:
-            self.structured.start(request_id, params.structured_outputs)
+            self.structured.start(request_id, params.structured_outputs, request.prompt_token_ids)
         rejection = self.scheduler.add_request(request)
         if rejection is not None:  # can never fit the encoder budgets: finish now, others run on
             self._pending_outputs.append(self._make_output(tracked, "error", rejection))
@@ -442,7 +442,7 @@ class Engine:
         live = set(self.scheduler.requests)
         assert set(self.tracked) == live, "engine and scheduler disagree on live requests"
         self.choices.check_integrity(live)
-        assert set(self.structured.matchers) <= live, "a grammar matcher outlived its request"
+        assert self.structured.tracked_ids() <= live, "a grammar matcher outlived its request"
         assert set(self.runner.request_views()) <= live, "runner holds state of finished requests"
         cache = self.scheduler.encoder_cache
         ready = {k for k, e in cache.entries.items() if e.state == EntryState.READY}

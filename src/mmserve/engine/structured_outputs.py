@@ -4,7 +4,10 @@ Role: turn a request's `StructuredOutputsParams` into an xgrammar grammar (compi
 cached by kind and canonical text), hold one `GrammarMatcher` per constrained sequence (each choice of an
 `n > 1` request its own), fill the packed token bitmask of the constrained sequences a step schedules, and
 advance a matcher by the tokens its sequence got. xgrammar is imported on first use: an engine that never
-sees a grammar never pays for it.
+sees a grammar never pays for it. With a thinking chat template (its thought tags single tokens) the grammar
+applies after the thought: a sequence whose prompt ends inside a thought is unconstrained until it closes it,
+and one that does not may open a thought with its first token (the mask allows the grammar's tokens and the
+opening tag).
 What it does not know: the scheduler, the model, the sampler (it hands out packed int32 rows: bit j of row
 word j // 32 set = token j allowed), why a request finished.
 """
@@ -27,6 +30,9 @@ from mmserve.sampling_params import StructuredOutputsParams
 logger = logging.getLogger(__name__)
 
 MAX_CACHED_GRAMMARS = 256  # compiled grammars kept (least recently used dropped first)
+# compact JSON has no space after its separators, as vLLM's disable_any_whitespace (xgrammar's own compact
+# default writes ", " and ": ")
+COMPACT_SEPARATORS = (",", ":")
 PARAM = "structured_outputs"
 
 
@@ -41,6 +47,7 @@ class StructuredOutputs:
 
     def __init__(self, tokenizer: TextTokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
         self._tokenizer = tokenizer
+        self._thought_ids = tokenizer.thought_token_ids()  # (open, close), or None: grammars apply from the start
         self.vocab_size = vocab_size
         self._stop_token_ids = list(stop_token_ids)
         self._pool: ThreadPoolExecutor | None = None
@@ -48,6 +55,9 @@ class StructuredOutputs:
         self._lock = threading.Lock()  # the cache is read by callers' threads and written by the worker's
         self._grammars: OrderedDict[tuple, Future] = OrderedDict()
         self.matchers: dict[str, Any] = {}  # request id -> xgrammar.GrammarMatcher
+        # request id -> True: inside a thought (unconstrained until its closing tag); False: its next token
+        # may open one. Absent: the grammar applies.
+        self._thoughts: dict[str, bool] = {}
         self.num_compiled = 0
 
     @property
@@ -85,9 +95,11 @@ class StructuredOutputs:
         try:
             if kind == "json":
                 schema = json.dumps(rewrite_bounded_strings(json.loads(text)))
-                grammar = compiler.compile_json_schema(schema, any_whitespace=any_whitespace, strict_mode=True)
+                grammar = compiler.compile_json_schema(schema, any_whitespace=any_whitespace, strict_mode=True,
+                                                       separators=_separators(any_whitespace))
             elif kind == "json_object":
-                grammar = compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+                grammar = compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace,
+                                                       separators=_separators(any_whitespace))
             elif kind == "regex":
                 grammar = compiler.compile_regex(text)
             elif kind == "choice":
@@ -117,19 +129,26 @@ class StructuredOutputs:
                                  stop_token_ids=self._stop_token_ids, add_prefix_space=metadata["add_prefix_space"])
 
     # ---- matchers (the engine thread) ---------------------------------------------------------------
-    def start(self, request_id: str, params: StructuredOutputsParams) -> None:
+    def start(self, request_id: str, params: StructuredOutputsParams, prompt_token_ids: list[int]) -> None:
         import xgrammar as xgr
 
         self.matchers[request_id] = xgr.GrammarMatcher(self.compiled(params))
+        if self._thought_ids is not None:
+            open_id, close_id = self._thought_ids
+            last = {t: i for i, t in enumerate(prompt_token_ids) if t in self._thought_ids}
+            self._thoughts[request_id] = last.get(open_id, -1) > last.get(close_id, -1)
 
     def fill(self, request_ids: list[str]) -> dict[str, torch.Tensor]:
         """The packed bitmask row of each constrained request among `request_ids` (int32, bitmask_words)."""
-        constrained = [rid for rid in request_ids if rid in self.matchers]
+        constrained = [rid for rid in request_ids if rid in self.matchers and not self._thoughts.get(rid)]
         if not constrained:
             return {}
         bitmask = torch.empty(len(constrained), self.bitmask_words, dtype=torch.int32)
         for row, rid in enumerate(constrained):
             self.matchers[rid].fill_next_token_bitmask(bitmask, row)
+            if rid in self._thoughts:  # may open a thought instead of starting the grammar
+                open_id = self._thought_ids[0]
+                bitmask[row, open_id // 32] |= torch.tensor(1, dtype=torch.int32) << (open_id % 32)
         return {rid: bitmask[row] for row, rid in enumerate(constrained)}
 
     def accept(self, request_id: str, token_ids: list[int]) -> bool:
@@ -139,6 +158,16 @@ class StructuredOutputs:
         if matcher is None:
             return True
         for token_id in token_ids:
+            if request_id in self._thoughts:
+                open_id, close_id = self._thought_ids
+                if self._thoughts[request_id]:  # inside the thought: the grammar starts after its closing tag
+                    if token_id == close_id:
+                        del self._thoughts[request_id]
+                    continue
+                if token_id == open_id:
+                    self._thoughts[request_id] = True
+                    continue
+                del self._thoughts[request_id]  # the answer started without a thought
             if matcher.is_terminated():
                 return token_id in self._stop_token_ids
             if not matcher.accept_token(token_id):
@@ -147,10 +176,19 @@ class StructuredOutputs:
 
     def release(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
+        self._thoughts.pop(request_id, None)
+
+    def tracked_ids(self) -> set[str]:
+        """The sequences holding a matcher or a thought state (empty when idle)."""
+        return set(self.matchers) | set(self._thoughts)
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _separators(any_whitespace: bool) -> tuple[str, str] | None:
+    return None if any_whitespace else COMPACT_SEPARATORS
 
 
 def json_schema_ebnf(schema: Any, param: str, any_whitespace: bool = False) -> str:
@@ -160,7 +198,8 @@ def json_schema_ebnf(schema: Any, param: str, any_whitespace: bool = False) -> s
 
     try:
         grammar = xgr.Grammar.from_json_schema(json.dumps(rewrite_bounded_strings(schema)),
-                                               any_whitespace=any_whitespace, strict_mode=True)
+                                               any_whitespace=any_whitespace, strict_mode=True,
+                                               separators=_separators(any_whitespace))
     except InvalidInputError as exc:
         raise InvalidInputError(str(exc).replace(PARAM, param, 1), param=param) from None
     except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with its reason

@@ -36,6 +36,14 @@ DEFAULT = "default"
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # the first is what templates read
 
 
+# the tags a thinking template opens and closes its thought with (Qwen3-VL Thinking, DeepSeek-R1 style)
+THOUGHT_OPEN, THOUGHT_CLOSE = "<think>", "</think>"
+
+
+def thinks(chat_template: str | None) -> bool:
+    """Does the template think (render a thought between `THOUGHT_OPEN` and `THOUGHT_CLOSE`)?"""
+    return bool(chat_template) and THOUGHT_OPEN in chat_template
+
 def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 

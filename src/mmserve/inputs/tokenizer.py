@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 
 from mmserve.errors import InvalidInputError, ModelLoadError
 from mmserve.inputs.chat import require_unicode
-from mmserve.inputs.chat_template import ChatTemplate, load_chat_template
+from mmserve.inputs.chat_template import THOUGHT_CLOSE, THOUGHT_OPEN, ChatTemplate, load_chat_template, thinks
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -76,6 +76,13 @@ class TextTokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
+
+    def thought_token_ids(self) -> tuple[int, int] | None:
+        """(open, close) ids of the thought tags when the chat template thinks and each tag is one token."""
+        if not thinks(self.chat_template):
+            return None
+        ids = self.token_to_id(THOUGHT_OPEN), self.token_to_id(THOUGHT_CLOSE)
+        return None if None in ids else (ids[0], ids[1])
 
     def bad_words_token_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """Each bad word's token ids as vLLM finds them: the word, and the word after a space where that

@@ -12,11 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-OPEN, CLOSE = "<think>", "</think>"
-
-
-def thinks(chat_template: str | None) -> bool:
-    return bool(chat_template) and OPEN in chat_template
+from mmserve.inputs.chat_template import THOUGHT_CLOSE as CLOSE
+from mmserve.inputs.chat_template import THOUGHT_OPEN as OPEN
 
 
 def opens_thought(prompt_text: str) -> bool:

@@ -63,9 +63,10 @@ from mmserve.entrypoints.openai.protocol import (
     ToolCallModel,
     Usage,
 )
-from mmserve.entrypoints.openai.reasoning import ReasoningStream, opens_thought, split, thinks
+from mmserve.entrypoints.openai.reasoning import ReasoningStream, opens_thought, split
 from mmserve.entrypoints.openai.tools import ToolCallStream, ToolFormat, ToolRequest, parse_tools, tool_format
 from mmserve.errors import InvalidInputError, at_param
+from mmserve.inputs.chat_template import thinks
 from mmserve.inputs.items import ProcessedPrompt
 from mmserve.outputs import CompletionOutput, Logprob, RequestOutput
 from mmserve.sampling_params import StructuredOutputsParams
