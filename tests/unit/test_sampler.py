@@ -292,3 +292,25 @@ def test_bad_word_bans_match_the_output_tail():
     assert bad_word_bans(words, []) == (5,)
     assert bad_word_bans(words, [7, 1, 2]) == (5, 3, 9)
     assert bad_word_bans(words, [1, 2, 4]) == (5,)
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2], [2, 0]])
+@pytest.mark.parametrize("words", [4, 3])  # 4 words cover the 100 tokens (numpy's unpacking); 3 do not
+def test_token_bitmask_bans_exactly_the_tokens_without_a_bit(rows, words):
+    """Bit j of word j // 32 set = token j allowed; tokens past the words are banned; other rows untouched."""
+    from mmserve.runner.sampler import _apply_token_bitmask
+
+    vocab = 100
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.rand(len(rows), words * 32, generator=gen) < 0.3
+    weights = torch.tensor([1 << b for b in range(32)], dtype=torch.int64)
+    bitmask = (bits.view(len(rows), words, 32).long() * weights).sum(-1)
+    bitmask = torch.where(bitmask >= 1 << 31, bitmask - (1 << 32), bitmask).to(torch.int32)
+    logits = torch.randn(3, vocab, generator=gen)
+    expected = logits.clone()
+    for i, row in enumerate(rows):
+        for token in range(vocab):
+            if token >= words * 32 or not bits[i, token]:
+                expected[row, token] = -torch.inf
+    _apply_token_bitmask(logits, rows, bitmask)
+    assert torch.equal(logits, expected)

@@ -15,8 +15,10 @@ counts come from (the runner keeps them per request).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from mmserve.sampling_params import GREEDY_TEMPERATURE_EPS
@@ -225,12 +227,23 @@ def _apply_allowed_masks(logits: torch.Tensor, masks: list[tuple[int, torch.Tens
 def _apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
     """-inf for the tokens the rows' grammars do not allow (tokens past the bitmask's words too)."""
     vocab_size = logits.shape[1]
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)  # (R, words * 32)
-    if allowed.shape[1] < vocab_size:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]), value=False)
+    if logits.device.type == "cpu" and sys.byteorder == "little" and bitmask.shape[1] * 32 >= vocab_size:
+        # numpy's C unpacking of the inverted words' bytes (bit j of a little-endian word is byte j // 8's
+        # bit j % 8): the banned tokens in one pass, several times faster than shifting int32 words in torch
+        packed = np.invert(bitmask.contiguous().numpy().view(np.uint8))
+        banned = torch.from_numpy(np.unpackbits(packed, axis=1, count=vocab_size, bitorder="little")).view(torch.bool)
+    else:
+        shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+        allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)  # (R, words * 32)
+        if allowed.shape[1] < vocab_size:
+            allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]), value=False)
+        banned = ~allowed[:, :vocab_size]
+    banned = banned.to(logits.device, non_blocking=True)
+    if rows == list(range(logits.shape[0])):
+        logits.masked_fill_(banned, -torch.inf)
+        return
     index = to_device(rows, logits.device)
-    logits[index] = logits[index].masked_fill_(~allowed[:, :vocab_size], -torch.inf)
+    logits[index] = logits[index].masked_fill_(banned, -torch.inf)
 
 
 def _apply_logit_bias(logits: torch.Tensor, biases: list[tuple[int, dict[int, float]]]) -> None:
