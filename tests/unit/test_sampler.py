@@ -314,3 +314,19 @@ def test_token_bitmask_bans_exactly_the_tokens_without_a_bit(rows, words):
                 expected[row, token] = -torch.inf
     _apply_token_bitmask(logits, rows, bitmask)
     assert torch.equal(logits, expected)
+
+
+@pytest.mark.parametrize("rows,vocab,k", [(3, 5000, 5), (2, 151936, 1), (4, 8192, 20), (1, 300, 3), (2, 4100, 300)])
+def test_blocked_topk_is_topk(rows, vocab, k):
+    """The same values and indices as torch.topk, also with banned (-inf) tokens, a partial last block,
+    the best tokens crowded into one block, and shapes that fall back."""
+    from mmserve.runner.sampler import blocked_topk
+
+    gen = torch.Generator().manual_seed(vocab + k)
+    values = torch.randn(rows, vocab, generator=gen).log_softmax(-1)
+    values[:, ::3] = -torch.inf
+    values[0, 10:10 + k] = 5.0 + torch.arange(k, dtype=torch.float32)  # all k in the first block
+    values[-1, vocab - 2] = 9.0  # the best in the partial last block
+    want = values.topk(k, dim=-1)
+    got_values, got_ids = blocked_topk(values, k)
+    assert torch.equal(got_values, want.values) and torch.equal(got_ids, want.indices)

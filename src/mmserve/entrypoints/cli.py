@@ -200,7 +200,7 @@ def _add_serve_parser(sub: Any) -> None:
                       help="accepted for vLLM compatibility: tool_choice auto is always enabled")
     http.add_argument("--reasoning-parser", default=None, metavar="NAME",
                       help="accepted for vLLM compatibility: a chat template that thinks (<think>...</think>) has "
-                           "its thought returned as reasoning_content whatever the name")
+                           "its thought returned as reasoning_content, and grammars apply after it, whatever the name")
     http.add_argument("--root-path", default="", metavar="PATH",
                       help="the path prefix a proxy serves the API under (ASGI root_path; default: none)")
     _add_engine_args(serve)

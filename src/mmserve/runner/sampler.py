@@ -142,6 +142,30 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     return best_block * _ARGMAX_BLOCK + inner
 
 
+def blocked_topk(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of `values.topk(k, dim=-1)` of a (rows, vocab) tensor, found faster on the CPU:
+    every one of a row's k largest lies in one of the k blocks with the largest maxima (a block outside
+    them has k larger elements, one in each of those blocks, so none of its elements is among the k), so
+    ATen's top k runs over those blocks' k * 256 elements (and the last, partial block's) after a
+    vectorised max per block."""
+    rows, vocab = values.shape
+    num_blocks = vocab // _ARGMAX_BLOCK
+    if vocab < _BLOCKED_ARGMAX_MIN_VOCAB or values.device.type != "cpu" or 4 * k > num_blocks:
+        return values.topk(k, dim=-1)
+    whole = num_blocks * _ARGMAX_BLOCK
+    blocks = values[:, :whole].reshape(rows, num_blocks, _ARGMAX_BLOCK)  # a view: no copy
+    best_blocks = blocks.amax(dim=-1).topk(k, dim=-1).indices  # (rows, k)
+    picked = blocks.gather(1, best_blocks.unsqueeze(-1).expand(rows, k, _ARGMAX_BLOCK)).reshape(rows, -1)
+    offsets = torch.arange(_ARGMAX_BLOCK, device=values.device)
+    candidates = (best_blocks.unsqueeze(-1) * _ARGMAX_BLOCK + offsets).reshape(rows, -1)
+    if whole < vocab:
+        picked = torch.cat([picked, values[:, whole:]], dim=1)
+        tail = torch.arange(whole, vocab, device=values.device).expand(rows, -1)
+        candidates = torch.cat([candidates, tail], dim=1)
+    top = picked.topk(k, dim=-1)
+    return top.values, candidates.gather(1, top.indices)
+
+
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
     """A generator on `device` seeded with `seed`, or None for an unseeded request."""
     if seed is None:
@@ -212,8 +236,8 @@ def sampled_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
     sampled = token_ids if index is None else token_ids.index_select(0, index)
     sampled_logprobs = logprobs.gather(1, sampled.unsqueeze(1))  # (R, 1)
     # at least the best token, which ranks most sampled tokens without a pass over the vocabulary
-    top = logprobs.topk(max(max(num_logprobs[row] for row in rows), 1), dim=-1)
-    return SampledLogprobs(rows, sampled_logprobs.squeeze(1), top.indices, top.values, logprobs)
+    top_values, top_ids = blocked_topk(logprobs, max(max(num_logprobs[row] for row in rows), 1))
+    return SampledLogprobs(rows, sampled_logprobs.squeeze(1), top_ids, top_values, logprobs)
 
 
 def _apply_allowed_masks(logits: torch.Tensor, masks: list[tuple[int, torch.Tensor]]) -> None:
