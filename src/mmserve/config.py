@@ -33,6 +33,7 @@ def resolve_model(model: str | None, revision: str | None = None) -> str:
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # what runner/kv_quant.py stores
+QUANTIZATION_METHODS = ("int8", "int4", "w8a8")  # what models/quantization.py quantizes at load
 ENCODER_BACKENDS = ("process", "ray")  # where encoder workers run (workers/process_pool.py, workers/ray_pool.py)
 
 
@@ -154,6 +155,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
+    quantization: str | None = None  # int8 / int4 / w8a8 at load (models/quantization.py); None: as stored
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
@@ -161,6 +163,9 @@ class EngineConfig:
     graphs: GraphConfig = field(default_factory=GraphConfig)
 
     def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None; "
+                             f"got {self.quantization!r}")
         if self.graphs.compile_cpu_decode and self.cache.kv_cache_dtype == "fp8_e4m3":
             # TorchInductor (torch 2.13) cannot lower the float8 quantization on the CPU
             raise ValueError("compile_cpu_decode does not support kv_cache_dtype='fp8_e4m3'; use 'int8' or 'auto'")
@@ -176,7 +181,7 @@ class EngineConfig:
             "encoder": {f.name for f in dataclasses.fields(EncoderConfig)},
             "media": {f.name for f in dataclasses.fields(MediaLimits)},
             "graphs": {f.name for f in dataclasses.fields(GraphConfig)},
-            "top": {"dtype", "device", "seed"},
+            "top": {"dtype", "device", "seed", "quantization"},
         }
         for key, value in kwargs.items():
             owner = next((g for g, names in owners.items() if key in names), None)

@@ -39,7 +39,14 @@ from mmserve.errors import InvalidInputError, at_param
 from mmserve.faults import FaultPlan
 from mmserve.inputs.items import ProcessedPrompt
 from mmserve.inputs.placeholders import embed_runs
-from mmserve.models.loader import generation_eos_ids, load_model, parse_dtype, read_config
+from mmserve.models.loader import (
+    checkpoint_quantization,
+    generation_eos_ids,
+    load_model,
+    parse_dtype,
+    read_config,
+)
+from mmserve.models.quantization import weight_bytes
 from mmserve.models.registry import resolve
 from mmserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from mmserve.runner.attention import PagedAttentionBackend
@@ -86,8 +93,10 @@ class Engine:
         self.device = torch.device(config.device)
         self.dtype = parse_dtype(config.dtype)
         family = resolve(read_config(config.model))
-        self.model = load_model(config.model, self.dtype, self.device)
+        self.model = load_model(config.model, self.dtype, self.device, config.quantization)
         self.cpu_preparation = prepare_for_cpu(self.model)  # layouts the CPU's kernels want
+        self.quantization = config.quantization or checkpoint_quantization(config.model) or "none"
+        self.weight_bytes = weight_bytes(self.model)  # as laid out for the kernels
         self.processor = family.processor_class(Path(config.model), self.model.config, config.media)
         self.spec = family.build_spec(self.model.config, self.processor, config.media)
         spec = self.spec
@@ -399,6 +408,8 @@ class Engine:
             "kv_blocks_total": kv.num_blocks,
             "kv_blocks_free": kv.num_free_blocks,
             "kv_cache_dtype": self.config.cache.kv_cache_dtype,
+            "quantization": self.quantization,
+            "weight_bytes": self.weight_bytes,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "kv_capacity_tokens": kv.num_blocks * kv.block_size,
             "kv_cache_evictions": kv.stats.evictions,

@@ -23,6 +23,7 @@ from typing import Any
 from mmserve.config import (
     DEMO_MODEL_DIR,
     DEMO_MODEL_NAME,
+    QUANTIZATION_METHODS,
     CacheConfig,
     EncoderConfig,
     GraphConfig,
@@ -125,6 +126,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     top.add_argument("--device", default=argparse.SUPPRESS,
                      help="torch device, e.g. cpu, cuda or cuda:1 (default: cuda where it is available, else cpu)")
     top.add_argument("--seed", type=int, default=argparse.SUPPRESS, help="random seed (default: 0)")
+    top.add_argument("--quantization", default=argparse.SUPPRESS, choices=QUANTIZATION_METHODS,
+                     help="quantize the language model's linears at load: int8 or int4 weights, or w8a8 (int8 "
+                          "weights and inputs); a checkpoint stored quantized runs as stored (default: none)")
     for title, cls in ENGINE_ARG_GROUPS:
         group = parser.add_argument_group(title)
         hints = typing.get_type_hints(cls)
@@ -133,7 +137,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    names = {"dtype", "device", "seed"} | {f.name for _, cls in ENGINE_ARG_GROUPS for f in dataclasses.fields(cls)}
+    names = {"dtype", "device", "seed", "quantization"} | {f.name for _, cls in ENGINE_ARG_GROUPS for f in dataclasses.fields(cls)}
     kwargs = {k: v for k, v in vars(args).items() if k in names}
     kwargs.setdefault("device", _default_device())
     return kwargs

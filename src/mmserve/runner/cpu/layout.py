@@ -17,6 +17,9 @@ Role: how linear layers run on the CPU; the modules' math is unchanged (products
   (bfloat16 operands, float32 accumulation, bfloat16 result), bitwise equal to
   `F.linear(x.float(), W.float()).to(bfloat16)`. Under 16 rows the weight-bound native kernel stays
   faster and is kept. Applied to the whole model, vision included.
+- quantized weights (`pack_quantized_linears`): each `models.quantization.QuantizedLinear` on the
+  CPU is re-stored as a `quant_gemm.QuantPanelLinear` where mmserve's kernel builds; else it keeps
+  its torch reference product.
 Embeddings tied to the head are left as they are (the head then reads the embedding table). What each
 path measured is in the README ("Speed on CPUs") and `benchmarks/step_profile.py`.
 
@@ -32,7 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmserve.models.quantization import QuantizedLinear
 from mmserve.runner.cpu import gemm as cpu_gemm
+from mmserve.runner.cpu import quant_gemm
 
 MIN_OUT_FEATURES = 0  # every projection: the narrow ones gained too once their weights were cold in cache
 MIN_UPCAST_ROWS = 16  # below this many rows the native bfloat16 kernel (weight-bound) is faster
@@ -46,6 +51,7 @@ class CpuPreparation:
     packed: int = 0
     relaid_out: int = 0
     upcast_bfloat16: int = 0
+    quantized_packed: int = 0
 
 
 def relayout_for_cpu(module: nn.Module, min_out_features: int = MIN_OUT_FEATURES) -> int:
@@ -160,12 +166,29 @@ def upcast_bfloat16_linears(module: nn.Module) -> int:
     return _replace_linears(module, torch.bfloat16, BFloat16ViaFloat32Linear.from_linear)
 
 
+def pack_quantized_linears(module: nn.Module) -> int:
+    """Replace every CPU `QuantizedLinear` under `module` by a `quant_gemm.QuantPanelLinear` where
+    mmserve's kernel runs. Returns how many were replaced."""
+    lib = quant_gemm.kernel()
+    if lib is None:
+        return 0
+    count = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, QuantizedLinear) and child.qweight.device.type == "cpu":
+            setattr(module, name, quant_gemm.QuantPanelLinear(child, lib))
+            count += 1
+        else:
+            count += pack_quantized_linears(child)
+    return count
+
+
 def prepare_for_cpu(model: nn.Module) -> CpuPreparation:
     """The one call after loading (the engine's model, or an encoder worker's without its language
     model): the changes above that apply to this model and CPU. The vision side gets the same
     bfloat16 path wherever it runs, so its outputs do not depend on where the encoder runs."""
     language_model = getattr(model, "language_model", None)
     packed = pack_language_model(language_model) if language_model is not None else 0
+    quantized = pack_quantized_linears(language_model) if language_model is not None else 0
     relaid = relayout_for_cpu(language_model) if language_model is not None else 0  # what oneDNN did not take
     upcast = 0 if cpu_has_bfloat16_arithmetic() else upcast_bfloat16_linears(model)
-    return CpuPreparation(packed=packed, relaid_out=relaid, upcast_bfloat16=upcast)
+    return CpuPreparation(packed=packed, relaid_out=relaid, upcast_bfloat16=upcast, quantized_packed=quantized)

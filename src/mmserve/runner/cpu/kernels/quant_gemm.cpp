@@ -1,0 +1,385 @@
+// mmserve's CPU matmuls on quantized weights (runner/cpu/native.py builds it, runner/cpu/quant_gemm.py
+// calls it): y (M, N) = x (M, K) @ W^T (+ bias), W stored in fewer bytes than float32.
+//
+// The weights are re-stored once as panels of 16 output columns, as panel_gemm.cpp's float32 ones, and
+// streamed the same way (a thread's next panel prefetched, a share in each of its tiles), because at
+// decode batch sizes the product is bound by reading the weights: fewer bytes a weight is fewer
+// milliseconds a step.
+// - int8, weight-only: panels[p][k][j] = q[16 p + j][k]; one float scale per output column, applied
+//   to the sum after the dot product (sum_k x q) * s.
+// - int4, weight-only, group-wise: panels[p][k][j] for j < 8 holds column j in its low nibble and
+//   column j + 8 in its high one (values 0..15); per group of `group` k and column a scale s and an
+//   offset o = -zero * s, so that w = q * s + o, dequantized in registers before the dot product.
+// - w8a8: int8 weights as panels[p][k / 4][j][k % 4], each input row quantized to int8 with a scale
+//   of max|x| / 127; four products a column summed in int16 pairs then int32 (AVX2's maddubs/madd),
+//   exact; y = sum * s_x * s_w.
+// A tile with more rows than a few reads its panel from a float copy dequantized once per panel
+// (the same floats the registers would hold), so every output is summed in k order in the same
+// arithmetic whatever M is: a row's result does not depend on which rows share its batch.
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmath>
+
+namespace {
+
+constexpr int64_t kCols = 16;
+constexpr int kRows = 6;            // weight-only tile: 12 accumulators + weights + broadcast in AVX2 registers
+constexpr int kW8A8Rows = 4;        // w8a8 tile: 8 int32 accumulators + weights, |a|, products, ones
+constexpr int64_t kFusedTiles = 2;  // up to this many tiles a panel dequantizes in registers; above, once
+
+// A panel's 16 columns at step k, as two 8-float registers, from each storage.
+struct FloatPanel {
+  const float* w;
+  void begin(int64_t) {}
+  void load(int64_t k, __m256& lo, __m256& hi) const {
+    lo = _mm256_load_ps(w + k * kCols);
+    hi = _mm256_load_ps(w + k * kCols + 8);
+  }
+  int64_t step(int64_t K) const { return K; }
+};
+
+struct Int8Panel {
+  const int8_t* w;
+  void begin(int64_t) {}
+  void load(int64_t k, __m256& lo, __m256& hi) const {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kCols));
+    lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+    hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v)));
+  }
+  int64_t step(int64_t K) const { return K; }
+};
+
+struct Int4Panel {
+  const uint8_t* w;
+  const float* scale;   // [group][16]
+  const float* offset;  // [group][16]
+  int64_t group;
+  __m256 s_lo, s_hi, o_lo, o_hi;
+  void begin(int64_t k0) {  // the group starting at k0
+    const int64_t g = k0 / group;
+    s_lo = _mm256_loadu_ps(scale + g * kCols), s_hi = _mm256_loadu_ps(scale + g * kCols + 8);
+    o_lo = _mm256_loadu_ps(offset + g * kCols), o_hi = _mm256_loadu_ps(offset + g * kCols + 8);
+  }
+  void load(int64_t k, __m256& lo, __m256& hi) const {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k * 8));
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    const __m128i low = _mm_and_si128(b, nibble), high = _mm_and_si128(_mm_srli_epi16(b, 4), nibble);
+    lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low)), s_lo, o_lo);
+    hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high)), s_hi, o_hi);
+  }
+  int64_t step(int64_t) const { return group; }
+};
+
+struct Prefetch {
+  const char* next;  // null: nothing to prefetch
+  const char* end;
+  int64_t every;     // one 64-byte line every `every` steps of k
+};
+
+template <int R, typename Panel>
+void tile(const float* __restrict x, int64_t ldx, Panel panel, int64_t K, const float* __restrict post_scale,
+          const float* __restrict bias, float* __restrict y, int64_t ldy, int64_t cols, Prefetch pf) {
+  __m256 lo[R], hi[R];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; i++) lo[i] = hi[i] = _mm256_setzero_ps();
+  int64_t countdown = 0;
+  const int64_t step = panel.step(K);
+  for (int64_t k0 = 0; k0 < K; k0 += step) {
+    panel.begin(k0);
+    for (int64_t k = k0; k < k0 + step; k++) {
+      if (pf.next && countdown-- == 0) {
+        if (pf.next < pf.end) _mm_prefetch(pf.next, _MM_HINT_T0);
+        pf.next += 64;
+        countdown = pf.every - 1;
+      }
+      __m256 w_lo, w_hi;
+      panel.load(k, w_lo, w_hi);
+#pragma GCC unroll 8
+      for (int i = 0; i < R; i++) {
+        const __m256 a = _mm256_broadcast_ss(x + i * ldx + k);
+        lo[i] = _mm256_fmadd_ps(a, w_lo, lo[i]);
+        hi[i] = _mm256_fmadd_ps(a, w_hi, hi[i]);
+      }
+    }
+  }
+  // the epilogue in explicit fused operations: left to the compiler, a multiply and an add may be
+  // contracted in one tile height and not in another, and a row's result would depend on its batch
+  const __m256 b_lo = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  const __m256 b_hi = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+  if (post_scale) {
+    const __m256 s_lo = _mm256_loadu_ps(post_scale), s_hi = _mm256_loadu_ps(post_scale + 8);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; i++) lo[i] = _mm256_fmadd_ps(lo[i], s_lo, b_lo), hi[i] = _mm256_fmadd_ps(hi[i], s_hi, b_hi);
+  } else if (bias) {
+#pragma GCC unroll 8
+    for (int i = 0; i < R; i++) lo[i] = _mm256_add_ps(lo[i], b_lo), hi[i] = _mm256_add_ps(hi[i], b_hi);
+  }
+  if (cols == kCols) {
+#pragma GCC unroll 8
+    for (int i = 0; i < R; i++) _mm256_storeu_ps(y + i * ldy, lo[i]), _mm256_storeu_ps(y + i * ldy + 8, hi[i]);
+    return;
+  }
+  alignas(32) float row[kCols];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; i++) {
+    _mm256_store_ps(row, lo[i]);
+    _mm256_store_ps(row + 8, hi[i]);
+    memcpy(y + i * ldy, row, cols * sizeof(float));
+  }
+}
+
+template <typename Panel>
+void tile_rows(int rows, const float* x, int64_t ldx, const Panel& panel, int64_t K, const float* post_scale,
+               const float* bias, float* y, int64_t ldy, int64_t cols, Prefetch pf) {
+  switch (rows) {
+    case 6: tile<6>(x, ldx, panel, K, post_scale, bias, y, ldy, cols, pf); break;
+    case 5: tile<5>(x, ldx, panel, K, post_scale, bias, y, ldy, cols, pf); break;
+    case 4: tile<4>(x, ldx, panel, K, post_scale, bias, y, ldy, cols, pf); break;
+    case 3: tile<3>(x, ldx, panel, K, post_scale, bias, y, ldy, cols, pf); break;
+    case 2: tile<2>(x, ldx, panel, K, post_scale, bias, y, ldy, cols, pf); break;
+    default: tile<1>(x, ldx, panel, K, post_scale, bias, y, ldy, cols, pf); break;
+  }
+}
+
+// The 16-wide vectors of the last panel (scales, bias) padded with zeros.
+const float* padded(const float* v, int64_t cols, float* buffer) {
+  if (!v || cols == kCols) return v;
+  memset(buffer, 0, kCols * sizeof(float));
+  memcpy(buffer, v, cols * sizeof(float));
+  return buffer;
+}
+
+// One panel's product over all M rows, with weights of any storage.
+template <typename Panel>
+void panel_product(const float* x, int64_t M, int64_t K, int64_t ldx, Panel panel, int64_t panel_bytes,
+                   const char* next_panel, const float* post_scale, const float* bias, float* y, int64_t ldy,
+                   int64_t cols, float* scratch) {
+  const int64_t tiles = (M + kRows - 1) / kRows;
+  const int64_t lines = (panel_bytes + 63) / 64;
+  const int64_t share = (lines + tiles - 1) / tiles;  // lines of the next panel each tile prefetches
+  const int64_t every = share ? (K + share - 1) / share : K;
+  if (tiles > kFusedTiles) {  // dequantize once into a float panel; the same floats as in registers
+    Panel loader = panel;
+    const int64_t step = loader.step(K);
+    for (int64_t k0 = 0; k0 < K; k0 += step) {
+      loader.begin(k0);
+      for (int64_t k = k0; k < k0 + step; k++) {
+        __m256 lo, hi;
+        loader.load(k, lo, hi);
+        _mm256_store_ps(scratch + k * kCols, lo);
+        _mm256_store_ps(scratch + k * kCols + 8, hi);
+      }
+    }
+  }
+  int64_t t = 0;
+  for (int64_t m = 0; m < M; t++) {
+    const int64_t left = M - m;
+    const int rows = left >= 9 || left == 6 ? kRows : left > kRows ? 4 : static_cast<int>(left);
+    Prefetch pf{next_panel ? next_panel + t * share * 64 : nullptr,
+                next_panel ? next_panel + (t + 1) * share * 64 : nullptr, every};
+    if (pf.end && pf.end > next_panel + lines * 64) pf.end = next_panel + lines * 64;
+    if (tiles > kFusedTiles)
+      tile_rows(rows, x + m * ldx, ldx, FloatPanel{scratch}, K, post_scale, bias, y + m * ldy, ldy, cols, pf);
+    else
+      tile_rows(rows, x + m * ldx, ldx, panel, K, post_scale, bias, y + m * ldy, ldy, cols, pf);
+    m += rows;
+  }
+}
+
+float* aligned_floats(int64_t count) {
+  const size_t bytes = ((count * sizeof(float) + 63) / 64) * 64;
+  return static_cast<float*>(aligned_alloc(64, bytes ? bytes : 64));
+}
+
+// ---- w8a8 ------------------------------------------------------------------------------------
+
+// Four inputs of a row times four codes of each of 16 columns, in two 8-column halves: the signed
+// products through vpmaddubsw on |a| and w carrying a's sign (at most 2 * 127 * 127 per pair: no
+// saturation), summed to int32 per column by vpmaddwd.
+template <int R>
+void w8a8_tile(const int8_t* __restrict xq, int64_t ldxq, const int8_t* __restrict panel, int64_t K4,
+               const float* __restrict w_scale, const float* __restrict x_scale, const float* __restrict bias,
+               float* __restrict y, int64_t ldy, int64_t cols, Prefetch pf) {
+  __m256i lo[R], hi[R];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; i++) lo[i] = hi[i] = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi16(1);
+  int64_t countdown = 0;
+  for (int64_t k4 = 0; k4 < K4; k4++) {
+    if (pf.next && countdown-- == 0) {
+      if (pf.next < pf.end) _mm_prefetch(pf.next, _MM_HINT_T0);
+      pf.next += 64;
+      countdown = pf.every - 1;
+    }
+    const __m256i w_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k4 * 64));
+    const __m256i w_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k4 * 64 + 32));
+#pragma GCC unroll 8
+    for (int i = 0; i < R; i++) {
+      int32_t quad;
+      memcpy(&quad, xq + i * ldxq + 4 * k4, 4);
+      const __m256i a = _mm256_set1_epi32(quad), a_abs = _mm256_abs_epi8(a);
+      lo[i] = _mm256_add_epi32(lo[i], _mm256_madd_epi16(_mm256_maddubs_epi16(a_abs, _mm256_sign_epi8(w_lo, a)), ones));
+      hi[i] = _mm256_add_epi32(hi[i], _mm256_madd_epi16(_mm256_maddubs_epi16(a_abs, _mm256_sign_epi8(w_hi, a)), ones));
+    }
+  }
+  const __m256 s_lo = _mm256_loadu_ps(w_scale), s_hi = _mm256_loadu_ps(w_scale + 8);
+  const __m256 b_lo = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  const __m256 b_hi = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+  alignas(32) float row[kCols];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; i++) {
+    const __m256 sx = _mm256_set1_ps(x_scale[i]);
+    // one fused multiply-add (with a zero bias where there is none): see the weight-only epilogue
+    const __m256 v_lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[i]), _mm256_mul_ps(sx, s_lo), b_lo);
+    const __m256 v_hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[i]), _mm256_mul_ps(sx, s_hi), b_hi);
+    if (cols == kCols) {
+      _mm256_storeu_ps(y + i * ldy, v_lo), _mm256_storeu_ps(y + i * ldy + 8, v_hi);
+    } else {
+      _mm256_store_ps(row, v_lo), _mm256_store_ps(row + 8, v_hi);
+      memcpy(y + i * ldy, row, cols * sizeof(float));
+    }
+  }
+}
+
+void w8a8_tile_rows(int rows, const int8_t* xq, int64_t ldxq, const int8_t* panel, int64_t K4, const float* w_scale,
+                    const float* x_scale, const float* bias, float* y, int64_t ldy, int64_t cols, Prefetch pf) {
+  switch (rows) {
+    case 4: w8a8_tile<4>(xq, ldxq, panel, K4, w_scale, x_scale, bias, y, ldy, cols, pf); break;
+    case 3: w8a8_tile<3>(xq, ldxq, panel, K4, w_scale, x_scale, bias, y, ldy, cols, pf); break;
+    case 2: w8a8_tile<2>(xq, ldxq, panel, K4, w_scale, x_scale, bias, y, ldy, cols, pf); break;
+    default: w8a8_tile<1>(xq, ldxq, panel, K4, w_scale, x_scale, bias, y, ldy, cols, pf); break;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int64_t mm_q_panels(int64_t N) { return (N + kCols - 1) / kCols; }
+int64_t mm_q_k4(int64_t K) { return (K + 3) / 4; }
+
+// q (N, K) int8 row-major -> panels (mm_q_panels(N) * K * 16 bytes).
+void mm_q8_pack(const int8_t* q, int8_t* panels, int64_t N, int64_t K) {
+  const int64_t count = mm_q_panels(N);
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < count; p++)
+    for (int64_t k = 0; k < K; k++)
+      for (int64_t j = 0; j < kCols; j++) {
+        const int64_t n = p * kCols + j;
+        panels[(p * K + k) * kCols + j] = n < N ? q[n * K + k] : 0;
+      }
+}
+
+// q (N, K) values 0..15, one per byte -> panels (mm_q_panels(N) * K * 8 bytes).
+void mm_q4_pack(const uint8_t* q, uint8_t* panels, int64_t N, int64_t K) {
+  const int64_t count = mm_q_panels(N);
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < count; p++)
+    for (int64_t k = 0; k < K; k++)
+      for (int64_t j = 0; j < 8; j++) {
+        const int64_t n0 = p * kCols + j, n1 = n0 + 8;
+        const uint8_t low = n0 < N ? q[n0 * K + k] & 0x0F : 0, high = n1 < N ? q[n1 * K + k] & 0x0F : 0;
+        panels[(p * K + k) * 8 + j] = static_cast<uint8_t>(low | (high << 4));
+      }
+}
+
+// q (N, K) int8 -> w8a8 panels (mm_q_panels(N) * mm_q_k4(K) * 64 bytes), zero past N and K.
+void mm_w8a8_pack(const int8_t* q, int8_t* panels, int64_t N, int64_t K) {
+  const int64_t count = mm_q_panels(N), K4 = mm_q_k4(K);
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < count; p++)
+    for (int64_t j = 0; j < kCols; j++) {
+      const int64_t n = p * kCols + j;
+      for (int64_t k = 0; k < K4 * 4; k++)
+        panels[((p * K4 + k / 4) * kCols + j) * 4 + k % 4] = n < N && k < K ? q[n * K + k] : 0;
+    }
+}
+
+// Weight-only product. kind 8: panels int8, scales (N) per column, offsets null, group ignored.
+// kind 4: panels int4, scales and offsets [panel][K / group][16] floats.
+void mm_q_gemm(int kind, const float* x, int64_t M, int64_t K, int64_t ldx, const void* panels, int64_t N,
+               const float* scales, const float* offsets, int64_t group, const float* bias, float* y,
+               int64_t ldy, int threads) {
+  if (M <= 0) return;
+  const int64_t count = mm_q_panels(N);
+  const bool scratch_needed = (M + kRows - 1) / kRows > kFusedTiles;
+  const int64_t panel_bytes = kind == 8 ? K * kCols : K * 8;
+  const int64_t groups = kind == 4 ? K / group : 0;
+#pragma omp parallel num_threads(threads)
+  {
+    float* scratch = scratch_needed ? aligned_floats(K * kCols) : nullptr;
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < count; p++) {
+      const int64_t cols = N - p * kCols < kCols ? N - p * kCols : kCols;
+      const char* base = static_cast<const char*>(panels) + p * panel_bytes;
+      const char* next = p + 1 < count ? base + panel_bytes : nullptr;
+      alignas(32) float bias_tail[kCols], scale_tail[kCols];
+      const float* b = padded(bias ? bias + p * kCols : nullptr, cols, bias_tail);
+      float* out = y + p * kCols;
+      if (kind == 8) {
+        const float* s = padded(scales + p * kCols, cols, scale_tail);
+        panel_product(x, M, K, ldx, Int8Panel{reinterpret_cast<const int8_t*>(base)}, panel_bytes, next, s, b,
+                      out, ldy, cols, scratch);
+      } else {
+        Int4Panel panel{reinterpret_cast<const uint8_t*>(base), scales + p * groups * kCols,
+                        offsets + p * groups * kCols, group, {}, {}, {}, {}};
+        panel_product(x, M, K, ldx, panel, panel_bytes, next, nullptr, b, out, ldy, cols, scratch);
+      }
+    }
+    free(scratch);
+  }
+}
+
+// Rows of x (M, K) -> int8 codes (M, ldxq), q = round(x / s) with s = max|x| / 127 per row (1 for a
+// row of zeros); the codes past K are 0.
+void mm_quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* xq, int64_t ldxq, float* scales,
+                      int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (M > 16)
+  for (int64_t m = 0; m < M; m++) {
+    const float* row = x + m * ldx;
+    float amax = 0.0f;
+    for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(row[k]));
+    const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+    scales[m] = s;
+    int8_t* out = xq + m * ldxq;
+    for (int64_t k = 0; k < K; k++) {
+      float q = nearbyintf(row[k] / s);
+      q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+      out[k] = static_cast<int8_t>(q);
+    }
+    for (int64_t k = K; k < ldxq; k++) out[k] = 0;
+  }
+}
+
+// w8a8 product on quantized rows (mm_quantize_rows, ldxq = mm_q_k4(K) * 4).
+void mm_w8a8_gemm(const int8_t* xq, const float* x_scales, int64_t M, int64_t K, int64_t ldxq, const int8_t* panels,
+                  const float* w_scales, int64_t N, const float* bias, float* y, int64_t ldy, int threads) {
+  if (M <= 0) return;
+  const int64_t count = mm_q_panels(N), K4 = mm_q_k4(K), panel_bytes = K4 * 64;
+  const int64_t tiles = (M + kW8A8Rows - 1) / kW8A8Rows;
+  const int64_t share = (K4 + tiles - 1) / tiles;  // a panel step is one 64-byte line
+  const int64_t every = share ? (K4 + share - 1) / share : K4;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t p = 0; p < count; p++) {
+    const int64_t cols = N - p * kCols < kCols ? N - p * kCols : kCols;
+    const int8_t* panel = panels + p * panel_bytes;
+    const char* next = p + 1 < count ? reinterpret_cast<const char*>(panel + panel_bytes) : nullptr;
+    alignas(32) float bias_tail[kCols], scale_tail[kCols];
+    const float* b = padded(bias ? bias + p * kCols : nullptr, cols, bias_tail);
+    const float* s = padded(w_scales + p * kCols, cols, scale_tail);
+    int64_t t = 0;
+    for (int64_t m = 0; m < M; t++) {
+      const int rows = M - m >= kW8A8Rows ? kW8A8Rows : static_cast<int>(M - m);
+      Prefetch pf{next ? next + t * share * 64 : nullptr, next ? next + (t + 1) * share * 64 : nullptr, every};
+      if (pf.end && pf.end > next + K4 * 64) pf.end = next + K4 * 64;
+      w8a8_tile_rows(rows, xq + m * ldxq, ldxq, panel, K4, s, x_scales + m, b, y + m * ldy + p * kCols, ldy, cols,
+                     pf);
+      m += rows;
+    }
+  }
+}
+
+}  // extern "C"
