@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from mmserve.errors import ModelLoadError
-from mmserve.models.quantization import WeightFormat
+from mmserve.models.quantization import WeightFormat, pack_int4
 
 PREQUANTIZED_METHODS = ("compressed-tensors", "awq", "gptq")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ word nibble i holds output column AWQ_ORDER[i] of its eight
@@ -110,7 +110,7 @@ class CheckpointQuantization:
     def _awq(self, prefix: str, leaf: str, tensor: torch.Tensor) -> Iterator[Converted]:
         if leaf == "qweight":  # (K, N / 8)
             codes = _awq_columns(tensor)  # (K, N)
-            yield f"{prefix}.qweight", _pack_pairs(codes.t()), True
+            yield f"{prefix}.qweight", pack_int4(codes.t()), True
         elif leaf == "qzeros":  # (G, N / 8)
             yield f"{prefix}.zeros", _awq_columns(tensor).t().float() + self.zero_point_offset, True
         elif leaf == "scales":  # (G, N)
@@ -121,7 +121,7 @@ class CheckpointQuantization:
     def _gptq(self, prefix: str, leaf: str, tensor: torch.Tensor) -> Iterator[Converted]:
         if leaf == "qweight":  # (K / 8, N): eight inputs a word
             codes = _unpack_int32_nibbles(tensor.t().contiguous())  # (N, K)
-            yield f"{prefix}.qweight", _pack_pairs(codes), True
+            yield f"{prefix}.qweight", pack_int4(codes), True
         elif leaf == "qzeros":  # (G, N / 8): eight outputs a word
             zeros = _unpack_int32_nibbles(tensor).t().float() + self.zero_point_offset
             yield f"{prefix}.zeros", zeros, True
@@ -153,12 +153,6 @@ def _awq_columns(tensor: torch.Tensor) -> torch.Tensor:
     nibbles = _unpack_int32_nibbles(tensor).view(tensor.shape[0], -1, 8)  # [..., i] = nibble i
     inverse = [AWQ_ORDER.index(j) for j in range(8)]  # column j sits in nibble inverse[j]
     return nibbles[..., inverse].reshape(tensor.shape[0], -1)
-
-
-def _pack_pairs(codes: torch.Tensor) -> torch.Tensor:
-    """(N, K) values 0..15 -> (N, K / 2) bytes, the even input low (quantization.pack_int4)."""
-    codes = codes.contiguous()
-    return codes[:, 0::2] | (codes[:, 1::2] << 4)
 
 
 # ---- reading the config --------------------------------------------------------------------------
