@@ -128,3 +128,20 @@ def test_a_profile_names_the_eager_product():
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
         panel(torch.randn(3, 32))
     assert [e.count for e in prof.key_averages() if e.key == "mmserve::panel_linear"] == [1]
+
+
+@pytest.mark.skipif("-mavx512f" not in native.isa_flags(), reason="this CPU has no AVX-512: only the AVX2 build runs")
+def test_the_avx512_build_gives_the_avx2_builds_bits(tmp_path):
+    """Where the CPU has AVX-512 the kernel is built with its wider tiles (`native.isa_flags`); each output
+    is the same chain of fused multiply-adds, so the answer does not depend on the machine's vector width."""
+    compiler = native._compiler()
+    wide = cpu_gemm.PanelKernel(native.build(compiler, tmp_path, cpu_gemm.SOURCE))
+    narrow = cpu_gemm.PanelKernel(native.build(compiler, tmp_path, cpu_gemm.SOURCE, native.AVX2_FLAGS))
+    assert wide.path != narrow.path
+    for in_features, out_features in ((64, 48), (37, 100), (200, 130), (96, 1000), (5, 3)):
+        linear = _linear(in_features, out_features, bias=True, seed=in_features)
+        for rows in (1, 3, 7, 12, 13, 17, 32, 45):
+            x = torch.randn(rows, in_features)
+            for bias in (linear.bias, None):
+                assert torch.equal(wide.linear(x, wide.pack(linear.weight), bias, out_features),
+                                   narrow.linear(x, narrow.pack(linear.weight), bias, out_features))

@@ -1,9 +1,11 @@
 """Build, cache and load mmserve's native CPU kernels (the C++ sources in `kernels/`).
 
 Role: compile a kernel source once per machine with the C++ compiler TorchInductor uses (flags for
-AVX2 and FMA, OpenMP from the library PyTorch already loaded), keep the shared library under the
-user's cache directory named by the source, flags and compiler, and hand it to a loader once per
-process. Where a kernel cannot run (no AVX2/FMA, no compiler, a failed build, or switched off with
+AVX2 and FMA, plus AVX-512 and its BF16 and VNNI extensions where this CPU has them: `isa_flags`;
+OpenMP from the library PyTorch already loaded), keep the shared library under the user's cache
+directory named by the source, flags and compiler, and hand it to a loader once per process. A
+kernel source picks its code paths from the compiler's macros (`__AVX512F__`, `__AVX512BF16__`), so
+one source serves every machine and the library built here uses what this CPU has. Where a kernel cannot run (no AVX2/FMA, no compiler, a failed build, or switched off with
 `MMSERVE_NATIVE_KERNELS=0`) the loader gets nothing and the caller keeps its fallback; the reason is
 logged once. One switch serves every kernel: a machine either builds mmserve's kernels or it does not.
 
@@ -30,7 +32,11 @@ from mmserve import envs
 logger = logging.getLogger(__name__)
 
 KERNELS_DIR = Path(__file__).parent / "kernels"
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+AVX2_FLAGS = ("-mavx2", "-mfma")  # every machine the kernels run on
+AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")  # ATen's AVX512 level
+AVX512_BF16_FLAGS = ("-mavx512bf16",)
+AVX512_VNNI_FLAGS = ("-mavx512vnni",)
 BUILD_TIMEOUT_S = 300
 
 
@@ -42,18 +48,37 @@ def _cpu_supports_kernels() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-def build(compiler: str, target_dir: Path, source: Path) -> Path:
-    """Compile `source` into `target_dir`, as a file named by the hash of source, flags and compiler; an
-    existing build is reused. Concurrent builders each write a temporary file and rename it."""
+def _cpu_has(feature: str) -> bool:
+    probe = getattr(torch.cpu, f"_is_{feature}_supported", None)  # torch's own CPUID reading
+    return bool(probe is not None and probe())
+
+
+@functools.cache
+def isa_flags() -> tuple[str, ...]:
+    """The instruction-set flags this CPU's builds get: AVX2 and FMA, and AVX-512 (with BF16 and VNNI
+    where present) when PyTorch itself runs its AVX512 kernels here."""
+    flags = AVX2_FLAGS
+    if torch.backends.cpu.get_cpu_capability() == "AVX512":
+        flags += AVX512_FLAGS
+        flags += AVX512_BF16_FLAGS if _cpu_has("avx512_bf16") else ()
+        flags += AVX512_VNNI_FLAGS if _cpu_has("vnni") else ()
+    return flags
+
+
+def build(compiler: str, target_dir: Path, source: Path, isa: tuple[str, ...] | None = None) -> Path:
+    """Compile `source` into `target_dir` for the instruction sets `isa` (default: this CPU's,
+    `isa_flags()`), as a file named by the hash of source, flags and compiler; an existing build is
+    reused. Concurrent builders each write a temporary file and rename it."""
+    flags = (*FLAGS, *(isa_flags() if isa is None else isa))
     code = source.read_bytes()
-    key = hashlib.sha256(code + " ".join(FLAGS).encode() + compiler.encode()).hexdigest()[:16]
+    key = hashlib.sha256(code + " ".join(flags).encode() + compiler.encode()).hexdigest()[:16]
     target = target_dir / f"{source.stem}-{key}.so"
     if target.exists():
         return target
     target_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target_dir) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, str(source), "-o", str(built)], check=True, capture_output=True,
+        subprocess.run([compiler, *flags, str(source), "-o", str(built)], check=True, capture_output=True,
                        timeout=BUILD_TIMEOUT_S)
         os.replace(built, target)
     return target
