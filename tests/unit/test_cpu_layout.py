@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve import LLM, SamplingParams
+from mmserve.runner.cpu import bf16_gemm
 from mmserve.runner.cpu import gemm as cpu_gemm
 from mmserve.runner.cpu import layout as cpu_layout
 from mmserve.runner.cpu.layout import (
@@ -165,6 +166,7 @@ def test_the_upcast_is_only_for_cpus_without_bfloat16_arithmetic(monkeypatch):
     monkeypatch.setattr(cpu_layout, "cpu_has_bfloat16_arithmetic", lambda: True)
     native = prepare_for_cpu(Model())
     assert native.upcast_bfloat16 == 0 and native.packed == 0
+    assert native.packed_bfloat16 == (3 if bf16_gemm.kernel() is not None else 0)  # the LM's two and its head
     monkeypatch.setattr(cpu_layout, "cpu_has_bfloat16_arithmetic", lambda: False)
     model = Model()
     emulated = prepare_for_cpu(model)
@@ -179,6 +181,9 @@ def test_a_bfloat16_engine_takes_the_path_its_cpu_needs(checkpoint_dirs):
         assert linears and all(isinstance(m, BFloat16ViaFloat32Linear) == expect_upcast for m in linears)
         assert llm.engine.cpu_preparation.upcast_bfloat16 == (len(linears) if expect_upcast else 0)
         assert llm.engine.cpu_preparation.packed == 0
+        amx = [m for m in llm.engine.model.language_model.modules() if isinstance(m, bf16_gemm.BFloat16PanelLinear)]
+        assert len(amx) == llm.engine.cpu_preparation.packed_bfloat16  # the LM's linears where the AMX kernel runs
+        assert (len(amx) > 0) == (bf16_gemm.kernel() is not None)
         (out,) = llm.generate(["Count to three:"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
         assert len(out.outputs[0].token_ids) == 4
         llm.check_integrity()

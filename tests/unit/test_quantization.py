@@ -25,7 +25,7 @@ from mmserve.models.quantization import (
     unpack_int4,
     weight_bytes,
 )
-from mmserve.runner.cpu import layout, quant_gemm
+from mmserve.runner.cpu import layout, native, quant_gemm
 
 needs_kernel = pytest.mark.skipif(quant_gemm.kernel() is None,
                                   reason="mmserve's CPU kernels do not run here (no AVX2 or no C++ compiler)")
@@ -163,3 +163,22 @@ def test_an_unknown_method_is_refused():
         EngineConfig.from_kwargs("some-dir", quantization="int3")
     with pytest.raises(ValueError, match="quantization must be one of"):
         method_format("fp4", 64)
+
+
+@needs_kernel
+@pytest.mark.skipif("-mavx512f" not in native.isa_flags(), reason="this CPU has no AVX-512: only the AVX2 build runs")
+@pytest.mark.parametrize("method", METHODS)
+def test_the_avx512_build_gives_the_avx2_builds_bits(method, tmp_path):
+    """Where the CPU has AVX-512 the kernels are built with its wider tiles (`native.isa_flags`); each output is
+    the same arithmetic on the same codes, so the answer does not depend on the machine's vector width."""
+    compiler = native._compiler()
+    wide = quant_gemm.QuantKernel(native.build(compiler, tmp_path, quant_gemm.SOURCE))
+    narrow = quant_gemm.QuantKernel(native.build(compiler, tmp_path, quant_gemm.SOURCE, native.AVX2_FLAGS))
+    assert wide.path != narrow.path
+    for in_features, out_features in ((256, 100), (128, 37), (64, 48)):
+        layer = QuantizedLinear.from_linear(_linear(in_features, out_features, seed=in_features),
+                                            method_format(method, in_features))
+        a, b = quant_gemm.QuantPanelLinear(layer, wide), quant_gemm.QuantPanelLinear(layer, narrow)
+        for rows in (1, 3, 7, 12, 13, 17, 30, 45):
+            x = torch.randn(rows, in_features)
+            assert torch.equal(a(x), b(x))

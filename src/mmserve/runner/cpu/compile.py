@@ -12,6 +12,9 @@ care of, each measured or seen failing without it:
 - **No automatic dynamic shapes.** Dynamo remembers sizes per function name across code objects; a
   second engine's compile then turned dims dynamic that the first saw static and produced wrong
   code. Dims are dynamic only where the caller marks them (`torch._dynamo.mark_dynamic`).
+- **Eager's roundings.** In bfloat16, Inductor's fused loops would keep intermediate results in float32
+  where the eager ops round each to bfloat16 (`emulate_precision_casts` rounds them as eager does), so
+  a compiled step's numbers are the eager step's, not merely close (greedy tokens flipped without it).
 - **Fewer guards.** The guards on the modules' structure are dropped (checking them is a visible share
   of a small decode step); those on the weights' identity stay. The engine never changes weights after loading.
 
@@ -30,7 +33,7 @@ from typing import Any
 import torch
 import torch._inductor.config
 
-_FREEZING = {"freezing": True, "cpp.weight_prepack": False}
+_FREEZING = {"freezing": True, "cpp.weight_prepack": False, "emulate_precision_casts": True}
 
 
 def frozen_compile(step: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

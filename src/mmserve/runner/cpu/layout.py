@@ -10,6 +10,9 @@ Role: how linear layers run on the CPU; the modules' math is unchanged (products
 - float32 without oneDNN (`relayout_for_cpu`): `F.linear(x, W)` with W stored (out, in) takes a slow
   path at small batch; the same product with W's storage transposed (a view of a contiguous (in, out)
   tensor) takes the gemm path.
+- bfloat16, the language model, on a CPU with AMX tiles (`pack_bfloat16_language_model`): mmserve's
+  own AMX kernel (`bf16_gemm.BFloat16PanelLinear`), on weights re-stored once in tiles, where
+  oneDNN's linear reorders a plain bfloat16 weight on every call. The vision tower keeps oneDNN's.
 - bfloat16 on a CPU without bfloat16 arithmetic (`upcast_bfloat16_linears`): there PyTorch's bfloat16
   gemm is emulated, several times slower than float32 from a few dozen rows up.
   `BFloat16ViaFloat32Linear` keeps the bfloat16 weights and, for 16 rows or more, multiplies in float32
@@ -36,8 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.models.quantization import QuantizedLinear
+from mmserve.runner.cpu import bf16_gemm, quant_gemm
 from mmserve.runner.cpu import gemm as cpu_gemm
-from mmserve.runner.cpu import quant_gemm
 
 MIN_OUT_FEATURES = 0  # every projection: the narrow ones gained too once their weights were cold in cache
 MIN_UPCAST_ROWS = 16  # below this many rows the native bfloat16 kernel (weight-bound) is faster
@@ -49,6 +52,7 @@ class CpuPreparation:
     """What `prepare_for_cpu` changed: counts of layers per change."""
 
     packed: int = 0
+    packed_bfloat16: int = 0
     relaid_out: int = 0
     upcast_bfloat16: int = 0
     quantized_packed: int = 0
@@ -116,6 +120,15 @@ def pack_language_model(module: nn.Module) -> int:
     if lib is not None:
         return _replace_linears(module, torch.float32, lambda linear: cpu_gemm.PanelLinear(linear, lib))
     return _replace_linears(module, torch.float32, PackedLinear) if onednn_linear_available() else 0
+
+
+def pack_bfloat16_language_model(module: nn.Module) -> int:
+    """Replace every bfloat16 CPU `nn.Linear` under `module` (the untied LM head included) by a
+    `bf16_gemm.BFloat16PanelLinear` where mmserve's AMX kernel runs. Returns how many were replaced."""
+    lib = bf16_gemm.kernel()
+    if lib is None:
+        return 0
+    return _replace_linears(module, torch.bfloat16, lambda linear: bf16_gemm.BFloat16PanelLinear(linear, lib))
 
 
 class BFloat16ViaFloat32Linear(nn.Linear):
@@ -190,5 +203,10 @@ def prepare_for_cpu(model: nn.Module) -> CpuPreparation:
     packed = pack_language_model(language_model) if language_model is not None else 0
     quantized = pack_quantized_linears(language_model) if language_model is not None else 0
     relaid = relayout_for_cpu(language_model) if language_model is not None else 0  # what oneDNN did not take
-    upcast = 0 if cpu_has_bfloat16_arithmetic() else upcast_bfloat16_linears(model)
-    return CpuPreparation(packed=packed, relaid_out=relaid, upcast_bfloat16=upcast, quantized_packed=quantized)
+    if cpu_has_bfloat16_arithmetic():
+        packed_bf16 = pack_bfloat16_language_model(language_model) if language_model is not None else 0
+        upcast = 0
+    else:
+        packed_bf16, upcast = 0, upcast_bfloat16_linears(model)
+    return CpuPreparation(packed=packed, packed_bfloat16=packed_bf16, relaid_out=relaid, upcast_bfloat16=upcast,
+                          quantized_packed=quantized)

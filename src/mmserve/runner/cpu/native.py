@@ -1,10 +1,11 @@
 """Build, cache and load mmserve's native CPU kernels (the C++ sources in `kernels/`).
 
 Role: compile a kernel source once per machine with the C++ compiler TorchInductor uses (flags for
-AVX2 and FMA, plus AVX-512 and its BF16 and VNNI extensions where this CPU has them: `isa_flags`;
+AVX2 and FMA, plus AVX-512, its BF16 and VNNI extensions and AMX tiles where this CPU has them:
+`isa_flags`;
 OpenMP from the library PyTorch already loaded), keep the shared library under the user's cache
 directory named by the source, flags and compiler, and hand it to a loader once per process. A
-kernel source picks its code paths from the compiler's macros (`__AVX512F__`, `__AVX512BF16__`), so
+kernel source picks its code paths from the compiler's macros (`__AVX512F__`, `__AVX512BF16__`, `__AMX_BF16__`), so
 one source serves every machine and the library built here uses what this CPU has. Where a kernel cannot run (no AVX2/FMA, no compiler, a failed build, or switched off with
 `MMSERVE_NATIVE_KERNELS=0`) the loader gets nothing and the caller keeps its fallback; the reason is
 logged once. One switch serves every kernel: a machine either builds mmserve's kernels or it does not.
@@ -37,6 +38,7 @@ AVX2_FLAGS = ("-mavx2", "-mfma")  # every machine the kernels run on
 AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")  # ATen's AVX512 level
 AVX512_BF16_FLAGS = ("-mavx512bf16",)
 AVX512_VNNI_FLAGS = ("-mavx512vnni",)
+AMX_FLAGS = ("-mamx-tile", "-mamx-bf16", "-mamx-int8")
 BUILD_TIMEOUT_S = 300
 
 
@@ -55,22 +57,24 @@ def _cpu_has(feature: str) -> bool:
 
 @functools.cache
 def isa_flags() -> tuple[str, ...]:
-    """The instruction-set flags this CPU's builds get: AVX2 and FMA, and AVX-512 (with BF16 and VNNI
-    where present) when PyTorch itself runs its AVX512 kernels here."""
+    """The instruction-set flags this CPU's builds get: AVX2 and FMA, and AVX-512 (with BF16, VNNI and
+    AMX's bfloat16 and int8 tiles where present) when PyTorch itself runs its AVX512 kernels here."""
     flags = AVX2_FLAGS
     if torch.backends.cpu.get_cpu_capability() == "AVX512":
         flags += AVX512_FLAGS
-        flags += AVX512_BF16_FLAGS if _cpu_has("avx512_bf16") else ()
+        bf16 = _cpu_has("avx512_bf16")
+        flags += AVX512_BF16_FLAGS if bf16 else ()
         flags += AVX512_VNNI_FLAGS if _cpu_has("vnni") else ()
+        flags += AMX_FLAGS if bf16 and _cpu_has("amx_tile") else ()
     return flags
 
 
 def build(compiler: str, target_dir: Path, source: Path, isa: tuple[str, ...] | None = None) -> Path:
     """Compile `source` into `target_dir` for the instruction sets `isa` (default: this CPU's,
-    `isa_flags()`), as a file named by the hash of source, flags and compiler; an existing build is
-    reused. Concurrent builders each write a temporary file and rename it."""
+    `isa_flags()`), as a file named by the hash of source, the headers beside it, flags and compiler;
+    an existing build is reused. Concurrent builders each write a temporary file and rename it."""
     flags = (*FLAGS, *(isa_flags() if isa is None else isa))
-    code = source.read_bytes()
+    code = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     key = hashlib.sha256(code + " ".join(flags).encode() + compiler.encode()).hexdigest()[:16]
     target = target_dir / f"{source.stem}-{key}.so"
     if target.exists():

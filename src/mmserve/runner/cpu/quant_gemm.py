@@ -53,10 +53,12 @@ class QuantKernel:
         lib.mm_q_gemm.restype = None
         lib.mm_quantize_rows.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, c_int]
         lib.mm_quantize_rows.restype = None
-        lib.mm_w8a8_gemm.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr, i64, c_int]
+        lib.mm_w8a8_gemm.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr, i64, c_int, c_int]
         lib.mm_w8a8_gemm.restype = None
         self.path = path
         self._lib = lib
+        # w8a8 on AMX's int8 tiles where the build has them and Linux grants them (the same sums, exact)
+        self.amx = bool(lib.mm_q_amx_init())
 
     # ---- packing --------------------------------------------------------------------------------
     def pack_int8(self, codes: torch.Tensor) -> torch.Tensor:
@@ -111,7 +113,7 @@ class QuantKernel:
                                        threads)
             self._lib.mm_w8a8_gemm(codes.data_ptr(), row_scales.data_ptr(), m, k, padded, panels.data_ptr(),
                                    scales.data_ptr(), out_features, None if bias is None else bias.data_ptr(),
-                                   out.data_ptr(), out_features, threads)
+                                   out.data_ptr(), out_features, threads, int(self.amx))
         return out.to(x.dtype).view(*x.shape[:-1], out_features)
 
 

@@ -10,12 +10,17 @@
 // - int4, weight-only, group-wise: panels[p][k][j] for j < 8 holds column j in its low nibble and
 //   column j + 8 in its high one (values 0..15); per group of `group` k and column a scale s and an
 //   offset o = -zero * s, so that w = q * s + o, dequantized in registers before the dot product.
-// - w8a8: int8 weights as panels[p][k / 4][j][k % 4], each input row quantized to int8 with a scale
-//   of max|x| / 127; four products a column summed in int16 pairs then int32 (AVX2's maddubs/madd),
-//   exact; y = sum * s_x * s_w.
+// - w8a8: int8 weights as panels[p][k / 4][j][k % 4] (the groups of 4 padded to a multiple of 16: a
+//   panel's 16 groups x 16 columns are one AMX tile), each input row quantized to int8 with a scale
+//   of max|x| / 127; the products summed exactly in int32, on AMX tiles where the CPU has them and
+//   Linux grants them (mm_q_amx_init), else four a column in int16 pairs then int32 (AVX2's
+//   maddubs/madd); y = sum * s_x * s_w, the same bits either way.
 // A tile with more rows than a few reads its panel from a float copy dequantized once per panel
 // (the same floats the registers would hold), so every output is summed in k order in the same
 // arithmetic whatever M is: a row's result does not depend on which rows share its batch.
+// Built with AVX-512 (runner/cpu/native.py: where the CPU has it), a weight-only tile holds a panel's
+// 16 columns in one register and takes up to 12 rows; each output is the same chain of fused
+// multiply-adds on the same floats, so the two builds give the same bits.
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -23,12 +28,24 @@
 
 #include <cmath>
 
+#ifdef __AMX_INT8__
+#include "amx_tiles.h"
+#endif
+
 namespace {
 
 constexpr int64_t kCols = 16;
+#ifdef __AVX512F__
+constexpr int kRows = 12;           // weight-only tile: 12 accumulators + weights + broadcast in AVX-512 registers
+#else
 constexpr int kRows = 6;            // weight-only tile: 12 accumulators + weights + broadcast in AVX2 registers
+#endif
 constexpr int kW8A8Rows = 4;        // w8a8 tile: 8 int32 accumulators + weights, |a|, products, ones
 constexpr int64_t kFusedTiles = 2;  // up to this many tiles a panel dequantizes in registers; above, once
+constexpr int64_t kK4Block = 16;    // w8a8 groups of 4 inputs are padded to a multiple of this (one AMX tile)
+
+inline int64_t mm_panels(int64_t N) { return (N + kCols - 1) / kCols; }
+inline int64_t mm_k4(int64_t K) { return ((K + 3) / 4 + kK4Block - 1) / kK4Block * kK4Block; }
 
 // A panel's 16 columns at step k, as two 8-float registers, from each storage.
 struct FloatPanel {
@@ -38,6 +55,9 @@ struct FloatPanel {
     lo = _mm256_load_ps(w + k * kCols);
     hi = _mm256_load_ps(w + k * kCols + 8);
   }
+#ifdef __AVX512F__
+  __m512 load16(int64_t k) const { return _mm512_load_ps(w + k * kCols); }
+#endif
   int64_t step(int64_t K) const { return K; }
 };
 
@@ -49,6 +69,11 @@ struct Int8Panel {
     lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
     hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v)));
   }
+#ifdef __AVX512F__
+  __m512 load16(int64_t k) const {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kCols))));
+  }
+#endif
   int64_t step(int64_t K) const { return K; }
 };
 
@@ -58,11 +83,25 @@ struct Int4Panel {
   const float* offset;  // [group][16]
   int64_t group;
   __m256 s_lo, s_hi, o_lo, o_hi;
+#ifdef __AVX512F__
+  __m512 s16, o16;
+#endif
   void begin(int64_t k0) {  // the group starting at k0
     const int64_t g = k0 / group;
     s_lo = _mm256_loadu_ps(scale + g * kCols), s_hi = _mm256_loadu_ps(scale + g * kCols + 8);
     o_lo = _mm256_loadu_ps(offset + g * kCols), o_hi = _mm256_loadu_ps(offset + g * kCols + 8);
+#ifdef __AVX512F__
+    s16 = _mm512_loadu_ps(scale + g * kCols), o16 = _mm512_loadu_ps(offset + g * kCols);
+#endif
   }
+#ifdef __AVX512F__
+  __m512 load16(int64_t k) const {  // columns 0-7 from the low nibbles, 8-15 from the high ones
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k * 8));
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    const __m128i low = _mm_and_si128(b, nibble), high = _mm_and_si128(_mm_srli_epi16(b, 4), nibble);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(low, high))), s16, o16);
+  }
+#endif
   void load(int64_t k, __m256& lo, __m256& hi) const {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k * 8));
     const __m128i nibble = _mm_set1_epi8(0x0F);
@@ -79,6 +118,48 @@ struct Prefetch {
   int64_t every;     // one 64-byte line every `every` steps of k
 };
 
+#ifdef __AVX512F__
+template <int R, typename Panel>
+void tile(const float* __restrict x, int64_t ldx, Panel panel, int64_t K, const float* __restrict post_scale,
+          const float* __restrict bias, float* __restrict y, int64_t ldy, int64_t cols, Prefetch pf) {
+  __m512 acc[R];
+#pragma GCC unroll 16
+  for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
+  int64_t countdown = 0;
+  const int64_t step = panel.step(K);
+  for (int64_t k0 = 0; k0 < K; k0 += step) {
+    panel.begin(k0);
+    for (int64_t k = k0; k < k0 + step; k++) {
+      if (pf.next && countdown-- == 0) {
+        if (pf.next < pf.end) _mm_prefetch(pf.next, _MM_HINT_T0);
+        pf.next += 64;
+        countdown = pf.every - 1;
+      }
+      const __m512 w = panel.load16(k);
+#pragma GCC unroll 16
+      for (int i = 0; i < R; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * ldx + k]), w, acc[i]);
+    }
+  }
+  // the epilogue in explicit fused operations, as the AVX2 tile's (the same bits)
+  const __mmask16 mask = cols == kCols ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+  if (post_scale) {
+    const __m512 s = _mm512_maskz_loadu_ps(mask, post_scale);
+#pragma GCC unroll 16
+    for (int i = 0; i < R; i++) acc[i] = _mm512_fmadd_ps(acc[i], s, b);
+  } else if (bias) {
+#pragma GCC unroll 16
+    for (int i = 0; i < R; i++) acc[i] = _mm512_add_ps(acc[i], b);
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < R; i++) _mm512_mask_storeu_ps(y + i * ldy, mask, acc[i]);
+}
+
+// 12-row tiles; a last 13 to 16 rows go as 8 + the rest (a tile of 1 to 4 rows hides little latency)
+inline int tile_height(int64_t left) {
+  return left > 16 || left == kRows ? kRows : left > kRows ? 8 : static_cast<int>(left);
+}
+#else
 template <int R, typename Panel>
 void tile(const float* __restrict x, int64_t ldx, Panel panel, int64_t K, const float* __restrict post_scale,
           const float* __restrict bias, float* __restrict y, int64_t ldy, int64_t cols, Prefetch pf) {
@@ -131,10 +212,24 @@ void tile(const float* __restrict x, int64_t ldx, Panel panel, int64_t K, const 
   }
 }
 
+// 6-row tiles; a last 7 or 8 rows go as 4 + 3 or 4 + 4
+inline int tile_height(int64_t left) {
+  return left >= 9 || left == kRows ? kRows : left > kRows ? 4 : static_cast<int>(left);
+}
+#endif  // __AVX512F__
+
 template <typename Panel>
 void tile_rows(int rows, const float* x, int64_t ldx, const Panel& panel, int64_t K, const float* post_scale,
                const float* bias, float* y, int64_t ldy, int64_t cols, Prefetch pf) {
   switch (rows) {
+#ifdef __AVX512F__
+    case 12: tile<12>(x, ldx, panel, K, post_scale, bias, y, ldy, cols, pf); break;
+    case 11: tile<11>(x, ldx, panel, K, post_scale, bias, y, ldy, cols, pf); break;
+    case 10: tile<10>(x, ldx, panel, K, post_scale, bias, y, ldy, cols, pf); break;
+    case 9: tile<9>(x, ldx, panel, K, post_scale, bias, y, ldy, cols, pf); break;
+    case 8: tile<8>(x, ldx, panel, K, post_scale, bias, y, ldy, cols, pf); break;
+    case 7: tile<7>(x, ldx, panel, K, post_scale, bias, y, ldy, cols, pf); break;
+#endif
     case 6: tile<6>(x, ldx, panel, K, post_scale, bias, y, ldy, cols, pf); break;
     case 5: tile<5>(x, ldx, panel, K, post_scale, bias, y, ldy, cols, pf); break;
     case 4: tile<4>(x, ldx, panel, K, post_scale, bias, y, ldy, cols, pf); break;
@@ -167,17 +262,20 @@ void panel_product(const float* x, int64_t M, int64_t K, int64_t ldx, Panel pane
     for (int64_t k0 = 0; k0 < K; k0 += step) {
       loader.begin(k0);
       for (int64_t k = k0; k < k0 + step; k++) {
+#ifdef __AVX512F__
+        _mm512_store_ps(scratch + k * kCols, loader.load16(k));
+#else
         __m256 lo, hi;
         loader.load(k, lo, hi);
         _mm256_store_ps(scratch + k * kCols, lo);
         _mm256_store_ps(scratch + k * kCols + 8, hi);
+#endif
       }
     }
   }
   int64_t t = 0;
   for (int64_t m = 0; m < M; t++) {
-    const int64_t left = M - m;
-    const int rows = left >= 9 || left == 6 ? kRows : left > kRows ? 4 : static_cast<int>(left);
+    const int rows = tile_height(M - m);
     Prefetch pf{next_panel ? next_panel + t * share * 64 : nullptr,
                 next_panel ? next_panel + (t + 1) * share * 64 : nullptr, every};
     if (pf.end && pf.end > next_panel + lines * 64) pf.end = next_panel + lines * 64;
@@ -254,12 +352,53 @@ void w8a8_tile_rows(int rows, const int8_t* xq, int64_t ldxq, const int8_t* pane
   }
 }
 
+#ifdef __AMX_INT8__
+struct Int8Dot {
+  static void sum0() { _tile_dpbssd(0, 4, 6); }
+  static void sum1() { _tile_dpbssd(1, 4, 7); }
+  static void sum2() { _tile_dpbssd(2, 5, 6); }
+  static void sum3() { _tile_dpbssd(3, 5, 7); }
+};
+
+void w8a8_amx(const int8_t* xq, const float* x_scales, int64_t M, int64_t ldxq, const int8_t* panels, int64_t K4,
+              const float* w_scales, int64_t N, const float* bias, float* y, int64_t ldy, int threads) {
+  const int64_t count = mm_panels(N), panel_bytes = K4 * 64;
+  amx::for_each_block(M, count, threads, [&](int64_t m, int rows_lo, int rows_hi, int64_t p, int width) {
+    alignas(64) int32_t sums[4 * 16 * kCols];
+    amx::block_sums<Int8Dot>(reinterpret_cast<const char*>(xq + m * ldxq), ldxq,
+                             reinterpret_cast<const char*>(panels + p * panel_bytes), panel_bytes, K4 / 16, rows_lo,
+                             rows_hi, width, sums);
+    for (int j = 0; j < width; j++) {
+      const int64_t first = (p + j) * kCols, cols = N - first < kCols ? N - first : kCols;
+      const __mmask16 mask = cols == kCols ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
+      const __m512 s = _mm512_maskz_loadu_ps(mask, w_scales + first);
+      const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + first) : _mm512_setzero_ps();
+      for (int r = 0; r < rows_lo + rows_hi; r++) {
+        // the AVX2 tile's epilogue, lane for lane
+        const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512(sums + amx::sums_offset(r, j)));
+        const __m512 v = _mm512_fmadd_ps(sum, _mm512_mul_ps(_mm512_set1_ps(x_scales[m + r]), s), b);
+        _mm512_mask_storeu_ps(y + (m + r) * ldy + first, mask, v);
+      }
+    }
+  });
+}
+#endif  // __AMX_INT8__
+
 }  // namespace
 
 extern "C" {
 
-int64_t mm_q_panels(int64_t N) { return (N + kCols - 1) / kCols; }
-int64_t mm_q_k4(int64_t K) { return (K + 3) / 4; }
+int64_t mm_q_panels(int64_t N) { return mm_panels(N); }
+int64_t mm_q_k4(int64_t K) { return mm_k4(K); }
+
+// Asks Linux for this process's use of AMX tiles; 1 where w8a8 products may then use them.
+int mm_q_amx_init() {
+#ifdef __AMX_INT8__
+  return amx::request_permission() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
 
 // q (N, K) int8 row-major -> panels (mm_q_panels(N) * K * 16 bytes).
 void mm_q8_pack(const int8_t* q, int8_t* panels, int64_t N, int64_t K) {
@@ -354,11 +493,20 @@ void mm_quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t*
   }
 }
 
-// w8a8 product on quantized rows (mm_quantize_rows, ldxq = mm_q_k4(K) * 4).
+// w8a8 product on quantized rows (mm_quantize_rows, ldxq = mm_q_k4(K) * 4); on AMX tiles where `amx`
+// (granted by mm_q_amx_init)
 void mm_w8a8_gemm(const int8_t* xq, const float* x_scales, int64_t M, int64_t K, int64_t ldxq, const int8_t* panels,
-                  const float* w_scales, int64_t N, const float* bias, float* y, int64_t ldy, int threads) {
+                  const float* w_scales, int64_t N, const float* bias, float* y, int64_t ldy, int threads, int amx) {
   if (M <= 0) return;
   const int64_t count = mm_q_panels(N), K4 = mm_q_k4(K), panel_bytes = K4 * 64;
+#ifdef __AMX_INT8__
+  if (amx) {
+    w8a8_amx(xq, x_scales, M, ldxq, panels, K4, w_scales, N, bias, y, ldy, threads);
+    return;
+  }
+#else
+  (void)amx;
+#endif
   const int64_t tiles = (M + kW8A8Rows - 1) / kW8A8Rows;
   const int64_t share = (K4 + tiles - 1) / tiles;  // a panel step is one 64-byte line
   const int64_t every = share ? (K4 + share - 1) / share : K4;
