@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mmserve.runner.cpu.gemm import define_panel_op, panel_forward
 from mmserve.runner.cpu.native import KERNELS_DIR, cached_library
 
 SOURCE = KERNELS_DIR / "bf16_gemm.cpp"
@@ -44,6 +45,8 @@ class BFloat16Kernel:
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """(N, K) bfloat16 -> the panels, a flat bfloat16 tensor."""
+        if weight.dtype != torch.bfloat16:
+            raise TypeError(f"the bfloat16 kernel packs bfloat16 weights, got {weight.dtype}")
         weight = weight.detach().contiguous()
         n, k = weight.shape
         panels = torch.empty(self._lib.mm_bf16_panel_elements(n, k), dtype=torch.bfloat16)
@@ -82,23 +85,7 @@ def _load(path: Path) -> BFloat16Kernel | None:
 kernel = cached_library(SOURCE, "the language model's bfloat16 linears stay on oneDNN", _load)
 
 
-def _bf16_panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
-                       out_features: int) -> torch.Tensor:
-    lib = kernel()
-    assert lib is not None, "mmserve::bf16_panel_linear runs only where the kernel was built"
-    return lib.linear(x, panels, bias, out_features)
-
-
-def _bf16_panel_linear_fake(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
-                            out_features: int) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], out_features)
-
-
-# the product as an operator for compiled steps, defined as `gemm.py` defines mmserve::panel_linear
-_LIBRARY = torch.library.Library("mmserve", "FRAGMENT")
-_LIBRARY.define("bf16_panel_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor")
-_LIBRARY.impl("bf16_panel_linear", _bf16_panel_linear, "CPU")
-torch.library.register_fake("mmserve::bf16_panel_linear", _bf16_panel_linear_fake, lib=_LIBRARY)
+_LIBRARY = define_panel_op("bf16_panel_linear", kernel)  # the product as an operator, for compiled steps
 
 
 class BFloat16PanelLinear(nn.Module):
@@ -122,9 +109,4 @@ class BFloat16PanelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
             raise TypeError(f"BFloat16PanelLinear takes bfloat16 inputs, got {x.dtype}")
-        if torch.compiler.is_compiling():
-            return torch.ops.mmserve.bf16_panel_linear(x, self.panels, self.bias, self.out_features)
-        if torch.autograd._profiler_enabled():  # named in a profile as the compiled op is; no cost otherwise
-            with torch.profiler.record_function("mmserve::bf16_panel_linear"):
-                return self._lib.linear(x, self.panels, self.bias, self.out_features)
-        return self._lib.linear(x, self.panels, self.bias, self.out_features)
+        return panel_forward("bf16_panel_linear", self._lib, x, self.panels, self.bias, self.out_features)

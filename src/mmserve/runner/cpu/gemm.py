@@ -18,7 +18,9 @@ layers only; `available()` says whether this machine can run it at all).
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,6 +46,8 @@ class PanelKernel:
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """(N, K) float32 -> the panels, a flat float32 tensor."""
+        if weight.dtype != torch.float32:
+            raise TypeError(f"the float32 panel kernel packs float32 weights, got {weight.dtype}")
         weight = weight.detach().contiguous()
         n, k = weight.shape
         panels = torch.empty(self._lib.mm_panel_floats(n, k), dtype=torch.float32)
@@ -71,24 +75,41 @@ def available() -> bool:
     return kernel() is not None
 
 
-def _panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    lib = kernel()
-    assert lib is not None, "mmserve::panel_linear runs only where the kernel was built"
-    return lib.linear(x, panels, bias, out_features)
-
-
 def _panel_linear_fake(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
                        out_features: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-# The product as an operator, for compiled steps. Defined on a `torch.library.Library` with a CPU kernel
-# rather than with `torch.library.custom_op`, whose Python wrapper costs more per call (a decode step
-# makes one call per linear layer); the library lives as long as the module.
-_LIBRARY = torch.library.Library("mmserve", "FRAGMENT")
-_LIBRARY.define("panel_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor")
-_LIBRARY.impl("panel_linear", _panel_linear, "CPU")
-torch.library.register_fake("mmserve::panel_linear", _panel_linear_fake, lib=_LIBRARY)
+def define_panel_op(name: str, loaded: Callable[[], Any]) -> torch.library.Library:
+    """The product of a panel kernel (`loaded()`, with `linear(x, panels, bias, out_features)`) as the
+    operator `mmserve::<name>`, for compiled steps. Defined on a `torch.library.Library` with a CPU kernel
+    rather than with `torch.library.custom_op`, whose Python wrapper costs more per call (a decode step
+    makes one call per linear layer); the caller keeps the library as long as its module lives."""
+    def product(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+        lib = loaded()
+        assert lib is not None, f"mmserve::{name} runs only where its kernel was built"
+        return lib.linear(x, panels, bias, out_features)
+
+    library = torch.library.Library("mmserve", "FRAGMENT")
+    library.define(f"{name}(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor")
+    library.impl(name, product, "CPU")
+    torch.library.register_fake(f"mmserve::{name}", _panel_linear_fake, lib=library)
+    return library
+
+
+def panel_forward(name: str, lib: Any, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
+                  out_features: int) -> torch.Tensor:
+    """A panel layer's forward: the operator `mmserve::<name>` under `torch.compile`, else the library
+    directly (named in a profile as the operator is; no cost otherwise)."""
+    if torch.compiler.is_compiling():
+        return getattr(torch.ops.mmserve, name)(x, panels, bias, out_features)
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function(f"mmserve::{name}"):
+            return lib.linear(x, panels, bias, out_features)
+    return lib.linear(x, panels, bias, out_features)
+
+
+_LIBRARY = define_panel_op("panel_linear", kernel)
 
 
 class PanelLinear(nn.Module):
@@ -109,9 +130,4 @@ class PanelLinear(nn.Module):
         return self.panels.view(-1, k, PANEL_COLUMNS).permute(0, 2, 1).reshape(-1, k)[:n].contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return torch.ops.mmserve.panel_linear(x, self.panels, self.bias, self.out_features)
-        if torch.autograd._profiler_enabled():  # named in a profile as the compiled op is; no cost otherwise
-            with torch.profiler.record_function("mmserve::panel_linear"):
-                return self._lib.linear(x, self.panels, self.bias, self.out_features)
-        return self._lib.linear(x, self.panels, self.bias, self.out_features)
+        return panel_forward("panel_linear", self._lib, x, self.panels, self.bias, self.out_features)
