@@ -2,11 +2,12 @@
 
 Role: compile a kernel source once per machine with the C++ compiler TorchInductor uses (flags for
 AVX2 and FMA, plus AVX-512, its BF16 and VNNI extensions and AMX tiles where this CPU has them:
-`isa_flags`;
-OpenMP from the library PyTorch already loaded), keep the shared library under the user's cache
-directory named by the source, flags and compiler, and hand it to a loader once per process. A
-kernel source picks its code paths from the compiler's macros (`__AVX512F__`, `__AVX512BF16__`, `__AMX_BF16__`), so
-one source serves every machine and the library built here uses what this CPU has. Where a kernel cannot run (no AVX2/FMA, no compiler, a failed build, or switched off with
+`isa_flags`; OpenMP from the library PyTorch already loaded), keep the shared library under the
+user's cache directory named by the source, the headers beside it, flags and compiler, and hand it to
+a loader once per process. A kernel source picks its code paths from the compiler's macros
+(`__AVX512F__`, `__AMX_BF16__`, `__AMX_INT8__`), so one source serves every machine and the library
+built here uses what this CPU has. Where a kernel cannot run (no AVX2/FMA, no compiler, a failed
+build, or switched off with
 `MMSERVE_NATIVE_KERNELS=0`) the loader gets nothing and the caller keeps its fallback; the reason is
 logged once. One switch serves every kernel: a machine either builds mmserve's kernels or it does not.
 
