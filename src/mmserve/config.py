@@ -34,6 +34,10 @@ def resolve_model(model: str | None, revision: str | None = None) -> str:
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # what runner/kv_quant.py stores
 QUANTIZATION_METHODS = ("int8", "int4", "w8a8")  # what models/quantization.py quantizes at load
+# vLLM's logprobs_mode: what a logprob entry reports, the raw model's or the distribution the token was
+# drawn from (after penalties, biases, masks, grammars, temperature, top-k, top-p, min-p), each as
+# log-probabilities or as logits
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 ENCODER_BACKENDS = ("process", "ray")  # where encoder workers run (workers/process_pool.py, workers/ray_pool.py)
 
 
@@ -149,6 +153,10 @@ class GraphConfig:
         return device_type == "cuda" if on is None else on
 
 
+# the engine arguments EngineConfig holds itself, not in one of its groups
+TOP_LEVEL_ARGS = ("dtype", "device", "seed", "quantization", "logprobs_mode")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -156,6 +164,7 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     quantization: str | None = None  # int8 / int4 / w8a8 at load (models/quantization.py); None: as stored
+    logprobs_mode: str = "raw_logprobs"  # one of LOGPROBS_MODES; prompt logprobs are always raw_logprobs
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
@@ -166,6 +175,8 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None; "
                              f"got {self.quantization!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}; got {self.logprobs_mode!r}")
         if self.graphs.compile_cpu_decode and self.cache.kv_cache_dtype == "fp8_e4m3":
             # TorchInductor (torch 2.13) cannot lower the float8 quantization on the CPU
             raise ValueError("compile_cpu_decode does not support kv_cache_dtype='fp8_e4m3'; use 'int8' or 'auto'")
@@ -181,7 +192,7 @@ class EngineConfig:
             "encoder": {f.name for f in dataclasses.fields(EncoderConfig)},
             "media": {f.name for f in dataclasses.fields(MediaLimits)},
             "graphs": {f.name for f in dataclasses.fields(GraphConfig)},
-            "top": {"dtype", "device", "seed", "quantization"},
+            "top": set(TOP_LEVEL_ARGS),
         }
         for key, value in kwargs.items():
             owner = next((g for g, names in owners.items() if key in names), None)

@@ -133,6 +133,8 @@ class SamplingParams:
     log-softmax of its logits before temperature, penalties, biases, masks or grammars), in float32.
     `structured_outputs` (a `StructuredOutputsParams`): the output must match a JSON schema, a regex, a
     choice or a grammar; only tokens that keep it matchable are sampled, and EOS only where it is complete.
+    `truncate_prompt_tokens` (vLLM's): a text prompt longer than this keeps its last this many tokens (-1: as
+    many as the context holds with room for one generated token); a prompt with images or video is not cut.
     After construction `logit_bias` is a `dict[int, float]`, `allowed_token_ids` a tuple or None and
     `bad_words` a tuple of strings.
     """
@@ -159,6 +161,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self._validate_numbers()
@@ -197,6 +200,7 @@ class SamplingParams:
         _check(_is_number(self.repetition_penalty) and math.isfinite(self.repetition_penalty)
                and self.repetition_penalty > 0,
                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
@@ -211,6 +215,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """True when the choice is deterministic argmax: temperature ~0 or top_k == 1."""
         return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
+
+
+def check_truncate_prompt_tokens(value: object) -> None:
+    _check(value is None or (_is_int(value) and (value == -1 or value >= 1)),
+           f"truncate_prompt_tokens must be null, -1 or an integer >= 1, got {value!r}")
 
 
 def _normalise_logit_bias(bias: Mapping[int, float] | None) -> dict[int, float]:

@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import av
 import httpx
@@ -78,7 +79,7 @@ def servers(checkpoint_dirs, media_dir, tmp_path_factory):
                         str(media_dir), "--limit-mm-per-prompt", "image=2,video=1", "--max-image-pixels", "1000000",
                         "--max-video-frames", "4", "--num-kv-blocks", "256", "--max-request-bytes", "3000000")
     strict = start_server(model, logs / "strict.log", "--num-kv-blocks", "64", "--return-tokens-as-token-ids",
-                          "--enable-request-id-headers", api_key=API_KEY)
+                          "--enable-request-id-headers", "--enable-tokenizer-info-endpoint", api_key=API_KEY)
     # the bundled demo model: its chat template renders tools
     demo = start_server(None, logs / "demo.log", "--tool-call-parser", "hermes", "--enable-auto-tool-choice",
                         "--num-kv-blocks", "128")
@@ -768,6 +769,22 @@ def test_tokenize_and_detokenize(server, llm):
     outside = httpx.post(server.url + "/detokenize", json={"tokens": [10**9]}, timeout=60)
     assert outside.status_code == 400 and outside.json()["error"]["param"] == "tokens"
     assert httpx.get(server.url + "/version", timeout=10).json()["version"]
+
+
+def test_tokenizer_info_where_enabled(servers, llm):
+    """/tokenizer_info (vLLM's, behind --enable-tokenizer-info-endpoint and the API key): the tokenizer's
+    class, its tokenizer_config.json entries and the chat template it renders; a server not asked for it
+    answers 404."""
+    strict = servers["strict"]
+    reply = httpx.get(strict.url + "/tokenizer_info", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
+    assert reply.status_code == 200, reply.text
+    info = reply.json()
+    config = json.loads((Path(strict.model) / "tokenizer_config.json").read_text())
+    assert info["tokenizer_class"] == config.get("tokenizer_class", "PreTrainedTokenizerFast")
+    assert info["eos_token"] == config["eos_token"] and "added_tokens_decoder" not in info
+    assert info["chat_template"] == llm.engine.processor.tokenizer.chat_template
+    assert httpx.get(strict.url + "/tokenizer_info", timeout=10).status_code == 401
+    assert httpx.get(servers["main"].url + "/tokenizer_info", timeout=10).status_code == 404
 
 
 def test_completions_with_several_prompts(server, client, llm):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from PIL import Image
 
 from mmserve import LLM, InvalidInputError, SamplingParams
 from tests.fixtures.conversations import parity_workload
@@ -298,6 +299,62 @@ def test_cache_salt_separates_prefix_cache_users(all_checkpoints):
     with pytest.raises(InvalidInputError) as raised:
         llm.generate([{"prompt": text, "cache_salt": 5}], params, use_tqdm=False)
     assert raised.value.param == "cache_salt"
+    llm.check_integrity()
+
+
+def test_logprobs_mode_reports_logits_or_the_processed_distribution(all_checkpoints):
+    """vLLM's logprobs_mode: raw_logits entries are the logits (raw logprobs plus one constant per
+    position); processed_logprobs are the distribution each token was drawn from: a seeded request at
+    temperature 0.7 with top_k=3 gets the log-softmax of its three best logits / 0.7 and -inf beyond
+    them, the same tokens as under the default mode."""
+    model = str(all_checkpoints["qwen2_vl"])
+    prompt = "Tell me about the colour of the sky."
+    greedy = SamplingParams(temperature=0, max_tokens=4, logprobs=5)
+    sampled = SamplingParams(temperature=0.7, top_k=3, seed=11, max_tokens=4, logprobs=5)
+    answers = {}
+    for mode in ("raw_logprobs", "raw_logits", "processed_logprobs"):
+        llm = LLM(model, logprobs_mode=mode)
+        answers[mode] = [o.outputs[0] for o in llm.generate([prompt, prompt], [greedy, sampled], use_tqdm=False)]
+        llm.check_integrity()
+    raw, logits, processed = answers["raw_logprobs"], answers["raw_logits"], answers["processed_logprobs"]
+    for i in range(2):
+        assert raw[i].token_ids == logits[i].token_ids == processed[i].token_ids
+    for raw_entry, logit_entry in zip(raw[0].logprobs, logits[0].logprobs):
+        assert raw_entry.keys() == logit_entry.keys()
+        shifts = [logit_entry[t].logprob - raw_entry[t].logprob for t in raw_entry]
+        assert max(shifts) - min(shifts) < 1e-4 and [e.rank for e in raw_entry.values()] == \
+            [e.rank for e in logit_entry.values()]
+    for token, raw_entry, entry in zip(processed[1].token_ids, raw[1].logprobs, processed[1].logprobs):
+        best = sorted(raw_entry.values(), key=lambda lp: lp.rank)[:3]
+        expected = torch.tensor([lp.logprob for lp in best]).div(0.7).log_softmax(dim=-1)
+        ranked = sorted(entry.values(), key=lambda lp: lp.rank)
+        torch.testing.assert_close(torch.tensor([lp.logprob for lp in ranked[:3]]), expected, rtol=0, atol=1e-4)
+        assert all(lp.logprob == -float("inf") for lp in ranked[3:]) and entry[token].rank <= 3
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        LLM(model, logprobs_mode="softmax")
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(all_checkpoints):
+    """Offline truncate_prompt_tokens: a text prompt keeps its last k tokens and answers as that prompt
+    given whole; -1 keeps what the context holds; a prompt with an image is refused, not cut, naming the
+    field; a prompt no longer than k is untouched."""
+    llm = LLM(str(all_checkpoints["qwen2_vl"]), max_model_len=64)
+    ids = llm.engine.process("one two three four five six seven eight nine ten").prompt_token_ids
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    cut, whole_tail, short, longest = llm.generate(
+        [{"prompt_token_ids": list(ids)}, {"prompt_token_ids": list(ids[-4:])}, {"prompt_token_ids": list(ids)},
+         {"prompt_token_ids": list(range(5, 100))}],
+        [SamplingParams(temperature=0, max_tokens=3, truncate_prompt_tokens=4), greedy,
+         SamplingParams(temperature=0, max_tokens=3, truncate_prompt_tokens=len(ids)),
+         SamplingParams(temperature=0, max_tokens=1, truncate_prompt_tokens=-1)], use_tqdm=False)
+    assert cut.prompt_token_ids == list(ids[-4:]) and cut.outputs[0].token_ids == whole_tail.outputs[0].token_ids
+    assert short.prompt_token_ids == list(ids)
+    assert longest.prompt_token_ids == list(range(5, 100))[-63:]
+    picture = {"prompt": "<|vision_start|><|image_pad|><|vision_end|>What is it?",
+               "multi_modal_data": {"image": Image.new("RGB", (56, 56), (200, 10, 10))}}
+    with pytest.raises(InvalidInputError) as raised:
+        llm.generate([picture], SamplingParams(max_tokens=2, truncate_prompt_tokens=2), use_tqdm=False)
+    assert raised.value.param == "truncate_prompt_tokens"
     llm.check_integrity()
 
 

@@ -272,6 +272,43 @@ def test_logprobs_are_the_raw_distribution_whatever_the_processing():
     assert sampled_logprobs(logits, tokens, None) is None and sampled_logprobs(logits, tokens, [None] * 4) is None
 
 
+def test_processed_logits_are_what_each_row_was_drawn_from():
+    """`sample(keep_processed=True)` keeps vLLM's processed logits: a greedy row's after bias and bans (its
+    temperature ignored), a sampled row's after temperature, top-k and min-p, -inf where a token was
+    dropped; every drawn token is finite there, and the raw logits are untouched. Without processing, the
+    processed logits are the raw ones."""
+    logits = random_logits(3, seed=4)
+    raw = logits.clone()
+    meta = _with(meta_for(3, temperature=2.0, top_k=4, banned=[(1,), (), ()]),
+                 temperatures=[0.0, 2.0, 0.5], min_ps=[0.0, 0.0, 0.5], logit_bias=[(0, {3: 5.0})])
+    tokens, processed = Sampler().sample(logits, meta, keep_processed=True)
+    assert torch.equal(logits, raw)
+    greedy = raw[0].clone()
+    greedy[1] = -torch.inf
+    greedy[3] += 5.0
+    assert torch.equal(processed[0], greedy) and tokens[0].item() == greedy.argmax().item()
+    scaled = raw[1] / 2.0
+    kept = scaled >= scaled.topk(4).values[-1]
+    assert torch.equal(processed[1][kept], scaled[kept]) and bool((processed[1][~kept] == -torch.inf).all())
+    cold = raw[2] / 0.5
+    cold[cold < cold.topk(4).values[-1]] = -torch.inf
+    probs = cold.softmax(dim=-1)
+    assert torch.equal(processed[2] == -torch.inf, (probs < 0.5 * probs.max()))
+    assert bool(processed.gather(1, tokens.unsqueeze(1)).isfinite().all())
+    plain_tokens, plain = Sampler().sample(raw, meta_for(3, temperature=0.0), keep_processed=True)
+    assert plain is raw and torch.equal(plain_tokens, raw.argmax(dim=-1))
+    assert Sampler().sample(raw, meta, keep_processed=False)[1] is None
+
+
+def test_logprobs_of_processed_logits_and_logits_themselves():
+    """normalize=False reports the logits themselves (vLLM's *_logits modes), ranked the same way."""
+    logits = random_logits(2, seed=6)
+    tokens = logits.argmax(dim=-1)
+    out = sampled_logprobs(logits, tokens, [2, 2], normalize=False)
+    assert torch.equal(out.logprobs, logits.max(dim=-1).values) and out.ranks() == [1, 1]
+    assert torch.equal(out.top_logprobs, logits.topk(2).values)
+
+
 @pytest.mark.parametrize("k", [0, 1, 3])
 def test_ranks_inside_and_outside_the_top_k(k):
     """A rank is 1 + the tokens strictly more likely, for tokens sampled inside the top k, at its edge

@@ -77,6 +77,9 @@ def test_frozen():
     ({"logprobs": 21}, r"logprobs must be null or an integer in \[0, 20\]"),
     ({"logprobs": -1}, "logprobs"),
     ({"logprobs": True}, "logprobs"),
+    ({"truncate_prompt_tokens": 0}, r"truncate_prompt_tokens must be null, -1 or an integer >= 1"),
+    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 2.0}, "truncate_prompt_tokens"),
 ])
 def test_validation_errors(kwargs, message):
     with pytest.raises(InvalidInputError, match=message) as raised:

@@ -32,7 +32,7 @@ from mmserve.engine.choices import ChoiceGroups
 from mmserve.engine.detokenizer import IncrementalDetokenizer
 from mmserve.engine.graph_settings import resolve_runner_graphs
 from mmserve.engine.inspection import EngineInspection
-from mmserve.engine.prompts import parse_prompt
+from mmserve.engine.prompts import parse_prompt, truncated_token_ids
 from mmserve.engine.sizing import resolve_encoder_budget, resolve_max_model_len, resolve_num_kv_blocks
 from mmserve.engine.structured_outputs import StructuredOutputs
 from mmserve.errors import InvalidInputError, at_param
@@ -128,7 +128,7 @@ class Engine:
                                                    self.max_model_len), kv, items, chunking)
         self.runner = ModelRunner(self.model, spec, PagedAttentionBackend(self.kv_storage), self.device,
                                   self.encoder_pool, enc.encoder_timeout_s, graphs.encoder, graphs.decode,
-                                  self.faults)
+                                  self.faults, config.logprobs_mode)
         eos = set(spec.eos_token_ids) | set(generation_eos_ids(config.model))
         if self.processor.tokenizer.eos_token_id is not None:
             eos.add(self.processor.tokenizer.eos_token_id)
@@ -175,6 +175,11 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                     arrival_time: float | None = None) -> None:
+        cut = truncated_token_ids(prompt, params.truncate_prompt_tokens, self.max_model_len)
+        if cut is not None:  # processed again as token ids, keeping its cache salt
+            salt = prompt.cache_salt
+            prompt = self.process({"prompt_token_ids": cut})
+            prompt.cache_salt = salt
         if prompt.num_tokens == 0:
             raise InvalidInputError("the prompt is empty", param="prompt")
         if prompt.num_tokens + 1 > self.max_model_len:

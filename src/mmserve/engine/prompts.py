@@ -4,7 +4,7 @@ Role: accept a str, `{"prompt": str, ...}` or `{"prompt_token_ids": [...], ...}`
 `multi_modal_data` ({"image": one or a list, "video": one video or a list: frames, a (F, H, W, C)
 array, or `VideoFrames` — frames with their fps}) and
 `mm_processor_kwargs` and `multi_modal_uuids` (shaped like multi_modal_data), and reject anything
-else with `InvalidInputError`.
+else with `InvalidInputError`; and cut a processed text prompt to its last tokens (truncate_prompt_tokens).
 What it does not know: tokenizers, models.
 """
 
@@ -18,7 +18,9 @@ from PIL import Image
 
 from mmserve.errors import InvalidInputError
 from mmserve.inputs.chat import require_unicode
+from mmserve.inputs.items import ProcessedPrompt
 from mmserve.inputs.media import VideoFrames
+from mmserve.sampling_params import check_truncate_prompt_tokens
 
 _PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids",
                 "cache_salt"}
@@ -96,3 +98,19 @@ def check_cache_salt(salt: Any) -> str | None:
     if salt is not None and not (isinstance(salt, str) and salt):
         raise InvalidInputError("cache_salt must be a non-empty string", param="cache_salt")
     return salt
+
+
+def truncated_token_ids(prompt: ProcessedPrompt, keep: int | None, max_model_len: int) -> list[int] | None:
+    """vLLM's truncate_prompt_tokens: the last `keep` token ids of a longer prompt (-1: as many as the
+    context holds with room for one generated token); None when the prompt stays as it is. A prompt with
+    images or video is refused rather than cut, since a cut could fall inside an item's rows."""
+    check_truncate_prompt_tokens(keep)
+    if keep is None:
+        return None
+    keep = max_model_len - 1 if keep == -1 else keep
+    if prompt.num_tokens <= keep:
+        return None
+    if prompt.items:
+        raise InvalidInputError(f"truncate_prompt_tokens={keep} would cut a prompt with images or video: only "
+                                "text prompts are truncated", param="truncate_prompt_tokens")
+    return list(prompt.prompt_token_ids[-keep:])

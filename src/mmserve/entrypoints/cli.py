@@ -23,7 +23,9 @@ from typing import Any
 from mmserve.config import (
     DEMO_MODEL_DIR,
     DEMO_MODEL_NAME,
+    LOGPROBS_MODES,
     QUANTIZATION_METHODS,
+    TOP_LEVEL_ARGS,
     CacheConfig,
     EncoderConfig,
     GraphConfig,
@@ -129,6 +131,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     top.add_argument("--quantization", default=argparse.SUPPRESS, choices=QUANTIZATION_METHODS,
                      help="quantize the language model's linears at load: int8 or int4 weights, or w8a8 (int8 "
                           "weights and inputs); a checkpoint stored quantized runs as stored (default: none)")
+    top.add_argument("--logprobs-mode", default=argparse.SUPPRESS, choices=LOGPROBS_MODES,
+                     help="what logprobs report: the model's raw distribution (raw_logprobs, the default) or the "
+                          "one sampled from after penalties, biases, grammars, temperature and top-k/p "
+                          "(processed_logprobs); *_logits: the logits instead")
     for title, cls in ENGINE_ARG_GROUPS:
         group = parser.add_argument_group(title)
         hints = typing.get_type_hints(cls)
@@ -137,7 +143,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    names = {"dtype", "device", "seed", "quantization"} | {f.name for _, cls in ENGINE_ARG_GROUPS for f in dataclasses.fields(cls)}
+    names = set(TOP_LEVEL_ARGS) | {f.name for _, cls in ENGINE_ARG_GROUPS for f in dataclasses.fields(cls)}
     kwargs = {k: v for k, v in vars(args).items() if k in names}
     kwargs.setdefault("device", _default_device())
     return kwargs
@@ -197,6 +203,8 @@ def _add_serve_parser(sub: Any) -> None:
                       help="logprobs name tokens as 'token_id:N' instead of their text (vLLM's flag)")
     http.add_argument("--enable-request-id-headers", action="store_true",
                       help="answer with an X-Request-Id header (the client's, else a new id)")
+    http.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                      help="serve GET /tokenizer_info: the tokenizer's configuration and chat template (vLLM's)")
     http.add_argument("--tool-call-parser", default=None, metavar="NAME",
                       help="accepted for vLLM compatibility: the call syntax is chosen from the model's chat "
                            "template (hermes: <tool_call>{json}</tool_call>); a name other than that is refused")
@@ -311,7 +319,8 @@ def _serve(args: argparse.Namespace) -> int:
                                  max_request_bytes=args.max_request_bytes, web_ui=args.web_ui,
                                  demo_model=Path(model).resolve() == DEMO_MODEL_DIR.resolve(),
                                  return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                                 request_id_headers=args.enable_request_id_headers, root_path=args.root_path)
+                                 request_id_headers=args.enable_request_id_headers, root_path=args.root_path,
+                                 tokenizer_info=args.enable_tokenizer_info_endpoint)
     summary = startup_summary(engine, name, f"http://{args.host}:{args.port}", web_ui=args.web_ui)
     serve(engine, server_config, args.host, args.port, args.log_level, args.shutdown_timeout,
           on_ready=lambda: print(summary, file=sys.stderr, flush=True))

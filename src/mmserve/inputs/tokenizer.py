@@ -48,6 +48,7 @@ class TextTokenizer:
             raise ModelLoadError(f"no tokenizer.json in {model_dir}")
         self._tok = Tokenizer.from_file(str(path))
         config = read_json(root / "tokenizer_config.json")
+        self._config = config
         self.eos_token: str | None = _token_content(config.get("eos_token"))
         self.bos_token: str | None = _token_content(config.get("bos_token"))
         self.eos_token_id: int | None = self.token_to_id(self.eos_token) if self.eos_token else None
@@ -55,6 +56,16 @@ class TextTokenizer:
         self.chat_template = load_chat_template(root)
         self._template = None if self.chat_template is None else ChatTemplate(self.chat_template,
                                                                                 special_tokens(config))
+
+    def info(self) -> dict[str, Any]:
+        """What vLLM's /tokenizer_info answers: the tokenizer's configuration (`tokenizer_config.json`
+        without its added-token table, which /tokenize and the vocabulary already give), its class as
+        transformers would load it, and the chat template this tokenizer renders."""
+        info = {k: v for k, v in self._config.items() if k not in ("added_tokens_decoder", "chat_template")}
+        info["tokenizer_class"] = self._config.get("tokenizer_class") or "PreTrainedTokenizerFast"
+        if self.chat_template is not None:
+            info["chat_template"] = self.chat_template
+        return info
 
     @property
     def backend(self) -> Tokenizer:

@@ -85,13 +85,17 @@ class ModelRunner:
     def __init__(self, model: FamilyModel, spec: FamilySpec, attention: PagedAttentionBackend,
                  device: torch.device, pool: EncoderPool | None = None, encoder_timeout_s: float = 30.0,
                  encoder_graphs: EncoderGraphSettings | None = None,
-                 decode_graphs: DecodeGraphSettings | None = None, faults: FaultPlan | None = None) -> None:
+                 decode_graphs: DecodeGraphSettings | None = None, faults: FaultPlan | None = None,
+                 logprobs_mode: str = "raw_logprobs") -> None:
+        """`logprobs_mode` (config.LOGPROBS_MODES): what sampled tokens' logprob entries report."""
         self.model = model
         self.spec = spec
         self.attention = attention
         self.device = device
         self.block_size = attention.block_size
         self.sampler = Sampler()
+        self.logprobs_processed = logprobs_mode.startswith("processed")
+        self.logprobs_normalized = logprobs_mode.endswith("logprobs")
         self.requests: dict[str, RunnerRequest] = {}
         dtype = next(model.parameters()).dtype
         # captured graphs (None: eager, as always on the CPU unless asked for)
@@ -224,8 +228,10 @@ class ModelRunner:
             rows = builder.sample_rows
             meta = sampling_metadata([self._sampled_row(r, logits.shape[1], token_bitmasks.get(r.request_id))
                                       for r in rows], self.device)
-            token_ids = self.sampler(logits, meta)
-            logprobs = sampled_logprobs(logits, token_ids, meta.num_logprobs)
+            keep = self.logprobs_processed and meta.num_logprobs is not None
+            token_ids, processed = self.sampler.sample(logits, meta, keep_processed=keep)
+            logprobs = sampled_logprobs(logits if processed is None else processed, token_ids, meta.num_logprobs,
+                                        normalize=self.logprobs_normalized)
             tokens = token_ids.tolist()  # the one sync (with logprobs, their transfers follow)
             self.last_step.forward_s = time.perf_counter() - forward_started
             for state, token in zip(rows, tokens):

@@ -7,7 +7,8 @@ presence), then greedy argmax or temperature, top-k, top-p, min-p and the random
 skipped when no row needs it, so rows that ask for nothing pay nothing; the only Python loop over rows
 draws the one uniform number of each seeded row from its own generator, so a seeded request's tokens do
 not depend on which other requests share its batch or their order. Rows that ask for logprobs get them from the
-raw logits (log-softmax in float32, before any stage).
+raw logits (log-softmax in float32, before any stage), or from the processed ones the caller asks `sample` to
+keep (vLLM's logprobs_mode).
 What it does not know: requests, SamplingParams, tokenizers, why a token is banned (the caller
 bans eos and stop ids while min_tokens is not reached, and bad words' last tokens), where penalty
 counts come from (the runner keeps them per request).
@@ -180,11 +181,24 @@ class Sampler:
     (`sampled_logprobs` gives the rows' logprobs from the same logits)."""
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        return self.sample(logits, meta)[0]
+
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata,
+               keep_processed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rows' tokens and, with `keep_processed`, the float32 logits they were drawn from (vLLM's
+        processed logits: after every stage, -inf where a mask, top-k, top-p or min-p dropped a token; a
+        greedy row's before temperature, which does not change its argmax)."""
         if logits.dim() != 2 or logits.shape[0] != meta.num_rows:
             raise ValueError(f"logits must be (batch={meta.num_rows}, vocab), got {tuple(logits.shape)}")
         greedy_rows = [meta.is_greedy(row) for row in range(meta.num_rows)]
         if all(greedy_rows) and not meta.processes_logits:
-            return greedy_argmax(logits)  # the common case: nothing to mask, no copy (float32 is exact for bf16)
+            # the common case: nothing to mask, no copy (float32 is exact for bf16)
+            return greedy_argmax(logits), logits if keep_processed else None
+        processed = self._processed(logits, meta)
+        return self._choose(processed, meta, greedy_rows, keep_processed), processed if keep_processed else None
+
+    @staticmethod
+    def _processed(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         # float32 copy: the stages below write in place and must not touch the caller's tensor (nor the raw
         # logits the logprobs are taken from)
         logits = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # (batch, vocab)
@@ -195,16 +209,21 @@ class Sampler:
         _apply_logit_bias(logits, meta.logit_bias)
         if meta.penalties is not None:
             _apply_penalties(logits, meta.penalties)
+        return logits
+
+    def _choose(self, logits: torch.Tensor, meta: SamplingMetadata, greedy_rows: list[bool],
+                keep_processed: bool) -> torch.Tensor:
         if not any(greedy_rows):
-            return self._sample(logits, meta, greedy_rows)
+            return self._sample(logits, meta, greedy_rows, keep_processed)
         greedy_ids = greedy_argmax(logits)  # (batch,); before _sample, which scales logits in place
         if all(greedy_rows):
             return greedy_ids
-        sampled_ids = self._sample(logits, meta, greedy_rows)
+        sampled_ids = self._sample(logits, meta, greedy_rows, keep_processed)
         greedy_mask = to_device(greedy_rows, logits.device)
         return torch.where(greedy_mask, greedy_ids, sampled_ids)
 
-    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata, greedy_rows: list[bool]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata, greedy_rows: list[bool],
+                keep_processed: bool) -> torch.Tensor:
         device, vocab_size = logits.device, logits.shape[1]
         # Greedy rows ride along with neutral options; their result is discarded by the caller.
         temperatures = [1.0 if g else t for g, t in zip(greedy_rows, meta.temperatures)]
@@ -220,19 +239,23 @@ class Sampler:
             _apply_top_p(logits, to_device(top_ps, device))
         probs = logits.softmax(dim=-1)  # (batch, vocab)
         if any(p > 0.0 for p in min_ps):
-            _apply_min_p(probs, to_device(min_ps, device))
+            dropped = _apply_min_p(probs, to_device(min_ps, device))
+            if keep_processed:
+                logits.masked_fill_(dropped, -torch.inf)
         return _inverse_cdf_draw(probs, _uniforms(meta.generators, greedy_rows, device))
 
 
-def sampled_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
-                     num_logprobs: list[int | None] | None) -> SampledLogprobs | None:
-    """The raw distribution's logprobs of the rows that asked: log-softmax of the model's logits in float32."""
+def sampled_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int | None] | None,
+                     normalize: bool = True) -> SampledLogprobs | None:
+    """The logprobs of the rows that asked: log-softmax of `logits` (the model's, for the raw distribution)
+    in float32; with `normalize` false, the float32 logits themselves (vLLM's *_logits modes)."""
     rows = [] if num_logprobs is None else [row for row, k in enumerate(num_logprobs) if k is not None]
     if not rows:
         return None
     index = None if len(rows) == logits.shape[0] else to_device(rows, logits.device)
     picked = logits if index is None else logits.index_select(0, index)
-    logprobs = picked.to(torch.float32).log_softmax(dim=-1)  # (R, vocab)
+    logprobs = picked.to(torch.float32)  # (R, vocab)
+    logprobs = logprobs.log_softmax(dim=-1) if normalize else logprobs
     sampled = token_ids if index is None else token_ids.index_select(0, index)
     sampled_logprobs = logprobs.gather(1, sampled.unsqueeze(1))  # (R, 1)
     # at least the best token, which ranks most sampled tokens without a pass over the vocabulary
@@ -327,11 +350,13 @@ def _apply_top_p(logits: torch.Tensor, top_ps: torch.Tensor) -> None:
     logits.masked_fill_(drop, -torch.inf)
 
 
-def _apply_min_p(probs: torch.Tensor, min_ps: torch.Tensor) -> None:
-    """Zero tokens whose probability is below min_p times the row's top probability."""
+def _apply_min_p(probs: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+    """Zero tokens whose probability is below min_p times the row's top probability; returns where."""
     threshold = probs.amax(dim=-1, keepdim=True).mul_(min_ps.unsqueeze(1))  # (batch, 1)
     # No renormalisation needed: the draw below scales its uniform by the row's mass.
-    probs.masked_fill_(probs < threshold, 0.0)
+    dropped = probs < threshold  # (batch, vocab) bool
+    probs.masked_fill_(dropped, 0.0)
+    return dropped
 
 
 def _uniforms(generators: list[torch.Generator | None], greedy_rows: list[bool],

@@ -161,7 +161,8 @@ def _v1_router(serving: OpenAIServing, engine: AsyncEngine, api_key: str | None)
 
 
 def _tokens_router(serving: OpenAIServing, api_key: str | None) -> APIRouter:
-    """vLLM's /tokenize and /detokenize (clients count a prompt's tokens before sending it) and /version."""
+    """vLLM's /tokenize and /detokenize (clients count a prompt's tokens before sending it), /version, and
+    /tokenizer_info where the server was asked for it."""
     router = APIRouter(dependencies=[Depends(_auth_dependency(api_key))])
 
     @router.post("/tokenize")
@@ -177,6 +178,11 @@ def _tokens_router(serving: OpenAIServing, api_key: str | None) -> APIRouter:
         from mmserve import __version__
 
         return {"version": __version__}
+
+    if serving.config.tokenizer_info:
+        @router.get("/tokenizer_info")
+        async def tokenizer_info() -> dict[str, Any]:
+            return serving.engine.engine.processor.tokenizer.info()
 
     return router
 

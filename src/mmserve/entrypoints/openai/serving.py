@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
 from mmserve.engine.async_engine import AsyncEngine, EngineDeadError, ShuttingDownError
-from mmserve.engine.prompts import check_cache_salt
+from mmserve.engine.prompts import check_cache_salt, truncated_token_ids
 from mmserve.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from mmserve.entrypoints.openai.logprobs import (
     chat_logprobs,
@@ -87,6 +87,7 @@ class ServerConfig:
     return_tokens_as_token_ids: bool = False  # logprobs name tokens as "token_id:N"
     request_id_headers: bool = False  # answer with X-Request-Id
     root_path: str = ""  # the prefix a proxy serves the app under
+    tokenizer_info: bool = False  # GET /tokenizer_info (vLLM's; off by default: it shows the chat template)
 
 
 def _timings(output: RequestOutput, num_completion_tokens: int) -> dict[str, float | None]:
@@ -347,20 +348,16 @@ class OpenAIServing:
         return await asyncio.get_running_loop().run_in_executor(None, partial(fn, *args))
 
     async def _truncated(self, prompt: ProcessedPrompt, keep: int | None) -> ProcessedPrompt:
-        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: as many as the context holds
-        with room for one token), processed again as token ids; a prompt with media is not cut."""
-        if keep is None:
+        """The prompt cut by truncate_prompt_tokens before its max_tokens default is taken (the engine's
+        rule: engine/prompts.py), processed again as token ids."""
+        try:
+            cut = truncated_token_ids(prompt, keep, self.max_model_len)
+        except InvalidInputError as exc:
+            raise RequestError(str(exc), param=exc.param,
+                               code="unsupported_parameter" if prompt.items else None) from exc
+        if cut is None:
             return prompt
-        if keep == -1:
-            keep = self.max_model_len - 1
-        if keep < 1:
-            raise RequestError(f"truncate_prompt_tokens must be -1 or >= 1, got {keep}", param="truncate_prompt_tokens")
-        if prompt.num_tokens <= keep:
-            return prompt
-        if prompt.items:
-            raise RequestError("truncate_prompt_tokens would cut a prompt with images or video: only text prompts "
-                               "are truncated", param="truncate_prompt_tokens", code="unsupported_parameter")
-        truncated = await self.engine.process({"prompt_token_ids": list(prompt.prompt_token_ids[-keep:])})
+        truncated = await self.engine.process({"prompt_token_ids": cut})
         truncated.cache_salt = prompt.cache_salt
         return truncated
 
