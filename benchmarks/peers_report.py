@@ -15,8 +15,15 @@ from benchmarks import plots
 SPEEDUP_TARGET = 1.2  # mmserve / peer
 BUSY_CORES = 0.25  # a measurement during which other processes kept more cores busy is flagged
 LABELS = {"mmserve": "mmserve", "vllm": "vLLM-CPU", "llamacpp": "llama.cpp"}
+# the peer each mmserve row is compared against: the format the peer's users run for the same bytes
+# per weight (mmserve int8 weights against llama.cpp's Q8_0, int4 against Q4_0); batch int8 against
+# mmserve's own float32 (quantization must not cost throughput)
 PEER_OF = {("float32", "batch"): "vllm/float32/batch", ("bfloat16", "batch"): "vllm/bfloat16/batch",
-           ("float32", "one"): "llamacpp/float32/one"}
+           ("int8", "batch"): "mmserve/float32/batch", ("float32", "one"): "llamacpp/float32/one",
+           ("int8", "one"): "llamacpp/q8_0/one", ("int4", "one"): "llamacpp/q4_0/one"}
+# target speed-ups other than SPEEDUP_TARGET: batch int8 against mmserve float32
+RATIO_TARGETS = {("int8", "batch"): 1.0}
+SHORT = {"float32": "f32", "bfloat16": "bf16", "int8": "int8", "int4": "int4", "q8_0": "Q8_0", "q4_0": "Q4_0"}
 
 
 def _fmt(value: float | None, spec: str = ".1f") -> str:
@@ -78,18 +85,32 @@ def targets(entries: dict[str, dict[str, Any]], status: dict[str, str] | None = 
                 t.update(met=v["finished_valid"] == v["finished"])
             out.append(t)
         return out
-    mm, why_mm = get("mmserve/float32/one", "decode_tokens_per_s")
-    ll, why_ll = get("llamacpp/float32/one", "decode_tokens_per_s")
-    t = {"name": f"one at a time: mmserve decode tok/s >= {SPEEDUP_TARGET}x llama.cpp", "mmserve": mm, "peer": ll}
-    t.update(met=None, why=why_mm or why_ll) if mm is None or ll is None else t.update(
-        ratio=round(mm / ll, 3), met=mm / ll >= SPEEDUP_TARGET)
-    out.append(t)
-    mm, why_mm = get("mmserve/float32/one", "ttft_ms")
-    ll, why_ll = get("llamacpp/float32/one", "ttft_ms")
-    t = {"name": "one at a time: mmserve TTFT <= llama.cpp", "mmserve": mm, "peer": ll}
-    t.update(met=None, why=why_mm or why_ll) if mm is None or ll is None else t.update(
-        ratio=round(mm / ll, 3), met=mm <= ll)
-    out.append(t)
+    for fmt in ("float32", "int8", "int4"):
+        if fmt != "float32" and f"mmserve/{fmt}/one" not in entries:
+            continue  # the quantized pairs are reported where they were asked for
+        peer_key = PEER_OF[(fmt, "one")]
+        peer_fmt = SHORT[peer_key.split("/")[1]]
+        mm, why_mm = get(f"mmserve/{fmt}/one", "decode_tokens_per_s")
+        ll, why_ll = get(peer_key, "decode_tokens_per_s")
+        t = {"name": f"one at a time: mmserve {fmt} decode tok/s >= {SPEEDUP_TARGET}x llama.cpp {peer_fmt}",
+             "mmserve": mm, "peer": ll}
+        t.update(met=None, why=why_mm or why_ll) if mm is None or ll is None else t.update(
+            ratio=round(mm / ll, 3), met=mm / ll >= SPEEDUP_TARGET)
+        out.append(t)
+        mm, why_mm = get(f"mmserve/{fmt}/one", "ttft_ms")
+        ll, why_ll = get(peer_key, "ttft_ms")
+        t = {"name": f"one at a time: mmserve {fmt} TTFT <= llama.cpp {peer_fmt}", "mmserve": mm, "peer": ll}
+        t.update(met=None, why=why_mm or why_ll) if mm is None or ll is None else t.update(
+            ratio=round(mm / ll, 3), met=mm <= ll)
+        out.append(t)
+    if "mmserve/int8/batch" in entries:
+        target = RATIO_TARGETS[("int8", "batch")]
+        mm, why_mm = get("mmserve/int8/batch", "tokens_per_s")
+        fp, why_fp = get("mmserve/float32/batch", "tokens_per_s")
+        t = {"name": f"batch: mmserve int8 tok/s >= {target}x mmserve float32", "mmserve": mm, "peer": fp}
+        t.update(met=None, why=why_mm or why_fp) if mm is None or fp is None else t.update(
+            ratio=round(mm / fp, 3), met=mm / fp >= target)
+        out.append(t)
     for mode in ("batch", "one"):
         e = entries.get(f"mmserve/float32/{mode}", {})
         t = {"name": f"float32 {mode}: mmserve identical to transformers on every compared request",
@@ -164,7 +185,7 @@ def print_table(results: dict[str, Any]) -> None:
             ident = f"{e['identical']}/{e['compared']}" if e.get("compared") else "-"
             ratio = ""
             if e["system"] == "mmserve":
-                peer = entries.get(PEER_OF[(e["dtype"], e["mode"])])
+                peer = entries.get(PEER_OF.get((e["dtype"], e["mode"]), ""))
                 if peer and "error" not in peer:
                     field = "tokens_per_s" if e["mode"] == "batch" else "decode_tokens_per_s"
                     if e.get(field) and peer.get(field):
@@ -188,7 +209,8 @@ def print_table(results: dict[str, Any]) -> None:
     print("(tok/s: output tokens per second of wall; batch rows: all requests in one call, one rows: end to end one "
           "at a time; TTFT: median; load s: engine construction (vLLM compiles here); cold s: the process's first (warm-up) call; others: cores other processes kept busy "
           f"meanwhile (median; * marks a round with > {BUSY_CORES}); ident.: greedy tokens equal to transformers' "
-          "float32 ones; vs peer: mmserve over vLLM-CPU (batch tok/s) or llama.cpp (decode tok/s))")
+          "float32 ones; vs peer: mmserve over vLLM-CPU (batch tok/s; int8: over mmserve float32) or llama.cpp in the "
+          "format of the same bits per weight (decode tok/s))")
 
 
 def print_targets(results: dict[str, Any]) -> None:
@@ -223,8 +245,7 @@ def write_plot(results: dict[str, Any], path: Path) -> str:
     rows = [(model, e) for model, res in results.items() for e in res["results"].values() if "error" not in e]
     if not rows:
         return "not written: nothing measured"
-    short = {"float32": "f32", "bfloat16": "bf16"}
-    labels = [f"{m}\n{LABELS[e['system']]}\n{short[e['dtype']]} {e['mode']}" for m, e in rows]
+    labels = [f"{m}\n{LABELS[e['system']]}\n{SHORT[e['dtype']]} {e['mode']}" for m, e in rows]
     colors = {"mmserve": "tab:blue", "vllm": "tab:orange", "llamacpp": "tab:green"}
     fig, axes = plt.subplots(3, 1, figsize=(max(8, 1.3 * len(rows)), 13))
     ax = axes[0]

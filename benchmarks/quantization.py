@@ -40,11 +40,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python benchmarks/quantization.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.checkpoints import BENCH_DIR, build_100m_checkpoint, ensure_checkpoint, parameter_count  # noqa: E402
+from benchmarks.checkpoints import ensure_model, parameter_count  # noqa: E402
 from benchmarks.offline_report import machine_info  # noqa: E402
 
 METHODS = (None, "int8", "int4", "w8a8")
-CONFIGS = {"30m": ROOT / "benchmarks" / "configs" / "bench_30m_qwen2_vl.json"}
 PROMPTS = ("Describe a sunny beach in detail.", "Write a short story about a robot.", "List ten colours.",
            "Explain how a bicycle works.", "What is the capital of France?", "Count from one to twenty.",
            "Tell me about the moon.", "Write a poem about the sea.")
@@ -52,21 +51,6 @@ OUTPUT_TOKENS = 64
 BATCH = 32
 TARGETS = {"kl_int8": 0.01, "kl_w8a8": 0.01, "kl_int4": 0.05, "weight_bytes_int8": 0.3, "weight_bytes_int4": 0.2,
            "batch_int8_over_float32": 1.0}
-
-
-def ensure_model(name: str) -> Path:
-    if name in CONFIGS:
-        import hashlib
-
-        config = CONFIGS[name]
-        out = BENCH_DIR / f"bench-{name}-qwen2-vl-{hashlib.sha256(config.read_bytes()).hexdigest()[:8]}"
-        if (out / "model.safetensors").is_file() or (out / "model.safetensors.index.json").is_file():
-            return out
-        print(f"building {name} checkpoint in {out} ...", file=sys.stderr)
-        return build_100m_checkpoint(out, config_path=config, seed=0)
-    if name == "100m":
-        return ensure_checkpoint(name)
-    return Path(name)
 
 
 def _name(method: str | None) -> str:

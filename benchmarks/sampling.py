@@ -78,11 +78,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--large-px", type=int, default=896)
     args = parser.parse_args(argv)
+    from benchmarks.checkpoints import ensure_model
     from benchmarks.offline_report import machine_info
-    from benchmarks.peers import ensure_model
     from mmserve import LLM, SamplingParams
 
-    model_dir = Path(args.model) if Path(args.model).is_dir() else ensure_model(args.model)
+    model_dir = ensure_model(args.model)
     llm = LLM(str(model_dir), max_num_seqs=max(args.batch, args.n))
     separate = LLM(str(model_dir), max_num_seqs=max(args.batch, args.n), enable_prefix_caching=False)
     greedy = dict(temperature=0, max_tokens=args.tokens, min_tokens=args.tokens)

@@ -104,11 +104,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compile-cpu-decode", action="store_true",
                         help="profile the compiled decode step (what benchmarks/peers.py runs)")
     args = parser.parse_args(argv)
+    from benchmarks.checkpoints import ensure_model
     from benchmarks.offline_report import machine_info
-    from benchmarks.peers import ensure_model
     from mmserve import LLM
 
-    model_dir = Path(args.model) if Path(args.model).is_dir() else ensure_model(args.model)
+    model_dir = ensure_model(args.model)
     llm = LLM(str(model_dir), dtype=args.dtype, compile_cpu_decode=args.compile_cpu_decode)
     llm.chat(_requests(1, args.seed + 1)[0], use_tqdm=False)  # warm-up
     rows = [profile_batch(llm, int(b), args.steps, args.seed) for b in args.batches.split(",")]

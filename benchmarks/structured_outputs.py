@@ -90,11 +90,11 @@ def _validity(batch: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     args = batch_parser(__doc__).parse_args(argv)
 
+    from benchmarks.checkpoints import ensure_model
     from benchmarks.offline_report import machine_info
-    from benchmarks.peers import ensure_model
     from mmserve import LLM, SamplingParams, StructuredOutputsParams
 
-    model_dir = Path(args.model) if Path(args.model).is_dir() else ensure_model(args.model)
+    model_dir = ensure_model(args.model)
     engines = {name: LLM(str(model_dir)) for name in ("calibration", "unconstrained", "json_schema")}
     so = StructuredOutputsParams(json=EXTRACTION_SCHEMA)
     started = time.perf_counter()

@@ -95,12 +95,13 @@ def test_reference_product_is_the_float64_product_of_the_codes(method):
 @needs_kernel
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("in_features,out_features,bias", [(64, 48, True), (128, 37, False), (256, 100, True),
-                                                          (32, 16, False)])
+                                                          (32, 16, False), (128, 60, True), (256, 200, True)])
 def test_kernel_products_are_the_float64_products_of_the_codes(method, in_features, out_features, bias):
     layer = QuantizedLinear.from_linear(_linear(in_features, out_features, bias), method_format(method, in_features))
     panel = quant_gemm.QuantPanelLinear(layer, quant_gemm.kernel())
     torch.testing.assert_close(panel.dequantized_weight(), layer.dequantized_weight(), rtol=1e-6, atol=1e-6)
-    for rows in (0, 1, 2, 5, 6, 7, 9, 13, 18, 40):  # in-register tiles, and the dequantized-panel path
+    # a few rows (panels taken several at once), in-register tiles, and the dequantized-panel path
+    for rows in (0, 1, 2, 3, 4, 5, 6, 7, 9, 13, 18, 40):
         x = torch.randn(rows, in_features)
         got = panel(x)
         assert got.shape == (rows, out_features) and got.dtype == torch.float32
@@ -113,12 +114,13 @@ def test_kernel_products_are_the_float64_products_of_the_codes(method, in_featur
 @needs_kernel
 @pytest.mark.parametrize("method", METHODS)
 def test_a_rows_result_does_not_depend_on_the_rows_batched_with_it(method):
-    layer = QuantizedLinear.from_linear(_linear(256, 130, seed=3), method_format(method, 256))
-    panel = quant_gemm.QuantPanelLinear(layer, quant_gemm.kernel())
-    x = torch.randn(40, 256)
-    whole = panel(x)
-    for start, stop in ((0, 1), (5, 6), (3, 11), (17, 40), (0, 32)):
-        assert torch.equal(panel(x[start:stop]), whole[start:stop])
+    for out_features in (130, 60):  # a partial last panel alone, and inside a group of panels taken at once
+        layer = QuantizedLinear.from_linear(_linear(256, out_features, seed=3), method_format(method, 256))
+        panel = quant_gemm.QuantPanelLinear(layer, quant_gemm.kernel())
+        x = torch.randn(40, 256)
+        whole = panel(x)
+        for start, stop in ((0, 1), (5, 6), (1, 3), (7, 10), (20, 24), (3, 11), (17, 40), (0, 32)):
+            assert torch.equal(panel(x[start:stop]), whole[start:stop])
     strided = torch.randn(10, 300)[:, 7:263]  # row stride 300: read where it lies
     assert torch.equal(panel(strided), panel(strided.contiguous()))
 
@@ -175,10 +177,10 @@ def test_the_avx512_build_gives_the_avx2_builds_bits(method, tmp_path):
     wide = quant_gemm.QuantKernel(native.build(compiler, tmp_path, quant_gemm.SOURCE))
     narrow = quant_gemm.QuantKernel(native.build(compiler, tmp_path, quant_gemm.SOURCE, native.AVX2_FLAGS))
     assert wide.path != narrow.path
-    for in_features, out_features in ((256, 100), (128, 37), (64, 48)):
+    for in_features, out_features in ((256, 100), (128, 37), (64, 48), (128, 60)):
         layer = QuantizedLinear.from_linear(_linear(in_features, out_features, seed=in_features),
                                             method_format(method, in_features))
         a, b = quant_gemm.QuantPanelLinear(layer, wide), quant_gemm.QuantPanelLinear(layer, narrow)
-        for rows in (1, 3, 7, 12, 13, 17, 30, 45):
+        for rows in (1, 2, 3, 4, 7, 12, 13, 17, 30, 45):
             x = torch.randn(rows, in_features)
             assert torch.equal(a(x), b(x))
