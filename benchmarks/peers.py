@@ -18,7 +18,8 @@ with that system's own python and 2 threads, rounds alternating the order, media
 - `one` (one request at a time): mmserve float32, int8 and int4 weights (`quantization=`, float32
   activations) and llama.cpp (llama-cpp-python) on the f32, Q8_0 and Q4_0 GGUF of the same text model
   with its f32 mmproj (converted lazily with llama.cpp's own converter and quantizer into
-  `.peers/gguf/`), each mmserve format against the llama.cpp file of its bits per weight: median TTFT,
+  `.peers/gguf/`), each mmserve format against the llama.cpp file of its bits per weight (w8a8, int8
+  weights and inputs as Q8_0's products, against Q8_0 too): median TTFT,
   decode tokens/s = (n - 1) / (last token - first token) summed over requests, end-to-end tokens/s.
   `--formats` and `--modes` pick a subset (a 1b run one at a time: `--models 1b --modes one`).
 Every request asks for exactly `--output-tokens` tokens (min = max, end-of-sequence ignored), greedy.
@@ -81,13 +82,14 @@ IMAGE_SIDE = (160, 192)
 WORKER_TIMEOUT_S = 1800
 # (system, dtype, mode) measured; the peer each mmserve row is compared against
 # (system, format, mode) measured: a format is a dtype, or quantized weights (mmserve's int8 / int4 weights
-# with float32 activations; llama.cpp's Q8_0 / Q4_0 GGUFs of the same checkpoint, their activations its own)
+# with float32 activations, w8a8 with int8 ones; llama.cpp's Q8_0 / Q4_0 GGUFs of the same checkpoint, whose
+# products take activations quantized to 8 bits)
 MEASUREMENTS = (("mmserve", "float32", "batch"), ("vllm", "float32", "batch"),
                 ("mmserve", "bfloat16", "batch"), ("vllm", "bfloat16", "batch"), ("mmserve", "int8", "batch"),
                 ("mmserve", "float32", "one"), ("llamacpp", "float32", "one"),
-                ("mmserve", "int8", "one"), ("llamacpp", "q8_0", "one"),
+                ("mmserve", "int8", "one"), ("llamacpp", "q8_0", "one"), ("mmserve", "w8a8", "one"),
                 ("mmserve", "int4", "one"), ("llamacpp", "q4_0", "one"))
-QUANTIZED = {"int8", "int4"}  # mmserve's formats that are a quantization of float32
+QUANTIZED = {"int8", "int4", "w8a8"}  # mmserve's formats that are a quantization of float32
 GGUF_TYPES = ("q8_0", "q4_0")  # llama.cpp's quantized files, written from its f32 GGUF
 NOT_INSTALLED = "not installed (run scripts/setup_peers.sh)"
 

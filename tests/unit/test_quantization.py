@@ -114,7 +114,7 @@ def test_kernel_products_are_the_float64_products_of_the_codes(method, in_featur
 @needs_kernel
 @pytest.mark.parametrize("method", METHODS)
 def test_a_rows_result_does_not_depend_on_the_rows_batched_with_it(method):
-    for out_features in (130, 60):  # a partial last panel alone, and inside a group of panels taken at once
+    for out_features in (130, 60):  # a partial last panel after whole panels, and in a layer of four panels
         layer = QuantizedLinear.from_linear(_linear(256, out_features, seed=3), method_format(method, 256))
         panel = quant_gemm.QuantPanelLinear(layer, quant_gemm.kernel())
         x = torch.randn(40, 256)

@@ -20,9 +20,7 @@
 // arithmetic whatever M is: a row's result does not depend on which rows share its batch.
 // Built with AVX-512 (runner/cpu/native.py: where the CPU has it), a weight-only tile holds a panel's
 // 16 columns in one register and takes up to 12 rows; each output is the same chain of fused
-// multiply-adds on the same floats, so the two builds give the same bits. At one or two rows (one
-// request decoding) an int8 tile takes four panels (AVX2: two at two rows) at once, so that enough
-// independent chains keep the FMA units busy while the weights stream; each output's chain is unchanged.
+// multiply-adds on the same floats, so the two builds give the same bits.
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -120,60 +118,7 @@ struct Prefetch {
   int64_t every;     // one 64-byte line every `every` steps of k
 };
 
-// Prefetch's next line, every `every` steps of k (countdown: steps left until the next).
-inline void prefetch_step(Prefetch& pf, int64_t& countdown) {
-  if (pf.next && countdown-- == 0) {
-    if (pf.next < pf.end) _mm_prefetch(pf.next, _MM_HINT_T0);
-    pf.next += 64;
-    countdown = pf.every - 1;
-  }
-}
-
 #ifdef __AVX512F__
-// One output row of a panel: y = acc * s + b, or acc + b, in explicit fused operations (the same bits
-// in every tile shape and in the AVX2 build).
-inline void finish16(__m512 acc, const float* post_scale, const float* bias, float* y, int64_t cols) {
-  const __mmask16 mask = cols == kCols ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
-  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
-  if (post_scale)
-    acc = _mm512_fmadd_ps(acc, _mm512_maskz_loadu_ps(mask, post_scale), b);
-  else if (bias)
-    acc = _mm512_add_ps(acc, b);
-  _mm512_mask_storeu_ps(y, mask, acc);
-}
-
-// Panels a tile of R rows takes at once. A tile's outputs are each one chain of dependent fused
-// multiply-adds; at one or two rows a single panel's chains are too few to keep the FMA units busy
-// (each step waits on the last), so P panels' chains interleave. Each output's chain is the same.
-constexpr int group_panels(int rows) { return rows <= 2 ? 4 : 1; }
-
-template <int R, int P, typename Panel>
-void tile_group(const float* __restrict x, int64_t ldx, Panel* panels, int64_t K, const float* const* post_scale,
-                const float* const* bias, float* __restrict y, int64_t ldy, const int64_t* cols, Prefetch pf) {
-  __m512 acc[R][P];
-#pragma GCC unroll 16
-  for (int i = 0; i < R; i++)
-#pragma GCC unroll 4
-    for (int j = 0; j < P; j++) acc[i][j] = _mm512_setzero_ps();
-  int64_t countdown = 0;
-  const int64_t step = panels[0].step(K);
-  for (int64_t k0 = 0; k0 < K; k0 += step) {
-#pragma GCC unroll 4
-    for (int j = 0; j < P; j++) panels[j].begin(k0);
-    for (int64_t k = k0; k < k0 + step; k++) {
-      prefetch_step(pf, countdown);
-#pragma GCC unroll 4
-      for (int j = 0; j < P; j++) {
-        const __m512 w = panels[j].load16(k);
-#pragma GCC unroll 4
-        for (int i = 0; i < R; i++) acc[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * ldx + k]), w, acc[i][j]);
-      }
-    }
-  }
-  for (int i = 0; i < R; i++)
-    for (int j = 0; j < P; j++) finish16(acc[i][j], post_scale[j], bias[j], y + i * ldy + j * kCols, cols[j]);
-}
-
 template <int R, typename Panel>
 void tile(const float* __restrict x, int64_t ldx, Panel panel, int64_t K, const float* __restrict post_scale,
           const float* __restrict bias, float* __restrict y, int64_t ldy, int64_t cols, Prefetch pf) {
@@ -185,13 +130,29 @@ void tile(const float* __restrict x, int64_t ldx, Panel panel, int64_t K, const 
   for (int64_t k0 = 0; k0 < K; k0 += step) {
     panel.begin(k0);
     for (int64_t k = k0; k < k0 + step; k++) {
-      prefetch_step(pf, countdown);
+      if (pf.next && countdown-- == 0) {
+        if (pf.next < pf.end) _mm_prefetch(pf.next, _MM_HINT_T0);
+        pf.next += 64;
+        countdown = pf.every - 1;
+      }
       const __m512 w = panel.load16(k);
 #pragma GCC unroll 16
       for (int i = 0; i < R; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * ldx + k]), w, acc[i]);
     }
   }
-  for (int i = 0; i < R; i++) finish16(acc[i], post_scale, bias, y + i * ldy, cols);
+  // the epilogue in explicit fused operations, as the AVX2 tile's (the same bits)
+  const __mmask16 mask = cols == kCols ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+  if (post_scale) {
+    const __m512 s = _mm512_maskz_loadu_ps(mask, post_scale);
+#pragma GCC unroll 16
+    for (int i = 0; i < R; i++) acc[i] = _mm512_fmadd_ps(acc[i], s, b);
+  } else if (bias) {
+#pragma GCC unroll 16
+    for (int i = 0; i < R; i++) acc[i] = _mm512_add_ps(acc[i], b);
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < R; i++) _mm512_mask_storeu_ps(y + i * ldy, mask, acc[i]);
 }
 
 // 12-row tiles; a last 13 to 16 rows go as 8 + the rest (a tile of 1 to 4 rows hides little latency)
@@ -199,64 +160,6 @@ inline int tile_height(int64_t left) {
   return left > 16 || left == kRows ? kRows : left > kRows ? 8 : static_cast<int>(left);
 }
 #else
-// One output row of a panel (columns 0-7 in lo, 8-15 in hi): y = acc * s + b, or acc + b, in explicit
-// fused operations: left to the compiler, a multiply and an add may be contracted in one tile height
-// and not in another, and a row's result would depend on its batch.
-inline void finish16(__m256 lo, __m256 hi, const float* post_scale, const float* bias, float* y, int64_t cols) {
-  const __m256 b_lo = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-  const __m256 b_hi = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
-  if (post_scale) {
-    lo = _mm256_fmadd_ps(lo, _mm256_loadu_ps(post_scale), b_lo);
-    hi = _mm256_fmadd_ps(hi, _mm256_loadu_ps(post_scale + 8), b_hi);
-  } else if (bias) {
-    lo = _mm256_add_ps(lo, b_lo), hi = _mm256_add_ps(hi, b_hi);
-  }
-  if (cols == kCols) {
-    _mm256_storeu_ps(y, lo), _mm256_storeu_ps(y + 8, hi);
-    return;
-  }
-  alignas(32) float row[kCols];
-  _mm256_store_ps(row, lo);
-  _mm256_store_ps(row + 8, hi);
-  memcpy(y, row, cols * sizeof(float));
-}
-
-// Panels a tile of R rows takes at once (see the AVX-512 build's): two chains a panel and row here.
-constexpr int group_panels(int rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
-
-template <int R, int P, typename Panel>
-void tile_group(const float* __restrict x, int64_t ldx, Panel* panels, int64_t K, const float* const* post_scale,
-                const float* const* bias, float* __restrict y, int64_t ldy, const int64_t* cols, Prefetch pf) {
-  __m256 lo[R][P], hi[R][P];
-#pragma GCC unroll 8
-  for (int i = 0; i < R; i++)
-#pragma GCC unroll 4
-    for (int j = 0; j < P; j++) lo[i][j] = hi[i][j] = _mm256_setzero_ps();
-  int64_t countdown = 0;
-  const int64_t step = panels[0].step(K);
-  for (int64_t k0 = 0; k0 < K; k0 += step) {
-#pragma GCC unroll 4
-    for (int j = 0; j < P; j++) panels[j].begin(k0);
-    for (int64_t k = k0; k < k0 + step; k++) {
-      prefetch_step(pf, countdown);
-#pragma GCC unroll 4
-      for (int j = 0; j < P; j++) {
-        __m256 w_lo, w_hi;
-        panels[j].load(k, w_lo, w_hi);
-#pragma GCC unroll 8
-        for (int i = 0; i < R; i++) {
-          const __m256 a = _mm256_broadcast_ss(x + i * ldx + k);
-          lo[i][j] = _mm256_fmadd_ps(a, w_lo, lo[i][j]);
-          hi[i][j] = _mm256_fmadd_ps(a, w_hi, hi[i][j]);
-        }
-      }
-    }
-  }
-  for (int i = 0; i < R; i++)
-    for (int j = 0; j < P; j++)
-      finish16(lo[i][j], hi[i][j], post_scale[j], bias[j], y + i * ldy + j * kCols, cols[j]);
-}
-
 template <int R, typename Panel>
 void tile(const float* __restrict x, int64_t ldx, Panel panel, int64_t K, const float* __restrict post_scale,
           const float* __restrict bias, float* __restrict y, int64_t ldy, int64_t cols, Prefetch pf) {
@@ -268,7 +171,11 @@ void tile(const float* __restrict x, int64_t ldx, Panel panel, int64_t K, const 
   for (int64_t k0 = 0; k0 < K; k0 += step) {
     panel.begin(k0);
     for (int64_t k = k0; k < k0 + step; k++) {
-      prefetch_step(pf, countdown);
+      if (pf.next && countdown-- == 0) {
+        if (pf.next < pf.end) _mm_prefetch(pf.next, _MM_HINT_T0);
+        pf.next += 64;
+        countdown = pf.every - 1;
+      }
       __m256 w_lo, w_hi;
       panel.load(k, w_lo, w_hi);
 #pragma GCC unroll 8
@@ -279,7 +186,30 @@ void tile(const float* __restrict x, int64_t ldx, Panel panel, int64_t K, const 
       }
     }
   }
-  for (int i = 0; i < R; i++) finish16(lo[i], hi[i], post_scale, bias, y + i * ldy, cols);
+  // the epilogue in explicit fused operations: left to the compiler, a multiply and an add may be
+  // contracted in one tile height and not in another, and a row's result would depend on its batch
+  const __m256 b_lo = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  const __m256 b_hi = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+  if (post_scale) {
+    const __m256 s_lo = _mm256_loadu_ps(post_scale), s_hi = _mm256_loadu_ps(post_scale + 8);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; i++) lo[i] = _mm256_fmadd_ps(lo[i], s_lo, b_lo), hi[i] = _mm256_fmadd_ps(hi[i], s_hi, b_hi);
+  } else if (bias) {
+#pragma GCC unroll 8
+    for (int i = 0; i < R; i++) lo[i] = _mm256_add_ps(lo[i], b_lo), hi[i] = _mm256_add_ps(hi[i], b_hi);
+  }
+  if (cols == kCols) {
+#pragma GCC unroll 8
+    for (int i = 0; i < R; i++) _mm256_storeu_ps(y + i * ldy, lo[i]), _mm256_storeu_ps(y + i * ldy + 8, hi[i]);
+    return;
+  }
+  alignas(32) float row[kCols];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; i++) {
+    _mm256_store_ps(row, lo[i]);
+    _mm256_store_ps(row + 8, hi[i]);
+    memcpy(y + i * ldy, row, cols * sizeof(float));
+  }
 }
 
 // 6-row tiles; a last 7 or 8 rows go as 4 + 3 or 4 + 4
@@ -354,29 +284,6 @@ void panel_product(const float* x, int64_t M, int64_t K, int64_t ldx, Panel pane
     else
       tile_rows(rows, x + m * ldx, ldx, panel, K, post_scale, bias, y + m * ldy, ldy, cols, pf);
     m += rows;
-  }
-}
-
-// A small batch (M rows, one tile) over P consecutive panels from `first`: the panels' tiles interleaved
-// (tile_group), the next P panels prefetched meanwhile.
-template <int R, int P, typename Panel>
-void panel_group(const float* x, int64_t K, int64_t ldx, Panel* panels, int64_t panel_bytes, const char* next,
-                 const char* end, const float* const* post_scale, const float* const* bias, float* y, int64_t ldy,
-                 const int64_t* cols) {
-  const int64_t lines = (P * panel_bytes + 63) / 64;
-  Prefetch pf{next, next ? (next + P * panel_bytes < end ? next + P * panel_bytes : end) : nullptr,
-              lines ? (K + lines - 1) / lines : K};
-  tile_group<R, P>(x, ldx, panels, K, post_scale, bias, y, ldy, cols, pf);
-}
-
-template <typename Panel>
-void rows_group(int64_t M, const float* x, int64_t K, int64_t ldx, Panel* panels, int64_t panel_bytes,
-                const char* next, const char* end, const float* const* post_scale, const float* const* bias,
-                float* y, int64_t ldy, const int64_t* cols) {
-  switch (M) {
-    case 1: panel_group<1, group_panels(1)>(x, K, ldx, panels, panel_bytes, next, end, post_scale, bias, y, ldy, cols); break;
-    case 2: panel_group<2, group_panels(2)>(x, K, ldx, panels, panel_bytes, next, end, post_scale, bias, y, ldy, cols); break;
-    default: break;
   }
 }
 
@@ -540,34 +447,11 @@ void mm_q_gemm(int kind, const float* x, int64_t M, int64_t K, int64_t ldx, cons
   const bool scratch_needed = (M + kRows - 1) / kRows > kFusedTiles;
   const int64_t panel_bytes = kind == 8 ? K * kCols : K * 8;
   const int64_t groups = kind == 4 ? K / group : 0;
-  // int8 at a few rows: the panels go P at a time (tile_group), the panels after the last whole group one
-  // by one; int4's tiles are bound by unpacking its codes, not by the chains' latency (measured no faster)
-  const int P = kind == 8 && M < kRows ? group_panels(static_cast<int>(M)) : 1;
-  const int64_t grouped = P > 1 ? count / P * P : 0;
-  const char* all_end = static_cast<const char*>(panels) + count * panel_bytes;
 #pragma omp parallel num_threads(threads)
   {
     float* scratch = scratch_needed ? aligned_floats(K * kCols) : nullptr;
-#pragma omp for schedule(static) nowait
-    for (int64_t first = 0; first < grouped; first += P) {
-      Int8Panel q8[4];
-      const float* s[4];
-      const float* b[4];
-      int64_t cols[4];
-      alignas(32) float bias_tail[kCols], scale_tail[kCols];
-      for (int j = 0; j < P; j++) {
-        const int64_t p = first + j;
-        cols[j] = N - p * kCols < kCols ? N - p * kCols : kCols;
-        const char* base = static_cast<const char*>(panels) + p * panel_bytes;
-        b[j] = padded(bias ? bias + p * kCols : nullptr, cols[j], bias_tail);  // only a last panel is padded
-        s[j] = padded(scales + p * kCols, cols[j], scale_tail);
-        q8[j] = Int8Panel{reinterpret_cast<const int8_t*>(base)};
-      }
-      const char* next = first + P < count ? static_cast<const char*>(panels) + (first + P) * panel_bytes : nullptr;
-      rows_group(M, x, K, ldx, q8, panel_bytes, next, all_end, s, b, y + first * kCols, ldy, cols);
-    }
 #pragma omp for schedule(static)
-    for (int64_t p = grouped; p < count; p++) {
+    for (int64_t p = 0; p < count; p++) {
       const int64_t cols = N - p * kCols < kCols ? N - p * kCols : kCols;
       const char* base = static_cast<const char*>(panels) + p * panel_bytes;
       const char* next = p + 1 < count ? base + panel_bytes : nullptr;
