@@ -167,15 +167,21 @@ def test_an_unknown_method_is_refused():
         method_format("fp4", 64)
 
 
+@pytest.fixture(scope="module")
+def both_builds(tmp_path_factory):
+    """This CPU's build of the kernels and the AVX2 one, built once for the module's tests."""
+    compiler, where = native._compiler(), tmp_path_factory.mktemp("quant-builds")
+    return (quant_gemm.QuantKernel(native.build(compiler, where, quant_gemm.SOURCE)),
+            quant_gemm.QuantKernel(native.build(compiler, where, quant_gemm.SOURCE, native.AVX2_FLAGS)))
+
+
 @needs_kernel
 @pytest.mark.skipif("-mavx512f" not in native.isa_flags(), reason="this CPU has no AVX-512: only the AVX2 build runs")
 @pytest.mark.parametrize("method", METHODS)
-def test_the_avx512_build_gives_the_avx2_builds_bits(method, tmp_path):
+def test_the_avx512_build_gives_the_avx2_builds_bits(method, both_builds):
     """Where the CPU has AVX-512 the kernels are built with its wider tiles (`native.isa_flags`); each output is
     the same arithmetic on the same codes, so the answer does not depend on the machine's vector width."""
-    compiler = native._compiler()
-    wide = quant_gemm.QuantKernel(native.build(compiler, tmp_path, quant_gemm.SOURCE))
-    narrow = quant_gemm.QuantKernel(native.build(compiler, tmp_path, quant_gemm.SOURCE, native.AVX2_FLAGS))
+    wide, narrow = both_builds
     assert wide.path != narrow.path
     for in_features, out_features in ((256, 100), (128, 37), (64, 48), (128, 60)):
         layer = QuantizedLinear.from_linear(_linear(in_features, out_features, seed=in_features),
