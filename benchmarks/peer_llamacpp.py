@@ -43,6 +43,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.peers_common import (  # noqa: E402
+    GGUF_TYPES,
     load_workload,
     run_worker,
     set_thread_env,
@@ -91,10 +92,6 @@ def convert(args: argparse.Namespace) -> dict:
     return {"system": "llamacpp", "mode": "convert", "gguf_dir": str(args.gguf_dir), "convert_s": timings}
 
 
-# llama.cpp's file types of its quantized GGUFs (llama_ftype: LLAMA_FTYPE_MOSTLY_Q8_0 / _Q4_0)
-FTYPES = {"q8_0": 7, "q4_0": 2}
-
-
 def quantize(args: argparse.Namespace) -> dict:
     """The f32 text GGUF to Q8_0 and Q4_0 with llama.cpp's own quantizer and its default recipe (what
     `llama-quantize` writes: the output tensor kept wider in Q4_0); the mmproj stays f32."""
@@ -103,13 +100,13 @@ def quantize(args: argparse.Namespace) -> dict:
     import llama_cpp
 
     timings = {}
-    for name, ftype in FTYPES.items():
+    for name in GGUF_TYPES:
         target = args.gguf_dir / f"model-{name}.gguf"
         if target.is_file():
             continue
         tmp = args.gguf_dir / f"model-{name}.gguf.tmp"
         params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = ftype
+        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{name.upper()}")
         params.nthread = args.threads
         started = time.perf_counter()
         rc = llama_cpp.llama_model_quantize(str(args.gguf_dir / "model-f32.gguf").encode(), str(tmp).encode(),
@@ -204,7 +201,7 @@ def main() -> None:
     parser.add_argument("--run-dir", type=Path)
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--gguf-dir", type=Path, required=True)
-    parser.add_argument("--dtype", default="float32", choices=["float32", *FTYPES],
+    parser.add_argument("--dtype", default="float32", choices=["float32", *GGUF_TYPES],
                         help="the text model's weights: f32, or its Q8_0 / Q4_0 file (the mmproj is f32)")
     parser.add_argument("--mode", default="one", choices=["one"])
     parser.add_argument("--threads", type=int, default=2)

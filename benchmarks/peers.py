@@ -72,7 +72,7 @@ if str(ROOT) not in sys.path:  # run as `python benchmarks/peers.py` from anywhe
 
 from benchmarks.checkpoints import ensure_model, parameter_count  # noqa: E402
 from benchmarks.offline_report import machine_info  # noqa: E402
-from benchmarks.peers_common import EXTRACTION_SCHEMA, WORKLOAD_FILE  # noqa: E402
+from benchmarks.peers_common import EXTRACTION_SCHEMA, GGUF_TYPES, WORKLOAD_FILE  # noqa: E402
 from benchmarks.peers_report import json_line, print_card, print_table, print_targets, targets, write_plot  # noqa: E402
 
 PEERS_DIR = ROOT / ".peers"
@@ -90,7 +90,6 @@ MEASUREMENTS = (("mmserve", "float32", "batch"), ("vllm", "float32", "batch"),
                 ("mmserve", "int8", "one"), ("llamacpp", "q8_0", "one"), ("mmserve", "w8a8", "one"),
                 ("mmserve", "int4", "one"), ("llamacpp", "q4_0", "one"))
 QUANTIZED = {"int8", "int4", "w8a8"}  # mmserve's formats that are a quantization of float32
-GGUF_TYPES = ("q8_0", "q4_0")  # llama.cpp's quantized files, written from its f32 GGUF
 NOT_INSTALLED = "not installed (run scripts/setup_peers.sh)"
 
 

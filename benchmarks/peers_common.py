@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 WORKLOAD_FILE = "workload.json"
+# llama.cpp's quantized GGUFs of a bench model, named as its file types (llama_cpp.LLAMA_FTYPE_MOSTLY_<NAME>)
+GGUF_TYPES = ("q8_0", "q4_0")
 # The extraction schema of the structured-output benchmarks (`peers.py --structured`,
 # `structured_outputs.py`): a list of at least 8 labelled scores, long enough that a batch decodes its
 # full token budget rather than closing the object early.

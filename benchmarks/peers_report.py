@@ -22,10 +22,21 @@ PEER_OF = {("float32", "batch"): "vllm/float32/batch", ("bfloat16", "batch"): "v
            ("int8", "batch"): "mmserve/float32/batch", ("float32", "one"): "llamacpp/float32/one",
            ("int8", "one"): "llamacpp/q8_0/one", ("w8a8", "one"): "llamacpp/q8_0/one",
            ("int4", "one"): "llamacpp/q4_0/one"}
-# target speed-ups other than SPEEDUP_TARGET: batch int8 against mmserve float32
-RATIO_TARGETS = {("int8", "batch"): 1.0}
+INT8_BATCH_TARGET = 1.0  # mmserve int8 / mmserve float32 at batch
 SHORT = {"float32": "f32", "bfloat16": "bf16", "int8": "int8", "int4": "int4", "w8a8": "w8a8", "q8_0": "Q8_0",
          "q4_0": "Q4_0"}
+
+
+def _pair(name: str, mine: tuple[float | None, str | None], theirs: tuple[float | None, str | None],
+          met: Any) -> dict[str, Any]:
+    """A target comparing two measured (value, why-missing) pairs; `met(mine, theirs)` decides it."""
+    (mm, why_mm), (peer, why_peer) = mine, theirs
+    t: dict[str, Any] = {"name": name, "mmserve": mm, "peer": peer}
+    if mm is None or peer is None:
+        t.update(met=None, why=why_mm or why_peer)
+    else:
+        t.update(ratio=round(mm / peer, 3), met=met(mm, peer))
+    return t
 
 
 def _fmt(value: float | None, spec: str = ".1f") -> str:
@@ -92,27 +103,16 @@ def targets(entries: dict[str, dict[str, Any]], status: dict[str, str] | None = 
             continue  # the quantized pairs are reported where they were asked for
         peer_key = PEER_OF[(fmt, "one")]
         peer_fmt = SHORT[peer_key.split("/")[1]]
-        mm, why_mm = get(f"mmserve/{fmt}/one", "decode_tokens_per_s")
-        ll, why_ll = get(peer_key, "decode_tokens_per_s")
-        t = {"name": f"one at a time: mmserve {fmt} decode tok/s >= {SPEEDUP_TARGET}x llama.cpp {peer_fmt}",
-             "mmserve": mm, "peer": ll}
-        t.update(met=None, why=why_mm or why_ll) if mm is None or ll is None else t.update(
-            ratio=round(mm / ll, 3), met=mm / ll >= SPEEDUP_TARGET)
-        out.append(t)
-        mm, why_mm = get(f"mmserve/{fmt}/one", "ttft_ms")
-        ll, why_ll = get(peer_key, "ttft_ms")
-        t = {"name": f"one at a time: mmserve {fmt} TTFT <= llama.cpp {peer_fmt}", "mmserve": mm, "peer": ll}
-        t.update(met=None, why=why_mm or why_ll) if mm is None or ll is None else t.update(
-            ratio=round(mm / ll, 3), met=mm <= ll)
-        out.append(t)
+        out.append(_pair(f"one at a time: mmserve {fmt} decode tok/s >= {SPEEDUP_TARGET}x llama.cpp {peer_fmt}",
+                         get(f"mmserve/{fmt}/one", "decode_tokens_per_s"), get(peer_key, "decode_tokens_per_s"),
+                         lambda mm, peer: mm / peer >= SPEEDUP_TARGET))
+        out.append(_pair(f"one at a time: mmserve {fmt} TTFT <= llama.cpp {peer_fmt}",
+                         get(f"mmserve/{fmt}/one", "ttft_ms"), get(peer_key, "ttft_ms"),
+                         lambda mm, peer: mm <= peer))
     if "mmserve/int8/batch" in entries:
-        target = RATIO_TARGETS[("int8", "batch")]
-        mm, why_mm = get("mmserve/int8/batch", "tokens_per_s")
-        fp, why_fp = get("mmserve/float32/batch", "tokens_per_s")
-        t = {"name": f"batch: mmserve int8 tok/s >= {target}x mmserve float32", "mmserve": mm, "peer": fp}
-        t.update(met=None, why=why_mm or why_fp) if mm is None or fp is None else t.update(
-            ratio=round(mm / fp, 3), met=mm / fp >= target)
-        out.append(t)
+        out.append(_pair(f"batch: mmserve int8 tok/s >= {INT8_BATCH_TARGET}x mmserve float32",
+                         get("mmserve/int8/batch", "tokens_per_s"), get("mmserve/float32/batch", "tokens_per_s"),
+                         lambda mm, peer: mm / peer >= INT8_BATCH_TARGET))
     for mode in ("batch", "one"):
         e = entries.get(f"mmserve/float32/{mode}", {})
         t = {"name": f"float32 {mode}: mmserve identical to transformers on every compared request",
