@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python benchmarks/cpu_kernels.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.checkpoints import ensure_model  # noqa: E402
+from benchmarks.checkpoints import EAGER, ensure_model  # noqa: E402
 from benchmarks.offline_report import machine_info  # noqa: E402
 from benchmarks.quantization import (  # noqa: E402
     BATCH,
@@ -108,7 +108,7 @@ def child(model_dir: Path, fmt: str, build: str) -> dict[str, float]:
     kwargs: dict[str, Any] = {"dtype": "bfloat16"} if fmt == "bfloat16" else {}
     if fmt in ("int8", "int4", "w8a8"):
         kwargs["quantization"] = fmt
-    llm = LLM(str(model_dir), max_num_seqs=BATCH, max_model_len=1024, **kwargs)
+    llm = LLM(str(model_dir), max_num_seqs=BATCH, max_model_len=1024, **EAGER, **kwargs)
     batch_prompts = [PROMPTS[i % len(PROMPTS)] + f" ({i})" for i in range(BATCH)]
     one = _decode_tokens_per_s(llm, [PROMPTS[0]])
     batch = _decode_tokens_per_s(llm, batch_prompts)

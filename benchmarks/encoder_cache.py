@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python benchmarks/encoder_cache.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.checkpoints import ensure_checkpoint, greedy, kv_cache_bytes  # noqa: E402
+from benchmarks.checkpoints import EAGER, ensure_checkpoint, greedy, kv_cache_bytes  # noqa: E402
 from benchmarks.offline_report import DTYPE, machine_info  # noqa: E402
 from benchmarks.workload import Workload, build_workload, synthetic_image  # noqa: E402
 
@@ -66,7 +66,7 @@ def _median(xs: list[float]) -> float:
 def _engine_args(model_dir: Path, prefix_caching: bool) -> dict[str, Any]:
     """offline.py's mmserve config (room for all 64 requests at once), prefix caching as asked."""
     return dict(max_num_seqs=NUM_REQUESTS, max_num_batched_tokens=2048, enable_prefix_caching=prefix_caching,
-                dtype=DTYPE, kv_cache_bytes=kv_cache_bytes(model_dir, NUM_REQUESTS, OUTPUT_TOKENS))
+                dtype=DTYPE, kv_cache_bytes=kv_cache_bytes(model_dir, NUM_REQUESTS, OUTPUT_TOKENS), **EAGER)
 
 
 # ---- (a) time to first token ---------------------------------------------------------------------

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.checkpoints import greedy
+from benchmarks.checkpoints import EAGER, greedy
 from benchmarks.workload import build_workload
 
 KV_DTYPES = ("auto", "int8", "fp8_e4m3")
@@ -37,7 +37,7 @@ def _fresh_llm(model_dir: Path, **engine_args: Any) -> Any:
     from mmserve import LLM
 
     gc.collect()  # the previous LLM's KV pool goes back before the next one is allocated
-    return LLM(str(model_dir), **engine_args)
+    return LLM(str(model_dir), **{**EAGER, **engine_args})
 
 
 # ---- 5. scaling study ----------------------------------------------------------------------------

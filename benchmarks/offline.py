@@ -44,6 +44,7 @@ from tests.fixtures.families import FAMILIES  # noqa: E402
 from tests.fixtures.tiny_checkpoints import reference_inputs  # noqa: E402
 
 from benchmarks.checkpoints import (  # noqa: E402
+    EAGER,
     MODEL_DIRS,
     ensure_checkpoint,
     greedy,
@@ -83,7 +84,7 @@ def run_mmserve(model_dir: Path, workload: Workload, output_tokens: int) -> Syst
 
     convs = workload.conversations
     engine_args = dict(max_num_seqs=len(convs), max_num_batched_tokens=2048, enable_prefix_caching=True,
-                       dtype=DTYPE, kv_cache_bytes=kv_cache_bytes(model_dir, len(convs), output_tokens))
+                       dtype=DTYPE, kv_cache_bytes=kv_cache_bytes(model_dir, len(convs), output_tokens), **EAGER)
     warm = LLM(str(model_dir), **engine_args)
     warm.chat([c.messages for c in convs[:2]], greedy(4), use_tqdm=False)
     del warm
@@ -235,7 +236,7 @@ def measure_overhead(model_dir: Path, batch: int = OVERHEAD_BATCH, steps: int = 
     from benchmarks.workload import QUESTIONS
     from mmserve import LLM
 
-    engine = LLM(str(model_dir), max_num_seqs=batch, max_num_batched_tokens=2048, dtype=DTYPE).engine
+    engine = LLM(str(model_dir), max_num_seqs=batch, max_num_batched_tokens=2048, dtype=DTYPE, **EAGER).engine
     ids = [f"overhead-{i}" for i in range(batch)]
     for i, rid in enumerate(ids):
         text = QUESTIONS[i % len(QUESTIONS)] + f" Request {i}."

@@ -70,7 +70,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python benchmarks/peers.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.checkpoints import ensure_model, parameter_count  # noqa: E402
+from benchmarks.checkpoints import EAGER, ensure_model, parameter_count  # noqa: E402
 from benchmarks.offline_report import machine_info  # noqa: E402
 from benchmarks.peers_common import EXTRACTION_SCHEMA, GGUF_TYPES, WORKLOAD_FILE  # noqa: E402
 from benchmarks.peers_report import json_line, print_card, print_table, print_targets, targets, write_plot  # noqa: E402
@@ -115,7 +115,7 @@ def write_workload(run_dir: Path, model_dir: Path, num_requests: int, output_tok
 
     run_dir.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    llm = LLM(str(model_dir), dtype="float32")
+    llm = LLM(str(model_dir), dtype="float32", **EAGER)
 
     def one(index: int, name: str, question: str) -> dict:
         w, h = (int(v) for v in rng.integers(IMAGE_SIDE[0], IMAGE_SIDE[1] + 1, 2))

@@ -16,7 +16,8 @@ Role: one run, torch threads = the machine's usable cores, four measurements:
    (float32 log-softmax).
 5. demo accuracy: `mmserve.demo.eval.evaluate` per question type on the bundled (trained) demo model,
    500 conversations, per method.
-`--only demo` runs section 5 alone. Prints a card, a table per section, and one JSON line last.
+`--only demo` runs section 5 alone; `--only kl` section 4 alone, with the bytes of the language model's
+linear layers (what the methods quantize) per method. Prints a card, a table per section, and one JSON line last.
 
 What it does not know: mmserve internals beyond the offline API, `models.loader.load_model`,
 `runner/cpu/layout.prepare_for_cpu` and the quantized kernels' modules (section 1 and 4).
@@ -40,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python benchmarks/quantization.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.checkpoints import ensure_model, parameter_count  # noqa: E402
+from benchmarks.checkpoints import EAGER, ensure_model, parameter_count  # noqa: E402
 from benchmarks.offline_report import machine_info  # noqa: E402
 
 METHODS = (None, "int8", "int4", "w8a8")
@@ -114,7 +115,7 @@ def _llm(model_dir: Path, method: str | None, max_num_seqs: int):
     from mmserve import LLM
 
     kwargs = {"quantization": method} if method else {}
-    return LLM(str(model_dir), max_num_seqs=max_num_seqs, max_model_len=1024, **kwargs)
+    return LLM(str(model_dir), max_num_seqs=max_num_seqs, max_model_len=1024, **EAGER, **kwargs)
 
 
 def _decode_tokens_per_s(llm, prompts: list[str]) -> float:
@@ -150,8 +151,18 @@ def measure_speed(model_dir: Path, rounds: int) -> tuple[dict[str, dict[str, flo
 
 
 # ---- 4. accuracy ---------------------------------------------------------------------------------------
+def _language_model_linear_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the language model's linear layers (what the methods quantize), float or quantized."""
+    from mmserve.models.quantization import QuantizedLinear, weight_bytes
+
+    return sum(weight_bytes(m) for m in model.language_model.modules()
+               if isinstance(m, (torch.nn.Linear, QuantizedLinear)))
+
+
 @torch.inference_mode()
-def measure_kl(model_dir: Path, prompts: tuple[str, ...]) -> dict[str, float]:
+def measure_kl(model_dir: Path, prompts: tuple[str, ...],
+               linear_bytes: dict[str, int] | None = None) -> dict[str, float]:
+    """`linear_bytes`, when given, is filled with each method's `_language_model_linear_bytes`."""
     from tests.models.helpers import full_logits, load_family
 
     from mmserve import LLM, SamplingParams
@@ -159,13 +170,15 @@ def measure_kl(model_dir: Path, prompts: tuple[str, ...]) -> dict[str, float]:
     from mmserve.models.loader import load_model
     from mmserve.runner.cpu.layout import prepare_for_cpu
 
-    llm = LLM(str(model_dir), max_model_len=1024)
+    llm = LLM(str(model_dir), max_model_len=1024, **EAGER)
     params = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, min_tokens=OUTPUT_TOKENS)
     outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
     spec = llm.engine.spec
     paths = [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outputs]
     del llm
     reference, _, _ = load_family(model_dir)
+    if linear_bytes is not None:
+        linear_bytes["float32"] = _language_model_linear_bytes(reference)
     prepare_for_cpu(reference)
 
     def logprobs(model) -> list[torch.Tensor]:
@@ -182,6 +195,8 @@ def measure_kl(model_dir: Path, prompts: tuple[str, ...]) -> dict[str, float]:
     kl: dict[str, float] = {}
     for method in METHODS[1:]:
         model = load_model(model_dir, "float32", "cpu", method)
+        if linear_bytes is not None:
+            linear_bytes[method] = _language_model_linear_bytes(model)
         prepare_for_cpu(model)
         got = logprobs(model)
         per_token = torch.cat([(w.exp() * (w - g)).sum(-1) for w, g in zip(want, got)])
@@ -195,7 +210,7 @@ def measure_kl(model_dir: Path, prompts: tuple[str, ...]) -> dict[str, float]:
 def measure_demo(n: int) -> dict[str, dict[str, float]]:
     from mmserve.demo.eval import evaluate
 
-    return {_name(m): evaluate(None, n=n, **({"quantization": m} if m else {})).accuracy for m in METHODS}
+    return {_name(m): evaluate(None, n=n, **EAGER, **({"quantization": m} if m else {})).accuracy for m in METHODS}
 
 
 def print_demo(demo: dict[str, dict[str, float]], n: int) -> None:
@@ -212,7 +227,8 @@ def main() -> None:
     parser.add_argument("--model", default="100m", help="30m, 100m (default), or a checkpoint directory")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="1 round, 2 KL prompts, 100 demo conversations")
-    parser.add_argument("--only", choices=("demo",), help="run one section alone")
+    parser.add_argument("--only", choices=("demo", "kl"), help="run one section alone (kl: with the bytes of "
+                                                                 "the language model's linears)")
     args = parser.parse_args()
     threads = len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
@@ -227,6 +243,18 @@ def main() -> None:
         return
     model_dir = ensure_model(args.model)
     rounds = 1 if args.quick else args.rounds
+    if args.only == "kl":
+        print(f"== mmserve quantized-weights benchmark: KL and linear bytes, {args.model} ==")
+        linear_bytes: dict[str, int] = {}
+        kl = measure_kl(model_dir, PROMPTS[:2] if args.quick else PROMPTS, linear_bytes)
+        ratios = {m: round(b / linear_bytes["float32"], 4) for m, b in linear_bytes.items()}
+        print(f"{'method':>8} {'KL':>9} {'linears MiB':>12} {'x float32':>10}")
+        for method, b in linear_bytes.items():
+            print(f"{method:>8} {kl.get(method, 0.0):>9.5f} {b / 2**20:>12.1f} {ratios[method]:>10.3f}")
+        print(json.dumps({"benchmark": "quantization", "section": "kl", "model": args.model,
+                          "kl": {m: round(v, 6) for m, v in kl.items()}, "linear_bytes": linear_bytes,
+                          "linear_bytes_ratio": ratios, "targets": TARGETS}))
+        return
     machine = machine_info(threads)
     params = parameter_count(model_dir)
 

@@ -78,13 +78,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--large-px", type=int, default=896)
     args = parser.parse_args(argv)
-    from benchmarks.checkpoints import ensure_model
+    from benchmarks.checkpoints import EAGER, ensure_model
     from benchmarks.offline_report import machine_info
     from mmserve import LLM, SamplingParams
 
     model_dir = ensure_model(args.model)
-    llm = LLM(str(model_dir), max_num_seqs=max(args.batch, args.n))
-    separate = LLM(str(model_dir), max_num_seqs=max(args.batch, args.n), enable_prefix_caching=False)
+    llm = LLM(str(model_dir), max_num_seqs=max(args.batch, args.n), **EAGER)
+    separate = LLM(str(model_dir), max_num_seqs=max(args.batch, args.n), enable_prefix_caching=False, **EAGER)
     greedy = dict(temperature=0, max_tokens=args.tokens, min_tokens=args.tokens)
     batch_params = {"plain": SamplingParams(**greedy), "logprobs=5": SamplingParams(**greedy, logprobs=5),
                     "penalties": SamplingParams(**greedy, repetition_penalty=1.1, frequency_penalty=0.3,

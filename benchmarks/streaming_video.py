@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python benchmarks/streaming_video.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.checkpoints import EAGER  # noqa: E402
 from benchmarks.streaming_video_report import json_line, print_card, print_table, summarize  # noqa: E402
 
 MODES = ("stream", "reencode")
@@ -91,7 +92,7 @@ def _fresh_llm(model_dir: Path, engine_args: dict[str, Any]) -> tuple[Any, _Time
     from mmserve import LLM
 
     gc.collect()  # the previous LLM's KV pool goes back before the next one is allocated
-    llm = LLM(str(model_dir), **engine_args)
+    llm = LLM(str(model_dir), **{**EAGER, **engine_args})
     preprocess, encode = _Timer(), _Timer()
     engine = llm.engine
     engine.process_chat = preprocess.wrap(engine.process_chat)  # instance attributes: this LLM only

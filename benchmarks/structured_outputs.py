@@ -90,12 +90,12 @@ def _validity(batch: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     args = batch_parser(__doc__).parse_args(argv)
 
-    from benchmarks.checkpoints import ensure_model
+    from benchmarks.checkpoints import EAGER, ensure_model
     from benchmarks.offline_report import machine_info
     from mmserve import LLM, SamplingParams, StructuredOutputsParams
 
     model_dir = ensure_model(args.model)
-    engines = {name: LLM(str(model_dir)) for name in ("calibration", "unconstrained", "json_schema")}
+    engines = {name: LLM(str(model_dir), **EAGER) for name in ("calibration", "unconstrained", "json_schema")}
     so = StructuredOutputsParams(json=EXTRACTION_SCHEMA)
     started = time.perf_counter()
     engines["json_schema"].engine.structured.compiled(so)

@@ -1,7 +1,8 @@
 """Shared fixtures: tiny random checkpoints of every family, each built once per test session on
 first use. `family` / `model_dir` run a test over the Qwen2-VL families (whose prompts and
 references those tests spell out); `served_family` / `served_model_dir` run it over every family
-the engine serves.
+the engine serves. Engines the tests build run their CPU decode step eagerly unless asked to compile
+it (`MMSERVE_COMPILE_CPU_DECODE=0` for the session and the server processes it starts).
 
 Tiers: a test is marked by its folder, `unit` (tests/unit: no weights, fake runner outputs), `models`
 (tests/models: tiny checkpoints against transformers, engines in process, encoder workers) or `e2e`
@@ -11,11 +12,17 @@ hand on what runs long or is timed. `bash scripts/test.sh --fast` runs `unit and
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
+from mmserve.envs import COMPILE_CPU_DECODE
 from tests.fixtures.families import FAMILIES as SERVED_FAMILIES
+
+# the suite builds hundreds of short-lived engines (and servers, whose processes inherit this): none
+# compiles its CPU decode step in the background unless a test asks (tests/models/test_compiled_decode.py)
+os.environ.setdefault(COMPILE_CPU_DECODE, "0")
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 TIERS = ("unit", "models", "e2e")  # the folders under tests/, each its tier's marker

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mmserve.envs import compile_cpu_decode_by_default
 from mmserve.errors import ModelLoadError
 from mmserve.inputs.media import MediaLimits
 from mmserve.options import option
@@ -129,9 +130,12 @@ class GraphConfig:
                                                     shown="on for CUDA, off on the CPU")
     decode_graph_batch_sizes: tuple[int, ...] | None = option(None, "decode graph batch sizes",
                                                               shown="1, 2, 4, 8, 16, 24, ... up to max_num_seqs")
-    # compiling costs start-up time, as vLLM-CPU's compile does; off, the CPU runs every step eagerly
-    compile_cpu_decode: bool = option(False, "CPU: compile the decode step with TorchInductor (start-up takes "
-                                             "longer)")
+    # None: compiled in the background while the engine serves eagerly, so start-up does not wait (the
+    # machine's default can be turned off: envs.COMPILE_CPU_DECODE); True: compiled before the engine
+    # serves, as vLLM-CPU's compile does; False: the CPU runs every step eagerly
+    compile_cpu_decode: bool | None = option(None, "CPU: compile the decode step with TorchInductor; on: before "
+                                                   "serving (start-up waits), off: never",
+                                             shown="in the background while serving eagerly")
 
     def __post_init__(self) -> None:
         if self.encoder_graph_memory_bytes <= 0:
@@ -146,10 +150,19 @@ class GraphConfig:
         on = self.enable_encoder_cuda_graphs
         return device_type == "cuda" if on is None else on
 
-    def decode_graphs_on(self, device_type: str) -> bool:
+    def cpu_decode_compile(self, device_type: str, kv_cache_dtype: str) -> str:
+        """How the CPU's decode step is compiled: "off", "startup" (before serving) or "background"."""
+        if device_type != "cpu" or self.enable_decode_cuda_graphs is False or self.compile_cpu_decode is False:
+            return "off"
+        if self.compile_cpu_decode:
+            return "startup"
+        # the default: never for a float8 KV cache (which TorchInductor cannot lower), nor where it is turned off
+        return "background" if kv_cache_dtype != "fp8_e4m3" and compile_cpu_decode_by_default() else "off"
+
+    def decode_graphs_on(self, device_type: str, kv_cache_dtype: str = "auto") -> bool:
         on = self.enable_decode_cuda_graphs
-        if self.compile_cpu_decode and device_type == "cpu":
-            return on is not False
+        if device_type == "cpu" and self.cpu_decode_compile(device_type, kv_cache_dtype) != "off":
+            return True
         return device_type == "cuda" if on is None else on
 
 

@@ -3,7 +3,8 @@
 Role: name each variable once and read it when asked (not at import), so a test or a user that sets
 one before building an engine is heard. Engine behaviour is configured by `config.py`'s engine args;
 what lives here is only what belongs to the machine rather than to an engine: where built kernels are
-cached, which C++ compiler builds them, and the switch that keeps mmserve's native kernels off.
+cached, which C++ compiler builds them, the switch that keeps mmserve's native kernels off, and the one
+that keeps the CPU's decode step from being compiled by default.
 
 Hugging Face's own variables are read here too (`HF_HOME`, `HF_HUB_CACHE`, `HF_HUB_OFFLINE`), at call
 time, and handed to `huggingface_hub` as arguments: its constants are fixed when it is imported.
@@ -20,10 +21,17 @@ NATIVE_KERNELS = "MMSERVE_NATIVE_KERNELS"  # "0": never build or use mmserve's n
 NATIVE_KERNELS_EARLIER_NAME = "MMSERVE_CPU_GEMM"  # the same switch's earlier name, still read
 CACHE_DIR = "MMSERVE_CACHE_DIR"  # where built kernels are kept; default $XDG_CACHE_HOME/mmserve or ~/.cache/mmserve
 CXX = "CXX"  # the C++ compiler that builds them (default g++, as TorchInductor's)
+# "0": engines that are not asked (compile_cpu_decode unset) run the CPU's decode step eagerly instead of
+# compiling it in the background (a test suite building many short-lived engines, a machine short of cores)
+COMPILE_CPU_DECODE = "MMSERVE_COMPILE_CPU_DECODE"
 
 
 def native_kernels_enabled() -> bool:
     return os.environ.get(NATIVE_KERNELS, os.environ.get(NATIVE_KERNELS_EARLIER_NAME, "1")) != "0"
+
+
+def compile_cpu_decode_by_default() -> bool:
+    return os.environ.get(COMPILE_CPU_DECODE, "1") != "0"
 
 
 def cache_dir() -> Path:

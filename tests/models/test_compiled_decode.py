@@ -1,14 +1,19 @@
 """The CPU's compiled decode step (`compile_cpu_decode`, runner/graphs/decode_graphs.py, runner/cpu/compile.py):
 the same greedy tokens as the eager engine for every family (several compiled engines in one process,
 each with its own weights), in bfloat16 and over an int8 KV cache; one compile for batch 1 and one for
-every other bucket; a float8 KV cache refused. The KV writes landing in place, on the step's slots and
+every other bucket; a float8 KV cache refused. By default the step compiles in the background while
+eager steps serve (a failed compile leaves them serving; shutdown stops it). The KV writes landing in place, on the step's slots and
 the scratch block only, is tested with the other graph paths (test_graph_engine.py)."""
+
+import threading
 
 import numpy as np
 import pytest
 import torch
 
 from mmserve import LLM, SamplingParams
+from mmserve.envs import COMPILE_CPU_DECODE
+from mmserve.runner.graphs.decode_graphs import DecodeGraphRunner
 from tests.models.helpers import image_part, random_image, text_part
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
@@ -57,3 +62,77 @@ def test_compiled_decode_off_means_eager(checkpoint_dirs):
 def test_compiled_decode_refuses_a_float8_kv_cache(checkpoint_dirs):
     with pytest.raises(ValueError, match="compile_cpu_decode does not support kv_cache_dtype='fp8_e4m3'"):
         LLM(str(checkpoint_dirs["qwen2_vl"]), compile_cpu_decode=True, kv_cache_dtype="fp8_e4m3", **ARGS)
+
+
+@pytest.fixture
+def gated_compile(monkeypatch):
+    """The engines' background compile waits for `gate` before it builds anything (so a test sees the
+    eager steps it serves meanwhile for certain); compiling is the default here, as for users."""
+    monkeypatch.delenv(COMPILE_CPU_DECODE, raising=False)
+    gate, build = threading.Event(), DecodeGraphRunner._capture_all
+
+    def gated(self):
+        assert gate.wait(120), "the test never opened the gate"
+        return build(self)
+    monkeypatch.setattr(DecodeGraphRunner, "_capture_all", gated)
+    yield gate
+    gate.set()  # a thread still waiting finishes (or stops) instead of hanging
+
+
+def test_by_default_the_step_compiles_in_the_background_while_eager_steps_serve(checkpoint_dirs, gated_compile):
+    """A user who changes nothing gets the compiled step without waiting at start: the engine serves
+    eagerly while it compiles, then replays it; the answers are the eager ones throughout."""
+    model_dir = str(checkpoint_dirs["qwen2_vl"])
+    want = [o.outputs[0].token_ids for o in LLM(model_dir, compile_cpu_decode=False, **ARGS).chat(
+        _chats(), GREEDY, use_tqdm=False)]
+    llm = LLM(model_dir, decode_graph_batch_sizes=(1, 4), **ARGS)
+    assert llm.engine.get_stats()["cpu_decode_compile"] == "compiling"
+    assert [o.outputs[0].token_ids for o in llm.chat(_chats(), GREEDY, use_tqdm=False)] == want
+    assert llm.engine.inspect().graphs.decode.num_replays == 0  # every step ran eagerly
+    assert not llm.engine.wait_for_compiled_decode(timeout_s=0.01)
+    gated_compile.set()
+    assert llm.engine.wait_for_compiled_decode(timeout_s=600)
+    stats = llm.engine.inspect().graphs.decode
+    assert stats.state == "ready" and len(stats.captured) == 2 * 3 and stats.build_s > 0
+    assert llm.engine.get_stats()["cpu_decode_compile"] == "ready"
+    assert [o.outputs[0].token_ids for o in llm.chat(_chats(), GREEDY, use_tqdm=False)] == want
+    assert llm.engine.inspect().graphs.decode.num_replays > 0
+    llm.check_integrity()
+
+
+def test_a_failed_background_compile_leaves_the_eager_steps_serving(checkpoint_dirs, monkeypatch, caplog):
+    monkeypatch.delenv(COMPILE_CPU_DECODE, raising=False)
+
+    def broken(self):
+        raise RuntimeError("the compiler broke")
+    monkeypatch.setattr(DecodeGraphRunner, "_capture_all", broken)
+    llm = LLM(str(checkpoint_dirs["qwen2_vl"]), **ARGS)
+    assert not llm.engine.wait_for_compiled_decode(timeout_s=60)
+    assert llm.engine.get_stats()["cpu_decode_compile"] == "failed"
+    assert "the compiler broke" in llm.engine.inspect().graphs.decode.error
+    assert "compiling in the background failed" in caplog.text
+    outputs = llm.chat(_chats(), GREEDY, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outputs)
+    assert llm.engine.inspect().graphs.decode.num_replays == 0
+    llm.check_integrity()
+
+
+def test_shutdown_stops_a_background_compile(checkpoint_dirs, gated_compile):
+    llm = LLM(str(checkpoint_dirs["qwen2_vl"]), **ARGS)
+    llm.shutdown()
+    gated_compile.set()
+    assert not llm.engine.wait_for_compiled_decode(timeout_s=60)
+    assert llm.engine.inspect().graphs.decode.state == "stopped"
+
+
+@pytest.mark.parametrize("args, why", [(dict(), "the machine's default turned off"),
+                                       (dict(kv_cache_dtype="fp8_e4m3"), "a float8 KV cache")],
+                         ids=["env_off", "fp8_kv"])
+def test_no_background_compile_where_it_cannot_or_should_not_run(checkpoint_dirs, monkeypatch, args, why):
+    if args:
+        monkeypatch.delenv(COMPILE_CPU_DECODE, raising=False)
+    else:
+        monkeypatch.setenv(COMPILE_CPU_DECODE, "0")
+    llm = LLM(str(checkpoint_dirs["qwen2_vl"]), **args, **ARGS)
+    assert llm.engine.get_stats()["cpu_decode_compile"] == "off", why
+    assert llm.engine.inspect().graphs.decode is None

@@ -8,6 +8,7 @@ import torch
 
 from mmserve.config import EngineConfig
 from mmserve.entrypoints import cli
+from mmserve.envs import COMPILE_CPU_DECODE
 from mmserve.errors import InvalidInputError
 
 
@@ -33,6 +34,20 @@ def test_graph_flags_reach_the_graph_config():
     assert config.graphs.encoder_graph_memory_bytes == 1024**3
     assert config.graphs.compile_cpu_decode is True and config.graphs.decode_graphs_on("cpu")
     assert config.encoder.encoder_cache_bytes == 64 * 1024**2
+
+
+@pytest.mark.parametrize("flags, value, mode", [((), None, "background"), (("--compile-cpu-decode",), True, "startup"),
+                                                (("--no-compile-cpu-decode",), False, "off")],
+                         ids=["unset", "on", "off"])
+def test_the_compile_flag_chooses_when_the_cpu_decode_step_compiles(flags, value, mode, monkeypatch):
+    monkeypatch.delenv(COMPILE_CPU_DECODE, raising=False)
+    graphs = EngineConfig.from_kwargs("m", **_parse(*flags)).graphs
+    assert graphs.compile_cpu_decode is value
+    assert graphs.cpu_decode_compile("cpu", "auto") == mode
+    assert graphs.cpu_decode_compile("cuda", "auto") == "off"  # CUDA captures graphs instead
+    assert graphs.decode_graphs_on("cpu") is (mode != "off")
+    monkeypatch.setenv(COMPILE_CPU_DECODE, "0")  # the machine's default off: asking still compiles
+    assert graphs.cpu_decode_compile("cpu", "auto") == ("startup" if value else "off")
 
 
 @pytest.mark.parametrize("flag, value, says", [

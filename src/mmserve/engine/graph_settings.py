@@ -44,15 +44,18 @@ def resolve_runner_graphs(config: EngineConfig, *, encoder_tokens_per_step: int,
             encoder = EncoderGraphSettings(encoder_tokens_per_step, encoder_items_per_step,
                                            graphs.encoder_graph_memory_bytes, graphs.encoder_graph_buckets)
     decode = None
-    if graphs.decode_graphs_on(device_type):
+    compile_mode = graphs.cpu_decode_compile(device_type, config.cache.kv_cache_dtype)
+    if graphs.decode_graphs_on(device_type, config.cache.kv_cache_dtype):
         max_num_seqs = config.scheduler.max_num_seqs
         sizes = graphs.decode_graph_batch_sizes or decode_batch_sizes(max_num_seqs)
         block_size = config.cache.block_size
         decode = DecodeGraphSettings(tuple(sorted(set(sizes))), decode_block_widths(-(-max_model_len // block_size)),
                                      scratch_block=num_kv_blocks, num_position_rows=num_position_rows,
-                                     compile=graphs.compile_cpu_decode and device_type == "cpu")
+                                     compile=compile_mode != "off", in_background=compile_mode == "background")
     if decode is not None and decode.compile:
-        logger.info("decode steps: compiled for the CPU (batch sizes %s)", decode.batch_sizes)
+        logger.info("decode steps: compiled for the CPU %s (batch sizes %s)",
+                    "in the background, eager until then" if decode.in_background else "before serving",
+                    decode.batch_sizes)
     if device_type != "cuda" and (encoder or (decode and not decode.compile)):
         logger.info("graphs on %s: the graph path runs with a replay-equivalent (for tests; no speed-up)",
                     device_type)

@@ -152,7 +152,8 @@ class Engine:
         return make_pool(enc.encoder_backend, spec, enc.encoder_workers, enc.ray_address)
 
     def shutdown(self) -> None:
-        """Stop the encoder workers (if any); the engine takes no more work afterwards."""
+        """Stop the encoder workers (if any) and a background compile; the engine takes no more work afterwards."""
+        self.runner.shutdown()
         if self.encoder_pool is not None:
             self.encoder_pool.shutdown()
         self.structured.close()
@@ -414,6 +415,7 @@ class Engine:
             "kv_blocks_free": kv.num_free_blocks,
             "kv_cache_dtype": self.config.cache.kv_cache_dtype,
             "quantization": self.quantization,
+            "cpu_decode_compile": self.runner.cpu_decode_compile_state(),
             "weight_bytes": self.weight_bytes,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "kv_capacity_tokens": kv.num_blocks * kv.block_size,
@@ -434,6 +436,11 @@ class Engine:
             "budget_bytes_per_embedding_row": self.budget.bytes_per_row,
             **self._worker_stats(),
         }
+
+    def wait_for_compiled_decode(self, timeout_s: float | None = None) -> bool:
+        """Block until the CPU's decode step, compiled in the background, replays (True), or it is not
+        compiled, failed, or `timeout_s` passed (False). Serving never needs this: for benchmarks and tests."""
+        return self.runner.cpu_decode_compile_state() != "off" and self.runner.wait_for_decode_graphs(timeout_s)
 
     def _worker_stats(self) -> dict[str, int]:
         if self.encoder_pool is None:

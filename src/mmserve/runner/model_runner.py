@@ -109,7 +109,7 @@ class ModelRunner:
         self.decode_graphs = None
         if decode_graphs is not None:
             self.decode_graphs = DecodeGraphRunner(model, attention, decode_graphs, device)
-            self.decode_graphs.capture_all()
+            self.decode_graphs.start()
         # with workers, items are encoded elsewhere and arrive in later steps
         self.async_encoder = None if pool is None else AsyncEncoder(pool, self.encoder, encoder_timeout_s)
         self._outcomes: list[ItemOutcome] = []  # what arrived from workers in the last step
@@ -117,6 +117,22 @@ class ModelRunner:
         self.fault_token = faults.step_fault_token_id  # a step holding this token id raises (a test's fault)
 
     # ---- the engine's calls besides execute -----------------------------------------------------
+    def wait_for_decode_graphs(self, timeout_s: float | None = None) -> bool:
+        """Block until the decode graphs (compiled in the background on the CPU) are built; False: none are
+        in use (off, failed, or not built within `timeout_s`)."""
+        return self.decode_graphs is not None and self.decode_graphs.wait(timeout_s)
+
+    def cpu_decode_compile_state(self) -> str:
+        """"off" (no compiled decode step), or its state: "compiling" (steps run eagerly meanwhile), "ready",
+        "failed" or "stopped"."""
+        graphs = self.decode_graphs
+        return graphs.stats.state if graphs is not None and graphs.settings.compile else "off"
+
+    def shutdown(self) -> None:
+        """Stop a background compile after the bucket it is building (its thread is not waited for)."""
+        if self.decode_graphs is not None:
+            self.decode_graphs.stop()
+
     def release(self, request_id: str) -> None:
         """Drop a finished request's state now (the step contract would also drop it next step)."""
         self.requests.pop(request_id, None)

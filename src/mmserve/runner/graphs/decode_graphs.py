@@ -11,13 +11,22 @@ steps and batches beyond the largest bucket run eagerly (vLLM and SGLang do the 
 On the CPU, with `compile` set, the step is compiled by TorchInductor instead (the CPU's counterpart
 of a graph: one fused C++ program instead of a few hundred eager ops and their Python). One compiled
 function serves every bucket: the batch and block-table width are marked dynamic, so it compiles
-once for batch 1 and once for the rest, not once per bucket (runner/cpu/compile.py).
+once for batch 1 and once for the rest, not once per bucket (runner/cpu/compile.py). With
+`in_background` (the CPU's default) the compiling runs in a thread of its own while the engine serves
+every step eagerly; the compiled buckets are handed over at once when all are built, and the next
+decode step replays them. Until then, and for good if compiling fails (logged), `run` answers None.
+The compile thread writes only its own static buffers and the scratch block, never a slot a request
+owns, so the eager steps it runs beside are untouched.
 
 What it does not know: requests, sampling, scheduling, any family (the model is a `FamilyModel`).
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -39,6 +48,13 @@ from mmserve.runner.graphs.capture import (
 if TYPE_CHECKING:
     from mmserve.runner.batch import BatchBuilder
 
+logger = logging.getLogger(__name__)
+
+# a background compile's thread runs this much nicer than the engine's, so the steps served meanwhile keep
+# most of the cores (at equal priority they slowed several-fold); the compile takes somewhat longer while
+# the engine is busy, and an idle engine leaves it every core
+COMPILE_THREAD_NICENESS = 10
+
 
 @dataclass(frozen=True)
 class DecodeGraphSettings:
@@ -50,6 +66,7 @@ class DecodeGraphSettings:
     # all, and a capture reserves that much for its temporaries; wider batches run eagerly
     max_keys: int = 1 << 17
     compile: bool = False  # CPU: torch.compile the step (otherwise the CPU runs a replay-equivalent, for tests)
+    in_background: bool = False  # compile in a thread while serving eagerly (`compile` only)
 
 
 @dataclass
@@ -62,6 +79,9 @@ class _DecodeGraph:
 class DecodeGraphStats:
     captured: list[DecodeBucket] = field(default_factory=list)
     num_replays: int = 0
+    state: str = "ready"  # "compiling" (in the background, steps run eagerly), "ready", "failed", "stopped"
+    build_s: float | None = None  # how long capturing (or compiling) every bucket took
+    error: str | None = None  # why compiling failed
 
 
 class DecodeGraphRunner:
@@ -78,14 +98,62 @@ class DecodeGraphRunner:
         self.stats = DecodeGraphStats()
         self.pool = new_graph_pool(device)
         self._step = self._forward
+        self._stop = threading.Event()
+        self._built = threading.Event()
         if settings.compile:
             if device.type != "cpu":
                 raise ValueError("compiled decode steps are for the CPU; CUDA captures graphs")
             self._step = frozen_compile(self._forward)
 
+    def start(self) -> None:
+        """Capture (or compile) every bucket now, or in a background thread when the settings say so."""
+        if not (self.settings.compile and self.settings.in_background):
+            started = time.perf_counter()
+            self._publish(self._capture_all(), started)
+            return
+        self.stats.state = "compiling"
+        threading.Thread(target=self._compile_in_background, name="mmserve-decode-compile", daemon=True).start()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until every bucket is built (or building failed or stopped); True when they are ready."""
+        self._built.wait(timeout_s)
+        return self.stats.state == "ready"
+
+    def stop(self) -> None:
+        """The engine is shutting down: a background compile stops after the bucket it is building."""
+        self._stop.set()
+
+    def _compile_in_background(self) -> None:
+        started = time.perf_counter()
+        _lower_this_threads_priority(COMPILE_THREAD_NICENESS)
+        try:
+            graphs = self._capture_all()
+        except Exception as e:  # noqa: BLE001 (any compiler failure leaves the eager steps serving)
+            self.stats.state, self.stats.error = "failed", f"{type(e).__name__}: {e}"
+            logger.warning("decode steps: compiling in the background failed, they stay eager: %s", self.stats.error)
+            self._built.set()
+            return
+        if graphs is None:
+            self.stats.state = "stopped"
+            self._built.set()
+            return
+        self._publish(graphs, started)
+        logger.info("decode steps: compiled in %.1f s, replaying from the next step", self.stats.build_s)
+
+    def _publish(self, graphs: dict[DecodeBucket, _DecodeGraph], started: float) -> None:
+        self.stats.captured = list(graphs)
+        self.stats.build_s = time.perf_counter() - started
+        self.graphs = graphs  # one assignment: a step sees no buckets or all of them
+        self.stats.state = "ready"
+        self._built.set()
+
     @torch.inference_mode()
-    def capture_all(self) -> DecodeGraphStats:
+    def _capture_all(self) -> dict[DecodeBucket, _DecodeGraph] | None:
+        """Every bucket's graph; None: stopped first."""
+        graphs = {}
         for bucket in reversed(self.buckets):  # largest first: smaller graphs reuse its pool memory
+            if self._stop.is_set():
+                return None
             buffers = StaticBuffers(self._static_inputs(bucket))
             self._load(buffers, bucket, _DecodeArrays.padding(self.settings))
             if self.settings.compile:
@@ -93,10 +161,9 @@ class DecodeGraphRunner:
             else:
                 graph = capture_graph(lambda b=buffers: self._step(b), self.device, self.pool)
             buffers.record()
-            self.graphs[bucket] = _DecodeGraph(buffers, graph)
-            self.stats.captured.append(bucket)
+            graphs[bucket] = _DecodeGraph(buffers, graph)
         # the captures wrote padding K/V at the scratch slot only; nothing else of the cache changed
-        return self.stats
+        return graphs
 
     def _static_inputs(self, bucket: DecodeBucket) -> dict[str, torch.Tensor]:
         b, dev, i64 = bucket.batch_size, self.device, torch.int64
@@ -148,6 +215,15 @@ class DecodeGraphRunner:
         logits = entry.graph.output[:len(arrays.input_ids)]
         # a static output is copied out before the next replay overwrites it; a compiled step's is its own
         return logits if isinstance(entry.graph, CompiledStep) else logits.clone()
+
+
+def _lower_this_threads_priority(niceness: int) -> None:
+    """Where the OS lets a thread lower its own priority (Linux), the steps the engine serves meanwhile
+    (and the compiler processes this thread starts, which inherit it) get the cores first."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+    except (AttributeError, OSError) as e:
+        logger.debug("decode steps: the compile thread keeps its priority (%s)", e)
 
 
 # the dims of the static inputs that vary between buckets: (batch) and (block-table width)
