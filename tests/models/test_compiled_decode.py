@@ -5,6 +5,8 @@ every other bucket; a float8 KV cache refused. By default the step compiles in t
 eager steps serve (a failed compile leaves them serving; shutdown stops it). The KV writes landing in place, on the step's slots and
 the scratch block only, is tested with the other graph paths (test_graph_engine.py)."""
 
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -117,12 +119,38 @@ def test_a_failed_background_compile_leaves_the_eager_steps_serving(checkpoint_d
     llm.check_integrity()
 
 
-def test_shutdown_stops_a_background_compile(checkpoint_dirs, gated_compile):
+def test_shutdown_stops_a_background_compile(checkpoint_dirs, monkeypatch):
+    monkeypatch.delenv(COMPILE_CPU_DECODE, raising=False)
     llm = LLM(str(checkpoint_dirs["qwen2_vl"]), **ARGS)
-    llm.shutdown()
-    gated_compile.set()
-    assert not llm.engine.wait_for_compiled_decode(timeout_s=60)
-    assert llm.engine.inspect().graphs.decode.state == "stopped"
+    assert llm.engine.get_stats()["cpu_decode_compile"] == "compiling"
+    llm.shutdown()  # interrupts the compiler where it is and waits for the thread
+    assert not llm.engine.wait_for_compiled_decode(timeout_s=0)
+    assert llm.engine.get_stats()["cpu_decode_compile"] == "stopped"
+
+
+EXIT_WHILE_COMPILING = """
+import sys, time
+from mmserve import LLM
+llm = LLM(sys.argv[1], max_model_len=256)
+print(llm.generate("Hi.", use_tqdm=False)[0].outputs[0].token_ids[:1])
+time.sleep(float(sys.argv[2]))
+print(llm.engine.get_stats()["cpu_decode_compile"])
+"""
+
+
+def test_a_process_that_exits_while_compiling_exits_cleanly(checkpoint_dirs, monkeypatch):
+    """A short script ends before the background compile does: the compiler is stopped before the
+    interpreter finalizes (a compiler tracing through finalization aborted the process). Exits at a few
+    points of the compile; those that came after it finished prove nothing and are not counted."""
+    monkeypatch.delenv(COMPILE_CPU_DECODE, raising=False)
+    exits_while_compiling = 0
+    for seconds in (0.5, 1.5, 2.5, 4.0):
+        proc = subprocess.run([sys.executable, "-c", EXIT_WHILE_COMPILING, str(checkpoint_dirs["qwen2_vl"]),
+                               str(seconds)], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "terminate called" not in proc.stderr and "Fatal Python error" not in proc.stderr
+        exits_while_compiling += proc.stdout.split()[-1] == "compiling"
+    assert exits_while_compiling >= 2
 
 
 @pytest.mark.parametrize("args, why", [(dict(), "the machine's default turned off"),

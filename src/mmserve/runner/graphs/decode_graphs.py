@@ -23,6 +23,8 @@ What it does not know: requests, sampling, scheduling, any family (the model is 
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import logging
 import os
 import threading
@@ -100,6 +102,7 @@ class DecodeGraphRunner:
         self._step = self._forward
         self._stop = threading.Event()
         self._built = threading.Event()
+        self._thread: threading.Thread | None = None
         if settings.compile:
             if device.type != "cpu":
                 raise ValueError("compiled decode steps are for the CPU; CUDA captures graphs")
@@ -112,33 +115,46 @@ class DecodeGraphRunner:
             self._publish(self._capture_all(), started)
             return
         self.stats.state = "compiling"
-        threading.Thread(target=self._compile_in_background, name="mmserve-decode-compile", daemon=True).start()
+        self._thread = threading.Thread(target=self._compile_in_background, name="mmserve-decode-compile",
+                                        daemon=True)
+        # a compiler still tracing while the interpreter finalizes crashes the process: stopped first
+        atexit.register(self.stop)
+        self._thread.start()
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until every bucket is built (or building failed or stopped); True when they are ready."""
         self._built.wait(timeout_s)
         return self.stats.state == "ready"
 
-    def stop(self) -> None:
-        """The engine is shutting down: a background compile stops after the bucket it is building."""
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """The engine is shutting down (or the process exiting): a background compile is interrupted at
+        its next Python instruction (a compiler subprocess it waits on finishes first) and waited for."""
         self._stop.set()
+        thread = self._thread
+        if thread is None or not thread.is_alive() or thread is threading.current_thread():
+            return
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(CompileStopped))
+        thread.join(timeout_s)
+        if thread.is_alive():
+            logger.warning("decode steps: the background compile did not stop within %.0f s", timeout_s)
 
     def _compile_in_background(self) -> None:
         started = time.perf_counter()
-        _lower_this_threads_priority(COMPILE_THREAD_NICENESS)
         try:
+            _lower_this_threads_priority(COMPILE_THREAD_NICENESS)
             graphs = self._capture_all()
+            if graphs is None:
+                raise CompileStopped
+            self._publish(graphs, started)
+            logger.info("decode steps: compiled in %.1f s, replaying from the next step", self.stats.build_s)
+        except CompileStopped:
+            self.stats.state = "stopped"
         except Exception as e:  # noqa: BLE001 (any compiler failure leaves the eager steps serving)
             self.stats.state, self.stats.error = "failed", f"{type(e).__name__}: {e}"
             logger.warning("decode steps: compiling in the background failed, they stay eager: %s", self.stats.error)
+        finally:
             self._built.set()
-            return
-        if graphs is None:
-            self.stats.state = "stopped"
-            self._built.set()
-            return
-        self._publish(graphs, started)
-        logger.info("decode steps: compiled in %.1f s, replaying from the next step", self.stats.build_s)
+            atexit.unregister(self.stop)
 
     def _publish(self, graphs: dict[DecodeBucket, _DecodeGraph], started: float) -> None:
         self.stats.captured = list(graphs)
@@ -215,6 +231,10 @@ class DecodeGraphRunner:
         logits = entry.graph.output[:len(arrays.input_ids)]
         # a static output is copied out before the next replay overwrites it; a compiled step's is its own
         return logits if isinstance(entry.graph, CompiledStep) else logits.clone()
+
+
+class CompileStopped(BaseException):  # noqa: N818 (not an error: not caught by `except Exception`)
+    """Raised inside the background compile's thread to stop it (the engine shut down)."""
 
 
 def _lower_this_threads_priority(niceness: int) -> None:
