@@ -38,7 +38,9 @@ Peers that are not installed are reported and skipped; a peer that fails is repo
 The machine may be shared: around every measurement the harness reads /proc/stat and its children's
 CPU time, reports how many cores other processes kept busy meanwhile, and flags those rounds.
 mmserve runs with its compiled decode step (`compile_cpu_decode=True`, as vLLM-CPU compiles its
-model at load; `--mmserve-eager` turns it off); the card prints the engine arguments of each mode.
+model at load; `--mmserve-compile default` leaves the engine's default, a background compile, and
+starts the clock once it replays; `--mmserve-compile off` or `--mmserve-eager` runs every step
+eagerly); the card prints the engine arguments of each mode.
 `--structured` races structured outputs instead: the same batch, every request (and the warm-up,
 which compiles the schema before the clock) under one JSON schema (`EXTRACTION_SCHEMA`), compact JSON,
 on each system's xgrammar backend, greedy, up to `--output-tokens` tokens; batch mode only, no
@@ -349,8 +351,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-dir", type=Path, default=None, help="default .peers/runs/<time>")
     parser.add_argument("--plot", type=Path, default=None, help="PNG path (default <run dir>/peers.png)")
-    parser.add_argument("--mmserve-eager", action="store_true",
-                        help="mmserve without its compiled decode step (compile_cpu_decode off)")
+    parser.add_argument("--mmserve-compile", choices=("startup", "default", "off"), default="startup",
+                        help="mmserve's decode step compiled before serving (startup, as vLLM-CPU compiles), in "
+                             "the background (default: its engine default, timed once it replays), or never (off)")
+    parser.add_argument("--mmserve-eager", action="store_true", help="the same as --mmserve-compile off")
     parser.add_argument("--structured", action="store_true",
                         help="every request under one JSON schema (compact, xgrammar on both systems), batch mode only")
     parser.add_argument("--quick", action="store_true", help="30m model, 1 round, 4 requests (a smoke test; the tiny test model's head_dim 16 is below vLLM-CPU's attention kernels)")
@@ -401,8 +405,9 @@ def main(argv: list[str] | None = None) -> None:
             order = plan if r % 2 == 0 else plan[::-1]
             for system, dtype, mode in order:
                 extra = ["--gguf-dir", str(gguf_dir)] if system == "llamacpp" else []
-                if system == "mmserve" and not args.mmserve_eager:
-                    extra.append("--compile-cpu-decode")
+                if system == "mmserve":
+                    extra += ["--compile-cpu-decode", {"startup": "on", "default": "default", "off": "off"}[
+                        "off" if args.mmserve_eager else args.mmserve_compile]]
                 if system == "mmserve" and dtype in QUANTIZED:
                     extra += ["--quantization", dtype]
                 name = f"{system}-{dtype}-{mode}-r{r}"
