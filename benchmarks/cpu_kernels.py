@@ -10,7 +10,7 @@ AMX where the CPU has it) and built for this CPU:
 1. kernels: ms of one product at the model's language-model shapes (q/k/v, gate/up, down, head),
    1 and 32 rows, per weight format, both builds, and oneDNN's bfloat16 `F.linear` (medians of 20).
 2. decode: tokens/s of `LLM.generate` on text prompts, one request at a time and a batch of 32 (64
-   output tokens), per weight format (float32, bfloat16, int8, int4, w8a8) and build; each measurement a
+   output tokens), per weight format (float32, bfloat16, int8, int4, w8a8, w4a8) and build; each measurement a
    fresh process (the build chosen before anything loads), builds alternating, formats rotated, medians.
 Prints a card, a table per section, and one JSON line last.
 
@@ -45,8 +45,9 @@ from benchmarks.quantization import (  # noqa: E402
     _decode_tokens_per_s,
     _median_ms,
 )
+from mmserve.config import QUANTIZATION_METHODS  # noqa: E402
 
-FORMATS = ("float32", "bfloat16", "int8", "int4", "w8a8")
+FORMATS = ("float32", "bfloat16", *QUANTIZATION_METHODS)
 BUILDS = ("avx2", "this cpu")
 
 
@@ -68,7 +69,7 @@ def _layers(linear: torch.nn.Linear, build: str) -> dict[str, Any]:
     layers: dict[str, Any] = {"float32": gemm.PanelLinear(linear, gemm.PanelKernel(
         native.build(compiler, cache, gemm.SOURCE, isa)))}
     lib = quant_gemm.QuantKernel(native.build(compiler, cache, quant_gemm.SOURCE, isa))
-    for method in ("int8", "int4", "w8a8"):
+    for method in QUANTIZATION_METHODS:
         layers[method] = quant_gemm.QuantPanelLinear(
             QuantizedLinear.from_linear(linear, method_format(method, linear.in_features)), lib)
     bf16 = bf16_gemm.kernel() if build != "avx2" else None
@@ -106,7 +107,7 @@ def child(model_dir: Path, fmt: str, build: str) -> dict[str, float]:
     from mmserve import LLM
 
     kwargs: dict[str, Any] = {"dtype": "bfloat16"} if fmt == "bfloat16" else {}
-    if fmt in ("int8", "int4", "w8a8"):
+    if fmt in QUANTIZATION_METHODS:
         kwargs["quantization"] = fmt
     llm = LLM(str(model_dir), max_num_seqs=BATCH, max_model_len=1024, **EAGER, **kwargs)
     batch_prompts = [PROMPTS[i % len(PROMPTS)] + f" ({i})" for i in range(BATCH)]

@@ -175,7 +175,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--reference", type=int, default=0, help="transformers reference on the first N requests")
-    parser.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8"],
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8", "w4a8"],
                         help="the language model's weights quantized at load (float32 activations)")
     parser.add_argument("--compile-cpu-decode", nargs="?", const="on", default="off", choices=tuple(COMPILE_SETTINGS),
                         help="on: the engine compiles its decode step before serving (load takes longer); "

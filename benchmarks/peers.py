@@ -19,7 +19,8 @@ with that system's own python and 2 threads, rounds alternating the order, media
   activations) and llama.cpp (llama-cpp-python) on the f32, Q8_0 and Q4_0 GGUF of the same text model
   with its f32 mmproj (converted lazily with llama.cpp's own converter and quantizer into
   `.peers/gguf/`), each mmserve format against the llama.cpp file of its bits per weight (w8a8, int8
-  weights and inputs as Q8_0's products, against Q8_0 too): median TTFT,
+  weights and inputs as Q8_0's products, against Q8_0 too; w4a8, int4 weights and int8 inputs as Q4_0's
+  products, against Q4_0 too): median TTFT,
   decode tokens/s = (n - 1) / (last token - first token) summed over requests, end-to-end tokens/s.
   `--formats` and `--modes` pick a subset (a 1b run one at a time: `--models 1b --modes one`).
 Every request asks for exactly `--output-tokens` tokens (min = max, end-of-sequence ignored), greedy.
@@ -90,8 +91,8 @@ MEASUREMENTS = (("mmserve", "float32", "batch"), ("vllm", "float32", "batch"),
                 ("mmserve", "bfloat16", "batch"), ("vllm", "bfloat16", "batch"), ("mmserve", "int8", "batch"),
                 ("mmserve", "float32", "one"), ("llamacpp", "float32", "one"),
                 ("mmserve", "int8", "one"), ("llamacpp", "q8_0", "one"), ("mmserve", "w8a8", "one"),
-                ("mmserve", "int4", "one"), ("llamacpp", "q4_0", "one"))
-QUANTIZED = {"int8", "int4", "w8a8"}  # mmserve's formats that are a quantization of float32
+                ("mmserve", "int4", "one"), ("mmserve", "w4a8", "one"), ("llamacpp", "q4_0", "one"))
+QUANTIZED = {"int8", "int4", "w8a8", "w4a8"}  # mmserve's formats that are a quantization of float32
 NOT_INSTALLED = "not installed (run scripts/setup_peers.sh)"
 
 
@@ -340,7 +341,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="one model (same as --models NAME)")
     parser.add_argument("--systems", default="mmserve,vllm,llamacpp")
     parser.add_argument("--formats", default=None,
-                        help="comma list of float32, bfloat16, int8, int4, q8_0, q4_0 (default: all); a peer's "
+                        help="comma list of float32, bfloat16, int8, int4, w8a8, w4a8, q8_0, q4_0 (default: all); a peer's "
                              "quantized format runs where its mmserve pair does")
     parser.add_argument("--modes", default="batch,one", help="comma list of batch, one")
     parser.add_argument("--rounds", type=int, default=None, help="rounds, order alternating (default 3)")

@@ -4,7 +4,7 @@ Run: python benchmarks/quantization.py [--model 30m|100m|DIR] [--rounds 3] [--qu
 
 Role: one run, torch threads = the machine's usable cores, four measurements:
 1. kernels: milliseconds of one product at the bench model's language-model shapes (hidden x hidden,
-   gate/up, down), 1 and 32 rows: mmserve's float32 panel kernel, its int8 / int4 / w8a8 panels, and
+   gate/up, down), 1 and 32 rows: mmserve's float32 panel kernel, its int8 / int4 / w8a8 / w4a8 panels, and
    ATen's `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` (bfloat16 inputs, the only ones they
    run fast) — the measurement the kernel choice rests on. Medians of 20 calls after 3 warm-ups.
 2. weight bytes: `get_stats()["weight_bytes"]` per method, and its ratio to float32.
@@ -43,8 +43,9 @@ if str(ROOT) not in sys.path:  # run as `python benchmarks/quantization.py` from
 
 from benchmarks.checkpoints import EAGER, ensure_model, parameter_count  # noqa: E402
 from benchmarks.offline_report import machine_info  # noqa: E402
+from mmserve.config import QUANTIZATION_METHODS  # noqa: E402
 
-METHODS = (None, "int8", "int4", "w8a8")
+METHODS = (None, *QUANTIZATION_METHODS)
 PROMPTS = ("Describe a sunny beach in detail.", "Write a short story about a robot.", "List ten colours.",
            "Explain how a bicycle works.", "What is the capital of France?", "Count from one to twenty.",
            "Tell me about the moon.", "Write a poem about the sea.")
@@ -85,7 +86,7 @@ def measure_kernels(model_dir: Path) -> list[dict[str, Any]]:
             layers["float32 panel"] = gemm.PanelLinear(linear, gemm.kernel())
         lib = quant_gemm.kernel()
         if lib is not None:
-            for method in ("int8", "int4", "w8a8"):
+            for method in METHODS[1:]:
                 layers[f"{method} panel"] = quant_gemm.QuantPanelLinear(
                     QuantizedLinear.from_linear(linear, method_format(method, in_features)), lib)
         codes, scales = quantize_int8(linear.weight)

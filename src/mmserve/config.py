@@ -34,7 +34,7 @@ def resolve_model(model: str | None, revision: str | None = None) -> str:
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # what runner/kv_quant.py stores
-QUANTIZATION_METHODS = ("int8", "int4", "w8a8")  # what models/quantization.py quantizes at load
+QUANTIZATION_METHODS = ("int8", "int4", "w8a8", "w4a8")  # what models/quantization.py quantizes at load
 # vLLM's logprobs_mode: what a logprob entry reports, the raw model's or the distribution the token was
 # drawn from (after penalties, biases, masks, grammars, temperature, top-k, top-p, min-p), each as
 # log-probabilities or as logits
@@ -176,7 +176,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
-    quantization: str | None = None  # int8 / int4 / w8a8 at load (models/quantization.py); None: as stored
+    quantization: str | None = None  # int8 / int4 / w8a8 / w4a8 at load (models/quantization.py); None: as stored
     logprobs_mode: str = "raw_logprobs"  # one of LOGPROBS_MODES; prompt logprobs are always raw_logprobs
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

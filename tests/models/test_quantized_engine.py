@@ -1,4 +1,4 @@
-"""A quantized engine (`quantization=` int8 / int4 / w8a8) for every family: the parity workload completes
+"""A quantized engine (`quantization=` int8 / int4 / w8a8 / w4a8) for every family: the parity workload completes
 with the same greedy tokens whatever the chunking, preemption or prefix caching (a row's product on
 quantized weights does not depend on its batch), nothing leaks (`check_integrity`), the stats say
 what runs and how many bytes its weights take; compiled, the CPU decode step gives the eager tokens.
@@ -14,7 +14,7 @@ import pytest
 from mmserve import LLM
 from tests.fixtures.conversations import GREEDY, parity_workload
 
-METHODS = ("int8", "int4", "w8a8")
+METHODS = ("int8", "int4", "w8a8", "w4a8")
 
 
 def _same(method, got, want):

@@ -9,6 +9,9 @@ Role: what a quantized linear stores and what it means, whatever kernel multipli
   the one min/max rounding gives (asymmetric); a symmetric checkpoint has z = 8.
 - `w8a8`: `int8`'s weights with each input row quantized at run time to int8 (max|x| / 127, round to
   nearest even), the product summed in integers: for the CPU's VNNI/AMX and GPUs' int8 paths.
+- `w4a8`: `int4`'s weights with `w8a8`'s int8 input rows, each group's products summed in integers
+  (as llama.cpp's 4-bit files multiply theirs): a 4-bit decode bound by bytes rather than by
+  widening codes to floats.
 What is quantized and why: the linears of the language model's decoder layers, which are what a
 decode step streams from memory; the untied LM head in `int8` weight-only for every method (its
 logits are what sampling and logprobs read; llama.cpp's 4-bit files keep their output tensor wider
@@ -45,15 +48,15 @@ class WeightFormat:
 
     bits: int  # 8: int8 codes; 4: codes 0..15 two to a byte (the even input in the low nibble)
     group_size: int | None = None  # inputs per scale; None: one scale per output channel
-    int8_activations: bool = False  # w8a8: inputs quantized per row at run time
+    int8_activations: bool = False  # w8a8 / w4a8: inputs quantized per row at run time
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {self.bits}")
         if self.bits == 4 and not self.group_size:
             raise ValueError("int4 weights need a group size")
-        if self.int8_activations and self.bits != 8:
-            raise ValueError("int8 activations go with int8 weights")
+        if self.int8_activations and self.bits == 4 and self.group_size % 8:
+            raise ValueError("int8 activations with int4 weights need groups of a multiple of 8 inputs")
 
     def num_groups(self, in_features: int) -> int:
         return 1 if self.group_size is None else in_features // self.group_size
@@ -77,7 +80,7 @@ def method_format(method: str, in_features: int, head: bool = False) -> WeightFo
         return WeightFormat(8)
     if method == "w8a8":
         return WeightFormat(8, int8_activations=True)
-    return WeightFormat(4, int4_group_size(in_features))
+    return WeightFormat(4, int4_group_size(in_features), int8_activations=method == "w4a8")
 
 
 # ---- codes <-> floats ----------------------------------------------------------------------------

@@ -15,6 +15,9 @@
 //   of max|x| / 127; the products summed exactly in int32, on AMX tiles where the CPU has them and
 //   Linux grants them (mm_q_amx_init), else four a column in int16 pairs then int32 (AVX2's
 //   maddubs/madd); y = sum * s_x * s_w, the same bits either way.
+// - w4a8: int4's codes, scales and offsets with w8a8's int8 rows: each group's products summed exactly in
+//   int32 (VNNI's vpdpbusd where the CPU has it, else AVX2's maddubs/madd), then scaled in float in one
+//   fixed order (the same bits either way); the panels keep 8 inputs x 16 columns a 64-byte block.
 // A tile with more rows than a few reads its panel from a float copy dequantized once per panel
 // (the same floats the registers would hold), so every output is summed in k order in the same
 // arithmetic whatever M is: a row's result does not depend on which rows share its batch.
@@ -118,6 +121,15 @@ struct Prefetch {
   int64_t every;     // one 64-byte line every `every` steps of k
 };
 
+// Prefetch's next line, every `every` steps of k (countdown: steps left until the next).
+inline void prefetch_step(Prefetch& pf, int64_t& countdown) {
+  if (pf.next && countdown-- == 0) {
+    if (pf.next < pf.end) _mm_prefetch(pf.next, _MM_HINT_T0);
+    pf.next += 64;
+    countdown = pf.every - 1;
+  }
+}
+
 #ifdef __AVX512F__
 template <int R, typename Panel>
 void tile(const float* __restrict x, int64_t ldx, Panel panel, int64_t K, const float* __restrict post_scale,
@@ -130,11 +142,7 @@ void tile(const float* __restrict x, int64_t ldx, Panel panel, int64_t K, const 
   for (int64_t k0 = 0; k0 < K; k0 += step) {
     panel.begin(k0);
     for (int64_t k = k0; k < k0 + step; k++) {
-      if (pf.next && countdown-- == 0) {
-        if (pf.next < pf.end) _mm_prefetch(pf.next, _MM_HINT_T0);
-        pf.next += 64;
-        countdown = pf.every - 1;
-      }
+      prefetch_step(pf, countdown);
       const __m512 w = panel.load16(k);
 #pragma GCC unroll 16
       for (int i = 0; i < R; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * ldx + k]), w, acc[i]);
@@ -171,11 +179,7 @@ void tile(const float* __restrict x, int64_t ldx, Panel panel, int64_t K, const 
   for (int64_t k0 = 0; k0 < K; k0 += step) {
     panel.begin(k0);
     for (int64_t k = k0; k < k0 + step; k++) {
-      if (pf.next && countdown-- == 0) {
-        if (pf.next < pf.end) _mm_prefetch(pf.next, _MM_HINT_T0);
-        pf.next += 64;
-        countdown = pf.every - 1;
-      }
+      prefetch_step(pf, countdown);
       __m256 w_lo, w_hi;
       panel.load(k, w_lo, w_hi);
 #pragma GCC unroll 8
@@ -307,11 +311,7 @@ void w8a8_tile(const int8_t* __restrict xq, int64_t ldxq, const int8_t* __restri
   const __m256i ones = _mm256_set1_epi16(1);
   int64_t countdown = 0;
   for (int64_t k4 = 0; k4 < K4; k4++) {
-    if (pf.next && countdown-- == 0) {
-      if (pf.next < pf.end) _mm_prefetch(pf.next, _MM_HINT_T0);
-      pf.next += 64;
-      countdown = pf.every - 1;
-    }
+    prefetch_step(pf, countdown);
     const __m256i w_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k4 * 64));
     const __m256i w_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k4 * 64 + 32));
 #pragma GCC unroll 8
@@ -349,6 +349,119 @@ void w8a8_tile_rows(int rows, const int8_t* xq, int64_t ldxq, const int8_t* pane
     case 3: w8a8_tile<3>(xq, ldxq, panel, K4, w_scale, x_scale, bias, y, ldy, cols, pf); break;
     case 2: w8a8_tile<2>(xq, ldxq, panel, K4, w_scale, x_scale, bias, y, ldy, cols, pf); break;
     default: w8a8_tile<1>(xq, ldxq, panel, K4, w_scale, x_scale, bias, y, ldy, cols, pf); break;
+  }
+}
+
+// ---- w4a8 ------------------------------------------------------------------------------------
+// int4 weights (int4's codes, scales and offsets) times rows quantized to int8 as w8a8's: per group, the
+// codes' products with the row's int8 inputs summed exactly in int32, then in float, in this order,
+// acc = fma(sum, s, acc), acc = fma(o, sum of the group's inputs, acc); finally y = fma(acc, s_x, b).
+// Panels hold blocks of 8 inputs x 16 columns in 64 bytes: byte 4 j + t = code(k0 + t, j) |
+// code(k0 + 4 + t, j) << 4, so a block's low nibbles are four inputs of every column, one int32 lane a
+// column (VNNI's vpdpbusd, or AVX2's maddubs/madd), the high nibbles the next four.
+
+constexpr int kW4A8Rows = 4;
+
+template <int R>
+void w4a8_tile(const int8_t* __restrict xq, int64_t ldxq, const float* __restrict xsum, int64_t groups,
+               const uint8_t* __restrict panel, int64_t K, int64_t group, const float* __restrict scale,
+               const float* __restrict offset, const float* __restrict x_scale, const float* __restrict bias,
+               float* __restrict y, int64_t ldy, int64_t cols, Prefetch pf) {
+  int64_t countdown = 0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  __m512 acc[R];
+#pragma GCC unroll 4
+  for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < K / group; g++) {
+    __m512i lo[R], hi[R];
+#pragma GCC unroll 4
+    for (int i = 0; i < R; i++) lo[i] = hi[i] = _mm512_setzero_si512();
+    for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 8) {
+      prefetch_step(pf, countdown);
+      const __m512i block = _mm512_loadu_si512(panel + k0 * 8);
+      const __m512i w0 = _mm512_and_si512(block, nibble), w1 = _mm512_and_si512(_mm512_srli_epi16(block, 4), nibble);
+#pragma GCC unroll 4
+      for (int i = 0; i < R; i++) {
+        int32_t a0, a1;
+        memcpy(&a0, xq + i * ldxq + k0, 4);
+        memcpy(&a1, xq + i * ldxq + k0 + 4, 4);
+        lo[i] = _mm512_dpbusd_epi32(lo[i], w0, _mm512_set1_epi32(a0));
+        hi[i] = _mm512_dpbusd_epi32(hi[i], w1, _mm512_set1_epi32(a1));
+      }
+    }
+    const __m512 s = _mm512_loadu_ps(scale + g * kCols), o = _mm512_loadu_ps(offset + g * kCols);
+#pragma GCC unroll 4
+    for (int i = 0; i < R; i++) {
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo[i], hi[i])), s, acc[i]);
+      acc[i] = _mm512_fmadd_ps(o, _mm512_set1_ps(xsum[i * groups + g]), acc[i]);
+    }
+  }
+  const __mmask16 mask = cols == kCols ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+  for (int i = 0; i < R; i++)
+    _mm512_mask_storeu_ps(y + i * ldy, mask, _mm512_fmadd_ps(acc[i], _mm512_set1_ps(x_scale[i]), b));
+#else
+  __m256 acc_lo[R], acc_hi[R];
+#pragma GCC unroll 4
+  for (int i = 0; i < R; i++) acc_lo[i] = acc_hi[i] = _mm256_setzero_ps();
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < K / group; g++) {
+    __m256i lo[R], hi[R];  // columns 0-7 and 8-15
+#pragma GCC unroll 4
+    for (int i = 0; i < R; i++) lo[i] = hi[i] = _mm256_setzero_si256();
+    for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 8) {
+      prefetch_step(pf, countdown);
+      const __m256i b_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k0 * 8));
+      const __m256i b_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k0 * 8 + 32));
+      const __m256i w0_lo = _mm256_and_si256(b_lo, nibble), w1_lo = _mm256_and_si256(_mm256_srli_epi16(b_lo, 4), nibble);
+      const __m256i w0_hi = _mm256_and_si256(b_hi, nibble), w1_hi = _mm256_and_si256(_mm256_srli_epi16(b_hi, 4), nibble);
+#pragma GCC unroll 4
+      for (int i = 0; i < R; i++) {
+        int32_t a0, a1;
+        memcpy(&a0, xq + i * ldxq + k0, 4);
+        memcpy(&a1, xq + i * ldxq + k0 + 4, 4);
+        const __m256i x0 = _mm256_set1_epi32(a0), x1 = _mm256_set1_epi32(a1);
+        // codes 0..15 times int8: at most 2 * 15 * 128 a pair, no saturation
+        lo[i] = _mm256_add_epi32(lo[i], _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(w0_lo, x0), ones),
+                                                         _mm256_madd_epi16(_mm256_maddubs_epi16(w1_lo, x1), ones)));
+        hi[i] = _mm256_add_epi32(hi[i], _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(w0_hi, x0), ones),
+                                                         _mm256_madd_epi16(_mm256_maddubs_epi16(w1_hi, x1), ones)));
+      }
+    }
+    const __m256 s_lo = _mm256_loadu_ps(scale + g * kCols), s_hi = _mm256_loadu_ps(scale + g * kCols + 8);
+    const __m256 o_lo = _mm256_loadu_ps(offset + g * kCols), o_hi = _mm256_loadu_ps(offset + g * kCols + 8);
+#pragma GCC unroll 4
+    for (int i = 0; i < R; i++) {
+      const __m256 sum_x = _mm256_set1_ps(xsum[i * groups + g]);
+      acc_lo[i] = _mm256_fmadd_ps(o_lo, sum_x, _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[i]), s_lo, acc_lo[i]));
+      acc_hi[i] = _mm256_fmadd_ps(o_hi, sum_x, _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[i]), s_hi, acc_hi[i]));
+    }
+  }
+  const __m256 b_lo = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  const __m256 b_hi = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+  alignas(32) float row[kCols];
+  for (int i = 0; i < R; i++) {
+    const __m256 sx = _mm256_set1_ps(x_scale[i]);
+    const __m256 v_lo = _mm256_fmadd_ps(acc_lo[i], sx, b_lo), v_hi = _mm256_fmadd_ps(acc_hi[i], sx, b_hi);
+    if (cols == kCols) {
+      _mm256_storeu_ps(y + i * ldy, v_lo), _mm256_storeu_ps(y + i * ldy + 8, v_hi);
+    } else {
+      _mm256_store_ps(row, v_lo), _mm256_store_ps(row + 8, v_hi);
+      memcpy(y + i * ldy, row, cols * sizeof(float));
+    }
+  }
+#endif
+}
+
+void w4a8_tile_rows(int rows, const int8_t* xq, int64_t ldxq, const float* xsum, int64_t groups, const uint8_t* panel,
+                    int64_t K, int64_t group, const float* scale, const float* offset, const float* x_scale,
+                    const float* bias, float* y, int64_t ldy, int64_t cols, Prefetch pf) {
+  switch (rows) {
+    case 4: w4a8_tile<4>(xq, ldxq, xsum, groups, panel, K, group, scale, offset, x_scale, bias, y, ldy, cols, pf); break;
+    case 3: w4a8_tile<3>(xq, ldxq, xsum, groups, panel, K, group, scale, offset, x_scale, bias, y, ldy, cols, pf); break;
+    case 2: w4a8_tile<2>(xq, ldxq, xsum, groups, panel, K, group, scale, offset, x_scale, bias, y, ldy, cols, pf); break;
+    default: w4a8_tile<1>(xq, ldxq, xsum, groups, panel, K, group, scale, offset, x_scale, bias, y, ldy, cols, pf); break;
   }
 }
 
@@ -435,6 +548,60 @@ void mm_w8a8_pack(const int8_t* q, int8_t* panels, int64_t N, int64_t K) {
       for (int64_t k = 0; k < K4 * 4; k++)
         panels[((p * K4 + k / 4) * kCols + j) * 4 + k % 4] = n < N && k < K ? q[n * K + k] : 0;
     }
+}
+
+// q (N, K) values 0..15, one per byte, K a multiple of 8 -> w4a8 panels (mm_q_panels(N) * K * 8 bytes).
+void mm_w4a8_pack(const uint8_t* q, uint8_t* panels, int64_t N, int64_t K) {
+  const int64_t count = mm_q_panels(N);
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < count; p++)
+    for (int64_t k0 = 0; k0 < K; k0 += 8)
+      for (int64_t j = 0; j < kCols; j++) {
+        const int64_t n = p * kCols + j;
+        for (int64_t t = 0; t < 4; t++) {
+          const uint8_t low = n < N ? q[n * K + k0 + t] & 0x0F : 0, high = n < N ? q[n * K + k0 + 4 + t] & 0x0F : 0;
+          panels[p * K * 8 + k0 * 8 + j * 4 + t] = static_cast<uint8_t>(low | (high << 4));
+        }
+      }
+}
+
+// w4a8 product on quantized rows (mm_quantize_rows, ldxq >= K): scales and offsets [panel][K / group][16]
+// floats, as int4's.
+void mm_w4a8_gemm(const int8_t* xq, const float* x_scales, int64_t M, int64_t K, int64_t ldxq, const uint8_t* panels,
+                  const float* scales, const float* offsets, int64_t group, int64_t N, const float* bias, float* y,
+                  int64_t ldy, int threads) {
+  if (M <= 0) return;
+  const int64_t count = mm_q_panels(N), groups = K / group, panel_bytes = K * 8;
+  // each row's inputs summed per group (exact in float: at most 127 * group)
+  float* xsum = aligned_floats(M * groups);
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t g = 0; g < groups; g++) {
+      int32_t total = 0;
+      for (int64_t k = g * group; k < (g + 1) * group; k++) total += xq[m * ldxq + k];
+      xsum[m * groups + g] = static_cast<float>(total);
+    }
+  const int64_t blocks = K / 8, tiles = (M + kW4A8Rows - 1) / kW4A8Rows;
+  const int64_t share = (blocks + tiles - 1) / tiles;  // a block is one 64-byte line
+  const int64_t every = share ? (blocks + share - 1) / share : blocks;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t p = 0; p < count; p++) {
+    const int64_t cols = N - p * kCols < kCols ? N - p * kCols : kCols;
+    const uint8_t* panel = panels + p * panel_bytes;
+    const char* next = p + 1 < count ? reinterpret_cast<const char*>(panel + panel_bytes) : nullptr;
+    alignas(32) float bias_tail[kCols];
+    const float* b = padded(bias ? bias + p * kCols : nullptr, cols, bias_tail);
+    int64_t t = 0;
+    for (int64_t m = 0; m < M; t++) {
+      const int rows = M - m >= kW4A8Rows ? kW4A8Rows : static_cast<int>(M - m);
+      Prefetch pf{next ? next + t * share * 64 : nullptr, next ? next + (t + 1) * share * 64 : nullptr, every};
+      if (pf.end && pf.end > next + panel_bytes) pf.end = next + panel_bytes;
+      w4a8_tile_rows(rows, xq + m * ldxq, ldxq, xsum + m * groups, groups, panel, K, group,
+                     scales + p * groups * kCols, offsets + p * groups * kCols, x_scales + m, b,
+                     y + m * ldy + p * kCols, ldy, cols, pf);
+      m += rows;
+    }
+  }
+  free(xsum);
 }
 
 // Weight-only product. kind 8: panels int8, scales (N) per column, offsets null, group ignored.
