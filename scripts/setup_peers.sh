@@ -97,7 +97,7 @@ EOF
 
 setup_llamacpp() {
   local venv="$PEERS/llamacpp" py="$PEERS/llamacpp/bin/python" t0=$SECONDS
-  local want="llama-cpp-python==$LLAMACPP_VERSION"
+  local want="llama-cpp-python==$LLAMACPP_VERSION no-amx"
   if [ -f "$venv/.installed" ] && [ "$(cat "$venv/.installed")" = "$want" ]; then
     log "llamacpp: already installed"; return 0
   fi
@@ -125,11 +125,25 @@ setup_llamacpp() {
     [ -d "$vendored/requirements" ] && cp -r "$vendored/requirements" "$venv/llama.cpp/requirements"
     rm -rf "$venv/src/unpacked"
   fi
-  # a CPU build, tuned to this machine; no BLAS, no GPU backends
+  # a CPU build, tuned to this machine; no BLAS, no GPU backends. On a CPU with AMX, ggml's AMX backend
+  # segfaults in ggml_backend_amx_mul_mat on quantized files (seen here on Q8_0 and Q4_0, and reported
+  # upstream as llama.cpp issue 20824): there the build names this CPU's other instruction sets instead
+  # of -march=native, leaving AMX out
+  local isa="-DGGML_NATIVE=ON"
+  if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
+    isa="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+    isa="$isa -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+    grep -qw avx512f /proc/cpuinfo && isa="$isa -DGGML_AVX512=ON"
+    grep -qw avx512vbmi /proc/cpuinfo && isa="$isa -DGGML_AVX512_VBMI=ON"
+    grep -qw avx512_vnni /proc/cpuinfo && isa="$isa -DGGML_AVX512_VNNI=ON"
+    grep -qw avx512_bf16 /proc/cpuinfo && isa="$isa -DGGML_AVX512_BF16=ON"
+    log "llamacpp: AMX CPU: building without ggml's AMX backend ($isa)"
+  fi
   log "llamacpp: building llama-cpp-python $LLAMACPP_VERSION from source (several minutes)"
-  CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF -DLLAVA_BUILD=ON" \
+  "$py" -m pip uninstall -y llama-cpp-python >/dev/null 2>&1 || true  # an earlier build is built again
+  CMAKE_ARGS="$isa -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF -DLLAVA_BUILD=ON" \
     CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-    "$py" -m pip install --no-binary llama-cpp-python "$sdist"
+    "$py" -m pip install --no-cache-dir --no-binary llama-cpp-python "$sdist"
   # the converter's needs: torch (the CPU file on pip's find-links), numpy, safetensors, transformers
   # (for the tokenizer), gguf-py from the same llama.cpp sources; Pillow for the chat handler's images
   "$py" -m pip install "torch==2.13.0" numpy safetensors sentencepiece protobuf pillow "transformers>=4.57,<6"
