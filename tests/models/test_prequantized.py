@@ -189,8 +189,8 @@ def _compressed_tensors_checkpoint(float_dir: Path, dst: Path, bits: int, symmet
 
 
 @pytest.mark.parametrize("bits,symmetric,int8_inputs", [(4, True, False), (4, False, False), (8, True, False),
-                                                        (8, True, True)],
-                         ids=["int4-sym", "int4-asym", "int8", "w8a8"])
+                                                        (8, True, True), (4, False, True)],
+                         ids=["int4-sym", "int4-asym", "int8", "w8a8", "w4a8"])
 def test_compressed_tensors_loads_the_weights_its_package_decompresses(float_dir, tmp_path, bits, symmetric,
                                                                       int8_inputs):
     model_dir, expected = _compressed_tensors_checkpoint(float_dir, tmp_path / "ct", bits, symmetric, int8_inputs)

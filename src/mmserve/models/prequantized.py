@@ -5,7 +5,8 @@ the codes, scales and zero points of `quantization.QuantizedLinear` (the layout 
 never through float weights. Formats:
 - `compressed-tensors` (what llm-compressor writes): `pack-quantized` int4 (symmetric or not, group
   or channel scales; `weight_packed` is eight codes per int32 along the input, code + 8 unsigned,
-  which is the same bytes as two codes a byte, the even input low), and `int-quantized` /
+  which is the same bytes as two codes a byte, the even input low; with dynamic per-token int8 inputs
+  it runs as w4a8), and `int-quantized` /
   `naive-quantized` int8 with channel scales, weight-only or with dynamic per-token int8 inputs (w8a8).
 - `awq` (AutoAWQ's GEMM layout): `qweight` (in, out / 8) int32, eight outputs a word in the order
   0 2 4 6 1 3 5 7; `qzeros` (groups, out / 8) alike; `scales` (groups, out).
@@ -57,7 +58,10 @@ class CheckpointQuantization:
         group = self.group_size or in_features
         if in_features % group:
             raise ModelLoadError(f"{self.method}: group size {group} does not divide a layer's {in_features} inputs")
-        return WeightFormat(4, group)
+        if self.int8_activations and group % 8:
+            raise ModelLoadError(f"{self.method}: int4 weights with int8 inputs need groups of a multiple of 8 "
+                                 f"inputs; got {group}")
+        return WeightFormat(4, group, int8_activations=self.int8_activations)
 
     def marks_quantized(self, hf_name: str, dtype: torch.dtype) -> str | None:
         """The linear's prefix when `hf_name` is the tensor that says the linear is stored quantized."""
@@ -185,10 +189,10 @@ def _compressed_tensors(config: dict[str, Any]) -> CheckpointQuantization:
         int8_inputs = True
     if scheme.get("output_activations"):
         raise _refuse("compressed-tensors output activations")
-    if bits == 4 and fmt in CT_INT4_FORMATS and strategy in ("group", "channel") and not int8_inputs:
+    if bits == 4 and fmt in CT_INT4_FORMATS and strategy in ("group", "channel"):
         group = weights.get("group_size") if strategy == "group" else None
-        return CheckpointQuantization("compressed-tensors", 4, group, ct_symmetric=bool(weights.get("symmetric", True)),
-                                      ct_format=fmt)
+        return CheckpointQuantization("compressed-tensors", 4, group, int8_activations=int8_inputs,
+                                      ct_symmetric=bool(weights.get("symmetric", True)), ct_format=fmt)
     if bits == 8 and fmt in CT_INT8_FORMATS and strategy in ("channel", "tensor") and weights.get("symmetric", True):
         return CheckpointQuantization("compressed-tensors", 8, None, int8_activations=int8_inputs, ct_format=fmt)
     raise _refuse(f"compressed-tensors {bits}-bit weights, strategy {strategy!r}, format {fmt!r}")
