@@ -129,7 +129,7 @@ class ModelRunner:
         return graphs.stats.state if graphs is not None and graphs.settings.compile else "off"
 
     def shutdown(self) -> None:
-        """Stop a background compile after the bucket it is building (its thread is not waited for)."""
+        """Stop a background compile: interrupted where it is, its thread waited for (DecodeGraphRunner.stop)."""
         if self.decode_graphs is not None:
             self.decode_graphs.stop()
 
