@@ -124,9 +124,13 @@ def _imports_torch(module: str) -> bool:
     return any(n.split(".")[0] == "torch" for n in _imports(path))
 
 
-@pytest.mark.parametrize("path", _paths("core"), ids=_ids)
+# the router and what it reads are tested with fake replicas, as core is with fake runner outputs
+TORCH_FREE_CLUSTER = ("router.py", "keys.py", "protocol.py")
+
+
+@pytest.mark.parametrize("path", _paths("core") + [SRC / "cluster" / name for name in TORCH_FREE_CLUSTER], ids=_ids)
 def test_core_imports_no_torch_and_no_runner(path):
-    """Directly or through anything it imports."""
+    """Directly or through anything it imports (core/, and the router's modules in cluster/)."""
     reached = _reached(path)
     bad = _core_violations(_imports(path) | reached) | {f"{m} (imports torch)" for m in reached if _imports_torch(m)}
     assert not bad, f"{_ids(path)} imports {sorted(bad)}"

@@ -14,8 +14,10 @@ What it does not know: tensors, devices, scheduling order.
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+
+from mmserve.core.kv_cache import EVICTIONS_KEPT
 
 
 class EntryState(enum.Enum):
@@ -52,6 +54,8 @@ class EncoderCacheManager:
         self.referenced_bytes = 0
         self.stats = EncoderCacheStats()
         self._freed: list[str] = []
+        # keys evicted since the last take_evicted(), newest last (a router forgets them); bounded
+        self._evicted: deque[str] = deque(maxlen=EVICTIONS_KEPT)
 
     # ---- queries --------------------------------------------------------------------------------
     def state(self, key: str) -> EntryState | None:
@@ -61,6 +65,12 @@ class EncoderCacheManager:
     def holds(self, request_id: str, key: str) -> bool:
         entry = self.entries.get(key)
         return entry is not None and request_id in entry.refs
+
+    def take_evicted(self) -> tuple[str, ...]:
+        """Keys evicted since the last call (at most the latest EVICTIONS_KEPT)."""
+        evicted = tuple(self._evicted)
+        self._evicted.clear()
+        return evicted
 
     # ---- changes --------------------------------------------------------------------------------
     def reference(self, request_id: str, key: str) -> None:
@@ -94,6 +104,7 @@ class EncoderCacheManager:
             self.used_bytes -= entry.num_bytes
             self.stats.evictions += 1
             self._freed.append(key)
+            self._evicted.append(key)
         if self.used_bytes + num_bytes > self.capacity_bytes:
             raise RuntimeError("encoder cache overcommitted: reserved more bytes than the pool can free")
 

@@ -16,6 +16,7 @@ What it does not know: tensors, devices, scheduling policy.
 from __future__ import annotations
 
 import struct
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ import blake3
 from mmserve.core.request import ItemSpec, Request
 
 _ROOT_HASH = b"\x00" * 32
+EVICTIONS_KEPT = 4096  # evicted keys a cache manager remembers for take_evicted() (the router's view is approximate)
 
 
 class KVBlock:
@@ -110,6 +112,8 @@ class KVCacheManager:
         self.cached: dict[bytes, KVBlock] = {}
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.stats = KVCacheStats()
+        # hashes of cached blocks evicted since the last take_evicted() (a router forgets them); bounded
+        self._evicted: deque[bytes] = deque(maxlen=EVICTIONS_KEPT)
 
     @property
     def num_blocks(self) -> int:
@@ -118,6 +122,12 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         return self.free_queue.num_free
+
+    def take_evicted(self) -> tuple[bytes, ...]:
+        """Hashes of cached blocks evicted since the last call (at most the latest EVICTIONS_KEPT)."""
+        evicted = tuple(self._evicted)
+        self._evicted.clear()
+        return evicted
 
     def update_block_hashes(self, request: Request) -> None:
         """Extend request.block_hashes over every full block of its known tokens."""
@@ -177,6 +187,7 @@ class KVCacheManager:
         if block.block_hash is not None:  # evict its cached content
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                self._evicted.append(block.block_hash)
             block.block_hash = None
             self.stats.evictions += 1
         block.ref_cnt = 1

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from mmserve.sampling_params import SamplingParams
 
@@ -54,6 +56,13 @@ class ItemSpec:
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+
+def item_specs(items: Sequence[Any]) -> tuple[ItemSpec, ...]:
+    """`ItemSpec`s of a processed prompt's items (anything with their offset, length, content hash,
+    encoder tokens and output rows): what the engine hands its scheduler and the router hashes."""
+    return tuple(ItemSpec(i, it.offset, it.length, it.content_hash, it.encoder_tokens, it.output_rows)
+                 for i, it in enumerate(items))
 
 
 @dataclass

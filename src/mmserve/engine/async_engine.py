@@ -21,7 +21,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 from mmserve.engine.llm_engine import Engine
@@ -117,20 +116,19 @@ class AsyncEngine:
     async def process_chat(self, messages: list[dict[str, Any]], mm_processor_kwargs: dict[str, Any] | None = None,
                            **template_kwargs: Any) -> ProcessedPrompt:
         """Render and process a chat off the event loop; raises InvalidInputError on bad input."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, partial(self.engine.process_chat, messages, mm_processor_kwargs,
-                                                        **template_kwargs))
+        return await self.engine.frontend.process_chat_off_loop(messages, mm_processor_kwargs, **template_kwargs)
 
     async def process(self, raw_prompt: Any, mm_processor_kwargs: dict[str, Any] | None = None,
                       item_params: dict[str, list[str]] | None = None) -> ProcessedPrompt:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, self.engine.process, raw_prompt, mm_processor_kwargs, item_params)
+        return await self.engine.frontend.process_off_loop(raw_prompt, mm_processor_kwargs, item_params)
 
     async def generate(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+                       arrival_time: float | None = None, restartable: bool = False) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs until it finishes. Closing or cancelling the
         iterator early aborts the request. `arrival_time` (time.time()) defaults to now; a server
-        passes when the HTTP request arrived, so time-to-first-token includes input processing."""
+        passes when the HTTP request arrived, so time-to-first-token includes input processing.
+        `restartable` (the caller shows its client only the finished output) matters to replicas,
+        which may start such a request over elsewhere; one engine never restarts a request."""
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running: {self._error!r}")
         stream = _Stream(asyncio.get_running_loop())
@@ -164,6 +162,10 @@ class AsyncEngine:
     def stats(self) -> dict[str, int | float | str]:
         """The engine's counters as of the end of its latest step or command (a snapshot)."""
         return dict(self._stats)
+
+    async def current_stats(self) -> dict[str, int | float | str]:
+        """The same snapshot (replicas answer this one by asking each replica)."""
+        return self.stats()
 
     # ---- the engine thread ------------------------------------------------------------------------
     def _run(self) -> None:

@@ -15,7 +15,6 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,29 +24,26 @@ from mmserve.core.chunk_policy import ChunkBoundaryPolicy, resolve_token_budget
 from mmserve.core.encoder_cache import EncoderCacheManager, EntryState
 from mmserve.core.item_scheduler import ItemScheduler
 from mmserve.core.kv_cache import KVCacheManager
-from mmserve.core.request import ItemSpec, Request, RequestStatus
+from mmserve.core.request import Request, RequestStatus, item_specs
 from mmserve.core.scheduler import Scheduler, SchedulerLimits
 from mmserve.core.step import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from mmserve.engine.choices import ChoiceGroups
 from mmserve.engine.detokenizer import IncrementalDetokenizer
+from mmserve.engine.frontend import Frontend
 from mmserve.engine.graph_settings import resolve_runner_graphs
 from mmserve.engine.inspection import EngineInspection
-from mmserve.engine.prompts import parse_prompt, truncated_token_ids
+from mmserve.engine.prompts import truncated_token_ids
 from mmserve.engine.sizing import resolve_encoder_budget, resolve_max_model_len, resolve_num_kv_blocks
-from mmserve.engine.structured_outputs import StructuredOutputs
 from mmserve.errors import InvalidInputError, at_param
 from mmserve.faults import FaultPlan
 from mmserve.inputs.items import ProcessedPrompt
 from mmserve.inputs.placeholders import embed_runs
 from mmserve.models.loader import (
     checkpoint_quantization,
-    generation_eos_ids,
     load_model,
     parse_dtype,
-    read_config,
 )
 from mmserve.models.quantization import weight_bytes
-from mmserve.models.registry import resolve
 from mmserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from mmserve.runner.attention import PagedAttentionBackend
 from mmserve.runner.cpu.layout import prepare_for_cpu
@@ -92,13 +88,12 @@ class Engine:
         torch.manual_seed(config.seed)
         self.device = torch.device(config.device)
         self.dtype = parse_dtype(config.dtype)
-        family = resolve(read_config(config.model))
         self.model = load_model(config.model, self.dtype, self.device, config.quantization)
         self.cpu_preparation = prepare_for_cpu(self.model)  # layouts the CPU's kernels want
         self.quantization = config.quantization or checkpoint_quantization(config.model) or "none"
         self.weight_bytes = weight_bytes(self.model)  # as laid out for the kernels
-        self.processor = family.processor_class(Path(config.model), self.model.config, config.media)
-        self.spec = family.build_spec(self.model.config, self.processor, config.media)
+        self.frontend = Frontend(config, self.model.config)
+        self.processor, self.spec = self.frontend.processor, self.frontend.spec
         spec = self.spec
         self.kv_format = kv_format(config.cache.kv_cache_dtype, self.dtype)
         self.kv_bytes_per_token = PagedKVStorage.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
@@ -106,6 +101,7 @@ class Engine:
         num_blocks = resolve_num_kv_blocks(config.cache, self.kv_bytes_per_token)
         self.max_model_len = resolve_max_model_len(config.scheduler.max_model_len, spec.max_position_embeddings,
                                                    num_blocks * config.cache.block_size)
+        self.frontend.max_model_len = self.max_model_len
         self.budget = resolve_encoder_budget(config.encoder, spec, self.dtype)
         graphs = resolve_runner_graphs(config, encoder_tokens_per_step=self.budget.max_encoder_tokens_per_step,
                                        encoder_items_per_step=self.budget.max_items_per_step,
@@ -129,16 +125,13 @@ class Engine:
         self.runner = ModelRunner(self.model, spec, PagedAttentionBackend(self.kv_storage), self.device,
                                   self.encoder_pool, enc.encoder_timeout_s, graphs.encoder, graphs.decode,
                                   self.faults, config.logprobs_mode)
-        eos = set(spec.eos_token_ids) | set(generation_eos_ids(config.model))
-        if self.processor.tokenizer.eos_token_id is not None:
-            eos.add(self.processor.tokenizer.eos_token_id)
-        self.eos_token_ids = tuple(sorted(eos))
+        self.eos_token_ids = self.frontend.eos_token_ids
         self.tracked: dict[str, _Tracked] = {}  # by the id of each sequence (a choice, for n > 1)
         self.choices = ChoiceGroups()
         # one token's text, as logprob entries name it: decoded once per id (at most the vocabulary)
         self._token_texts: dict[int, str] = {}
         self._pending_outputs: list[RequestOutput] = []  # rejected at admission, returned by the next step
-        self.structured = StructuredOutputs(self.processor.tokenizer, spec.vocab_size, self.eos_token_ids)
+        self.structured = self.frontend.structured
 
     def _start_encoder_pool(self) -> EncoderPool:
         """Encoder workers: the cores are split evenly between the workers and the engine's own step."""
@@ -156,23 +149,17 @@ class Engine:
         self.runner.shutdown()
         if self.encoder_pool is not None:
             self.encoder_pool.shutdown()
-        self.structured.close()
+        self.frontend.close()
 
     # ---- input ----------------------------------------------------------------------------------
     def process(self, raw_prompt: Any, mm_processor_kwargs: dict[str, Any] | None = None,
                 item_params: dict[str, list[str]] | None = None) -> ProcessedPrompt:
         """`item_params`: the request fields the media items came from (errors name them)."""
-        p = parse_prompt(raw_prompt, mm_processor_kwargs)
-        processed = self.processor.process(p.prompt, p.prompt_token_ids, p.images, p.videos, p.mm_processor_kwargs,
-                                           p.uuids, item_params)
-        processed.cache_salt = p.cache_salt
-        return processed
+        return self.frontend.process(raw_prompt, mm_processor_kwargs, item_params)
 
     def process_chat(self, messages: list[dict[str, Any]], mm_processor_kwargs: dict[str, Any] | None = None,
                      **template_kwargs: Any) -> ProcessedPrompt:
-        chat = self.processor.render_chat(messages, **template_kwargs)
-        return self.processor.process(chat.prompt, None, chat.images, chat.videos, mm_processor_kwargs, chat.uuids,
-                                      chat.params)
+        return self.frontend.process_chat(messages, mm_processor_kwargs, **template_kwargs)
 
     def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                     arrival_time: float | None = None) -> None:
@@ -208,8 +195,7 @@ class Engine:
 
     def _add_one(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, arrival_time: float | None,
                  bad_words: tuple[tuple[int, ...], ...], prefill_after: str | None = None) -> None:
-        items = tuple(ItemSpec(i, it.offset, it.length, it.content_hash, it.encoder_tokens, it.output_rows)
-                      for i, it in enumerate(prompt.items))
+        items = item_specs(prompt.items)
         request = Request(request_id, list(prompt.prompt_token_ids), params, self.eos_token_ids, items,
                           arrival_time or time.time(), prefill_after=prefill_after, cache_salt=prompt.cache_salt)
         detok = IncrementalDetokenizer(self.processor.tokenizer, request.prompt_token_ids,
@@ -449,6 +435,11 @@ class Engine:
         return {"encoder_workers_alive": pool.workers_alive, "encoder_worker_restarts": pool.worker_restarts,
                 "encoder_items_redispatched": pool.items_redispatched,
                 "encoder_items_in_flight": self.runner.num_encoder_items_in_flight}
+
+    def take_evictions(self) -> tuple[tuple[str, ...], tuple[bytes, ...]]:
+        """(encoder content keys, KV prefix-block hashes) evicted since the last call: what a router in
+        front of this engine should forget."""
+        return self.scheduler.encoder_cache.take_evicted(), self.scheduler.kv.take_evicted()
 
     def take_encoder_outcomes(self) -> list[ItemOutcome]:
         """What arrived from encoder workers in the last step, unless already taken (for latency metrics)."""

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from mmserve.cluster.router import ROUTING_POLICIES
 from mmserve.config import (
     DEMO_MODEL_DIR,
     DEMO_MODEL_NAME,
@@ -216,6 +217,14 @@ def _add_serve_parser(sub: Any) -> None:
                            "its thought returned as reasoning_content, and grammars apply after it, whatever the name")
     http.add_argument("--root-path", default="", metavar="PATH",
                       help="the path prefix a proxy serves the API under (ASGI root_path; default: none)")
+    replicas = serve.add_argument_group("replicas")
+    replicas.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                          help="engine replicas behind this server, each a local process with its share of the "
+                               "cores (default: 1, the engine in the server's process)")
+    replicas.add_argument("--routing", default="cache_aware", choices=ROUTING_POLICIES,
+                          help="which replica a request goes to: the one likely to hold its images' encoder "
+                               "outputs and its prompt's prefix, balanced by load (cache_aware, the default), "
+                               "round_robin, or least_loaded")
     _add_engine_args(serve)
 
 
@@ -295,6 +304,8 @@ def _limit_per_prompt(text: str) -> dict[str, int]:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from mmserve.cluster.replicas import ReplicaSet
+    from mmserve.cluster.router import RouterConfig
     from mmserve.config import EngineConfig
     from mmserve.engine.llm_engine import Engine
     from mmserve.entrypoints.openai.media import MediaRules
@@ -313,16 +324,26 @@ def _serve(args: argparse.Namespace) -> int:
     fetch = FetchPolicy(timeout_s=args.media_fetch_timeout, allowed_domains=tuple(args.allowed_media_domains),
                         allow_private=args.allow_private_media_urls)
     name = args.served_model_name or args.model or args.model_flag or DEMO_MODEL_NAME
+    if args.data_parallel_size < 1:
+        print(f"error: --data-parallel-size must be at least 1, got {args.data_parallel_size}", file=sys.stderr)
+        return 2
     print(f"loading {model} ...", file=sys.stderr, flush=True)
-    engine = Engine(config)
-    rules = MediaRules(config.media, fetch, args.max_video_bytes, limits, engine.spec.default_video_fps)
+    engine: Engine | ReplicaSet
+    if args.data_parallel_size > 1:
+        engine = ReplicaSet(config, args.data_parallel_size, RouterConfig(policy=args.routing))
+        engine.launch()
+        frontend, stats = engine.engine, engine.stats()
+    else:
+        engine = Engine(config)
+        frontend, stats = engine.frontend, engine.get_stats()
+    rules = MediaRules(config.media, fetch, args.max_video_bytes, limits, frontend.spec.default_video_fps)
     server_config = ServerConfig(name, rules, args.api_key, extra_model_names=(model,) if name != model else (),
                                  max_request_bytes=args.max_request_bytes, web_ui=args.web_ui,
                                  demo_model=Path(model).resolve() == DEMO_MODEL_DIR.resolve(),
                                  return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                                  request_id_headers=args.enable_request_id_headers, root_path=args.root_path,
                                  tokenizer_info=args.enable_tokenizer_info_endpoint)
-    summary = startup_summary(engine, name, f"http://{args.host}:{args.port}", web_ui=args.web_ui)
+    summary = startup_summary(frontend, stats, name, f"http://{args.host}:{args.port}", web_ui=args.web_ui)
     serve(engine, server_config, args.host, args.port, args.log_level, args.shutdown_timeout,
           on_ready=lambda: print(summary, file=sys.stderr, flush=True))
     return 0
@@ -337,20 +358,23 @@ def _log_to_stderr(level: str) -> None:
     root.setLevel(level.upper())
 
 
-def startup_summary(engine: Any, served_name: str, base_url: str, *, web_ui: bool) -> str:
-    """What `mmserve serve` prints once its port answers: the model, where its memory went, and the
-    addresses to use."""
-    stats = engine.get_stats()
-    config = engine.config
+def startup_summary(frontend: Any, stats: dict[str, Any], served_name: str, base_url: str, *, web_ui: bool) -> str:
+    """What `mmserve serve` prints once its port answers: the model, where its memory went (summed over
+    replicas), and the addresses to use."""
+    config = frontend.config
     workers = config.encoder.encoder_workers
     encoder = (f"{workers} {config.encoder.encoder_backend} worker(s)" if workers else "in the engine's step")
+    replicas = stats.get("replicas_total")
     lines = [
-        f"model         {served_name} ({engine.spec.name}, {config.dtype} on {config.device})",
-        f"context       {engine.max_model_len} tokens per request",
+        f"model         {served_name} ({frontend.spec.name}, {config.dtype} on {config.device})",
+        f"context       {frontend.max_model_len} tokens per request",
         f"KV cache      {stats['kv_capacity_tokens']} tokens ({stats['kv_cache_dtype']})",
-        f"image cache   {_mib(engine.budget.cache_bytes)}; encoder {encoder}",
+        f"image cache   {_mib(stats['budget_encoder_cache_bytes'])}; encoder {encoder}",
         f"API           {base_url}/v1  (OpenAI-compatible: /v1/chat/completions, /v1/completions)",
     ]
+    if replicas:
+        lines.insert(1, f"replicas      {replicas} local processes, routed {stats['router']['policy']}; "
+                        f"the caches below are all replicas' together")
     if web_ui:
         lines.append(f"chat in your browser: {base_url}/")
     return "\n".join(["mmserve is ready", *("  " + line for line in lines)])

@@ -4,12 +4,15 @@ Role: per-request observations made when a request finishes (count by finish rea
 time-to-first-token, time-per-output-token, end-to-end latency) plus every number of
 `Engine.get_stats()` exported at scrape time from the engine's latest snapshot: counters for the
 monotonic ones, gauges for the rest, all named `mmserve_<stat>`, and `mmserve_kv_blocks_in_use`.
+Behind replicas the same names carry the sums, `mmserve_replica_<stat>{replica}` each replica's, and
+`mmserve_routed_total{policy, reason}` and the expected cache hits the router's.
 What it does not know: HTTP, the engine thread; it is fed outputs and a stats function.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -23,14 +26,14 @@ MONOTONIC_STATS = frozenset({
     "requests_finished", "requests_rejected", "prompt_tokens", "prompt_tokens_computed",
     "prefix_cache_hit_tokens", "generation_tokens", "num_preemptions", "kv_cache_evictions",
     "encoder_items_encoded", "encoder_tokens_encoded", "encoder_cache_hits", "encoder_cache_misses",
-    "encoder_cache_evictions", "encoder_worker_restarts", "encoder_items_redispatched",
+    "encoder_cache_evictions", "encoder_worker_restarts", "encoder_items_redispatched", "replica_restarts",
 })
 LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                      10.0, 20.0, 40.0, 80.0)
 TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                    1.0, 2.5)
 
-StatsFn = Callable[[], dict[str, int | float | str]]
+StatsFn = Callable[[], dict[str, Any]]
 
 
 class _EngineStatsCollector(Collector):
@@ -39,18 +42,59 @@ class _EngineStatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
-        for key, value in sorted(stats.items()):
-            if isinstance(value, str):  # a setting (e.g. kv_cache_dtype): an info gauge, the value as a label
-                info = GaugeMetricFamily(PREFIX + key + "_info", f"engine setting {key}", labels=[key])
-                info.add_metric([value], 1)
-                yield info
-            elif key in MONOTONIC_STATS:
-                yield CounterMetricFamily(PREFIX + key, f"engine stat {key} (cumulative)", value=value)
-            else:
-                yield GaugeMetricFamily(PREFIX + key, f"engine stat {key}", value=value)
+        yield from _stat_families(PREFIX, {k: v for k, v in stats.items() if k not in ("replicas", "router")})
         if "kv_blocks_total" in stats and "kv_blocks_free" in stats:
             yield GaugeMetricFamily(PREFIX + "kv_blocks_in_use", "KV cache blocks held by requests or cached",
                                     value=stats["kv_blocks_total"] - stats["kv_blocks_free"])
+        replicas = stats.get("replicas")
+        if isinstance(replicas, list):
+            yield from _replica_families(replicas)
+        router = stats.get("router")
+        if isinstance(router, dict):
+            yield from _router_families(router)
+
+
+def _stat_families(prefix: str, stats: dict[str, Any]) -> Iterator[Metric]:
+    for key, value in sorted(stats.items()):
+        if isinstance(value, str):  # a setting (e.g. kv_cache_dtype): an info gauge, the value as a label
+            info = GaugeMetricFamily(prefix + key + "_info", f"engine setting {key}", labels=[key])
+            info.add_metric([value], 1)
+            yield info
+        elif isinstance(value, int | float):
+            if key in MONOTONIC_STATS:
+                yield CounterMetricFamily(prefix + key, f"engine stat {key} (cumulative)", value=value)
+            else:
+                yield GaugeMetricFamily(prefix + key, f"engine stat {key}", value=value)
+
+
+def _replica_families(replicas: list[dict[str, Any]]) -> Iterator[Metric]:
+    """One family per numeric stat, a series per replica (its own counters restart with it)."""
+    keys = sorted({k for r in replicas for k, v in r.items()
+                   if isinstance(v, int | float) and not isinstance(v, bool) and k not in ("replica", "pid")})
+    for key in keys:
+        family = GaugeMetricFamily(PREFIX + "replica_" + key, f"replica stat {key}", labels=["replica"])
+        for r in replicas:
+            if isinstance(r.get(key), int | float) and not isinstance(r.get(key), bool):
+                family.add_metric([str(r["replica"])], r[key])
+        yield family
+    alive = GaugeMetricFamily(PREFIX + "replica_alive", "1 while the replica serves", labels=["replica"])
+    for r in replicas:
+        alive.add_metric([str(r["replica"])], 1 if r.get("alive") else 0)
+    yield alive
+
+
+def _router_families(router: dict[str, Any]) -> Iterator[Metric]:
+    routed = CounterMetricFamily(PREFIX + "routed", "requests routed to a replica, by policy and reason",
+                                 labels=["policy", "reason"])
+    for row in router.get("routed", []):
+        routed.add_metric([row["policy"], row["reason"]], row["requests"])
+    yield routed
+    yield CounterMetricFamily(PREFIX + "router_expected_encoder_cache_hits",
+                              "media items the router expected its chosen replicas to hold (compare "
+                              "mmserve_encoder_cache_hits)", value=router.get("expected_encoder_cache_hits", 0))
+    yield CounterMetricFamily(PREFIX + "router_expected_prefix_cache_tokens",
+                              "prompt tokens the router expected its chosen replicas to hold (compare "
+                              "mmserve_prefix_cache_hit_tokens)", value=router.get("expected_prefix_cache_tokens", 0))
 
 
 class ServerMetrics:

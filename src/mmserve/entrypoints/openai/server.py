@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mmserve.cluster.replicas import ReplicaSet
 from mmserve.engine.async_engine import AsyncEngine, EngineDeadError, ShuttingDownError
 from mmserve.engine.llm_engine import Engine
 from mmserve.entrypoints.openai.body_limit import BodyLimit
@@ -135,7 +136,7 @@ def _auth_dependency(api_key: str | None):
     return check
 
 
-def _v1_router(serving: OpenAIServing, engine: AsyncEngine, api_key: str | None) -> APIRouter:
+def _v1_router(serving: OpenAIServing, engine: AsyncEngine | ReplicaSet, api_key: str | None) -> APIRouter:
     router = APIRouter(prefix="/v1", dependencies=[Depends(_auth_dependency(api_key))])
 
     @router.post("/chat/completions")
@@ -153,9 +154,10 @@ def _v1_router(serving: OpenAIServing, engine: AsyncEngine, api_key: str | None)
                                          max_model_len=serving.max_model_len)])
 
     @router.get("/stats")
-    async def stats() -> dict[str, int | float | str]:
-        """The engine's counters (the JSON twin of /metrics): KV blocks, encoder cache, requests."""
-        return engine.stats()
+    async def stats() -> dict[str, Any]:
+        """The engine's counters (the JSON twin of /metrics): KV blocks, encoder cache, requests; with
+        replicas, summed, plus each replica's and the router's."""
+        return await engine.current_stats()
 
     return router
 
@@ -187,10 +189,15 @@ def _tokens_router(serving: OpenAIServing, api_key: str | None) -> APIRouter:
     return router
 
 
-def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
-    """A FastAPI app serving `engine`; its lifespan starts and stops the engine thread."""
+def build_app(engine: Engine | ReplicaSet, config: ServerConfig) -> FastAPI:
+    """A FastAPI app serving `engine` (one, or replicas already launched); its lifespan starts and stops
+    the engine thread or the replicas."""
     metrics = ServerMetrics()
-    async_engine = AsyncEngine(engine, on_output=metrics.observe, on_encoded=metrics.observe_encoded)
+    async_engine: AsyncEngine | ReplicaSet
+    if isinstance(engine, ReplicaSet):
+        async_engine, engine.on_output = engine, metrics.observe
+    else:
+        async_engine = AsyncEngine(engine, on_output=metrics.observe, on_encoded=metrics.observe_encoded)
     metrics.attach_engine_stats(async_engine.stats)
     serving = OpenAIServing(async_engine, config)
 
@@ -225,6 +232,9 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         if not async_engine.is_running:
             return _error(503, "the engine is not running", "server_error")
         stats = async_engine.stats()
+        if stats.get("replicas_alive", 1) < stats.get("replicas_total", 1):  # the others still serve
+            return JSONResponse({"status": "degraded", "reason": f"{stats['replicas_alive']} of "
+                                 f"{stats['replicas_total']} replicas are alive"}, status_code=200)
         if stats.get("encoder_workers_alive", 1) == 0:  # text still served; images wait or time out
             return JSONResponse({"status": "degraded", "reason": "no encoder worker is alive"}, status_code=200)
         return JSONResponse({"status": "ok"}, status_code=200)
@@ -242,7 +252,7 @@ def _shutdown_margin_s(timeout_s: float) -> float:
     return min(0.5, timeout_s / 4)
 
 
-def serve(engine: Engine, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
+def serve(engine: Engine | ReplicaSet, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info", shutdown_timeout_s: float = 30.0,
           on_ready: Callable[[], None] | None = None) -> None:
     """Serve until interrupted (blocks); `on_ready` runs once the port is bound and requests are
@@ -253,7 +263,7 @@ def serve(engine: Engine, config: ServerConfig, host: str = "127.0.0.1", port: i
     import uvicorn
 
     app = build_app(engine, config)
-    async_engine: AsyncEngine = app.state.engine
+    async_engine: AsyncEngine | ReplicaSet = app.state.engine
 
     def cut_off() -> None:
         error = ShuttingDownError(f"the server is shutting down: the request was still running after the "

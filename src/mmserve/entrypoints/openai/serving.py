@@ -377,7 +377,7 @@ class OpenAIServing:
             except InvalidInputError as exc:
                 field_name = "tools" if tool_grammar is not None else body.structured()[1]
                 raise RequestError(str(exc).replace("structured_outputs", field_name, 1), param=field_name) from exc
-        outputs = self.engine.generate(request_id, prompt, params, arrival_time)
+        outputs = self.engine.generate(request_id, prompt, params, arrival_time, restartable=not body.stream)
         first = await _unless_disconnected(anext(outputs), raw)
         if _failed(first):
             await outputs.aclose()

@@ -1,0 +1,1 @@
+"""Many engines behind one API: replica processes, the router and their typed boundary."""

@@ -1,0 +1,449 @@
+"""Many engine replicas behind one API server: the `mp` backend, dispatch, and surviving a dead replica.
+
+Role: `ReplicaSet` is what the server talks to in place of one `AsyncEngine` (the same methods:
+process, process_chat, generate, stats, abort_all, start, shutdown). It holds a `Frontend` (the
+processor and spec, no weights) as `.engine`, so prompts are processed, hashed and routed here,
+then sent to a replica process (cluster/replica_worker.py) over the messages of
+cluster/protocol.py. Each replica has its own torch threads (the cores divided between replicas)
+and its own queues per generation (a replica killed mid-send can only spoil its own).
+
+Faults: a reader thread per replica hands its messages to the event loop and notices, within
+POLL_S, that its process died. The dead replica's requests that have sent no token to their client
+(any non-streamed one: its client sees only the finished answer) are routed again and answered
+elsewhere; a stream under way fails with `EngineDeadError` (an error event, then `[DONE]`). The slot
+starts a new replica at once, then, while it keeps dying, after a delay that doubles up to
+MAX_BACKOFF_S, with a log line each time.
+What it does not know: HTTP, OpenAI's protocol, the engine's internals (it sees only what the
+protocol carries).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from mmserve.cluster.keys import route_keys
+from mmserve.cluster.protocol import (
+    AbortRequest,
+    AddRequest,
+    Answer,
+    Outputs,
+    Query,
+    Ready,
+    RequestLost,
+    RequestRefused,
+    StartFailed,
+    Stats,
+    Stop,
+)
+from mmserve.cluster.replica_worker import replica_main
+from mmserve.cluster.router import RouteDecision, RouteKeys, Router, RouterConfig
+from mmserve.config import EngineConfig
+from mmserve.engine.async_engine import EngineDeadError
+from mmserve.engine.frontend import Frontend
+from mmserve.errors import InvalidInputError
+from mmserve.inputs.items import ProcessedPrompt
+from mmserve.outputs import RequestOutput
+from mmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("mmserve.replicas")
+POLL_S = 0.5  # how long a reader waits for a message before checking that its replica still runs
+RESTART_WINDOW_S = 60.0  # deaths within this long of each other count as "keeps dying"
+MAX_BACKOFF_S = 60.0
+NO_REPLICA_WAIT_S = 60.0  # how long a request waits for a replica to come back when none is alive
+STOP_TIMEOUT_S = 10.0
+
+
+class _ReplicaLost:
+    """Put in a request's queue when its replica died holding it."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+@dataclass
+class _Slot:
+    index: int
+    generation: int = 0
+    process: Any = None
+    inbox: Any = None
+    outbox: Any = None
+    pid: int | None = None
+    alive: bool = False
+    stats: dict[str, Any] = field(default_factory=dict)
+    deaths: deque = field(default_factory=deque)  # times of recent deaths
+    restarts: int = 0
+
+
+@dataclass
+class _Flight:
+    """A request the server holds: enough to send it again."""
+
+    request_id: str
+    prompt: ProcessedPrompt
+    params: SamplingParams
+    arrival_time: float
+    keys: RouteKeys
+    restartable: bool
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+    replica: int | None = None
+    generation: int = -1
+    counted: bool = False  # the router counts it in flight on `replica`
+    sent_tokens: bool = False
+
+
+class ReplicaSet:
+    def __init__(self, config: EngineConfig, num_replicas: int, router: RouterConfig | None = None,
+                 threads_per_replica: int | None = None, start_timeout_s: float = 600.0) -> None:
+        if num_replicas < 1:
+            raise ValueError(f"need at least one replica, got {num_replicas}")
+        self.config = config
+        self.engine = Frontend(config)  # named as AsyncEngine's engine: the server reads its processor and spec
+        self.router = Router(num_replicas, router)
+        cores = len(os.sched_getaffinity(0))
+        self.threads_per_replica = threads_per_replica or max(1, cores // num_replicas)
+        self.start_timeout_s = start_timeout_s
+        self.on_output: Callable[[RequestOutput], None] | None = None  # finished outputs (the server's metrics)
+        self.block_size = config.cache.block_size
+        self._ctx = mp.get_context("spawn")
+        self._slots = [_Slot(i) for i in range(num_replicas)]
+        self._flights: dict[str, _Flight] = {}
+        self._answers: dict[int, asyncio.Future] = {}
+        self._query_ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._readers: list[threading.Thread] = []
+        self._any_alive: asyncio.Event | None = None
+        self._closed = False
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    def launch(self) -> None:
+        """Start every replica and wait until each has loaded its model (blocking; before serving).
+        Raises RuntimeError naming the replica that could not start."""
+        for slot in self._slots:
+            self._spawn(slot)
+        for slot in self._slots:
+            try:
+                message = slot.outbox.get(timeout=self.start_timeout_s)
+            except queue.Empty:
+                self.shutdown()
+                raise RuntimeError(f"replica {slot.index} did not start within {self.start_timeout_s:g} s") from None
+            if isinstance(message, StartFailed):
+                self.shutdown()
+                raise RuntimeError(f"replica {slot.index} could not start: {message.error}")
+            self._ready(slot, message)
+        self.engine.max_model_len = self._slots[0].stats["_max_model_len"]
+
+    def start(self) -> None:
+        """Begin delivering the replicas' messages to the running event loop (the server's lifespan)."""
+        if self._loop is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._any_alive = asyncio.Event()
+        if any(s.alive for s in self._slots):
+            self._any_alive.set()
+        for slot in self._slots:
+            self._start_reader(slot)
+
+    def shutdown(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Stop every replica and wait for its process to exit (killed past `timeout_s`)."""
+        self._closed = True
+        for slot in self._slots:
+            if slot.process is not None and slot.process.is_alive():
+                with contextlib.suppress(Exception):
+                    slot.inbox.put(Stop())
+        deadline = time.monotonic() + timeout_s
+        for slot in self._slots:
+            if slot.process is None:
+                continue
+            slot.process.join(max(0.0, deadline - time.monotonic()))
+            if slot.process.is_alive():
+                slot.process.kill()
+                slot.process.join(timeout_s)
+            slot.alive = False
+            _abandon(slot)
+        self.engine.close()
+
+    def abort_all(self, error: BaseException) -> int:
+        """Fail every request in flight with `error` and abort it on its replica (the server's shutdown
+        timeout; called on the loop's thread or another). Returns how many were cut off."""
+        assert self._loop is not None
+        count = len(self._flights)
+        self._loop.call_soon_threadsafe(self._fail_all, error)
+        return count
+
+    def _fail_all(self, error: BaseException) -> None:
+        for flight in self._flights.values():
+            flight.outputs.put_nowait(error)
+            self._send(flight.replica, flight.generation, AbortRequest(flight.request_id))
+
+    @property
+    def is_running(self) -> bool:
+        return not self._closed and any(s.alive for s in self._slots)
+
+    def replica_pids(self) -> dict[int, int | None]:
+        """Each replica's process id (None while it restarts): for tests and logs."""
+        return {s.index: s.pid if s.alive else None for s in self._slots}
+
+    # ---- the caller's side ------------------------------------------------------------------------
+    async def process_chat(self, messages: list[dict[str, Any]], mm_processor_kwargs: dict[str, Any] | None = None,
+                           **template_kwargs: Any) -> ProcessedPrompt:
+        return await self.engine.process_chat_off_loop(messages, mm_processor_kwargs, **template_kwargs)
+
+    async def process(self, raw_prompt: Any, mm_processor_kwargs: dict[str, Any] | None = None,
+                      item_params: dict[str, list[str]] | None = None) -> ProcessedPrompt:
+        return await self.engine.process_off_loop(raw_prompt, mm_processor_kwargs, item_params)
+
+    async def generate(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+                       arrival_time: float | None = None, restartable: bool = False) -> AsyncIterator[RequestOutput]:
+        """Route the request, send it, and yield its outputs. `restartable`: the caller shows the client
+        only the finished output, so the request may start over on another replica even after tokens."""
+        if request_id in self._flights:
+            raise InvalidInputError(f"request id {request_id!r} is already in use")
+        flight = _Flight(request_id, prompt, params, arrival_time or time.time(),
+                         route_keys(prompt, self.block_size), restartable)
+        self._flights[request_id] = flight
+        finished = False
+        try:
+            await self._dispatch(flight)
+            while not finished:
+                item = await flight.outputs.get()
+                if isinstance(item, _ReplicaLost):
+                    if flight.sent_tokens and not flight.restartable:
+                        raise EngineDeadError(f"the replica serving this request died: {item.message}")
+                    logger.warning("request %s: %s; routing it again", request_id, item.message)
+                    await self._dispatch(flight)
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                flight.sent_tokens = flight.sent_tokens or any(c.token_ids for c in item.outputs)
+                finished = item.finished
+                yield item
+        finally:
+            self._flights.pop(request_id, None)
+            if not finished and flight.counted:  # the caller left early: the replica stops computing it
+                self._uncount(flight)
+                self._send(flight.replica, flight.generation, AbortRequest(request_id))
+
+    async def _dispatch(self, flight: _Flight) -> None:
+        assert self._any_alive is not None, "start() the replica set on the server's loop first"
+        decision = self.router.choose(flight.keys)
+        if decision is None:
+            self._any_alive.clear()
+            try:
+                await asyncio.wait_for(self._any_alive.wait(), NO_REPLICA_WAIT_S)
+            except TimeoutError:
+                raise EngineDeadError(f"no replica has been alive for {NO_REPLICA_WAIT_S:g} s") from None
+            decision = self.router.choose(flight.keys)
+            if decision is None:
+                raise EngineDeadError("no replica is alive")
+        slot = self._slots[decision.replica]
+        self._log_route(flight, decision)
+        self.router.dispatched(decision, flight.keys)
+        flight.replica, flight.generation, flight.counted = decision.replica, slot.generation, True
+        self._send(decision.replica, slot.generation,
+                   AddRequest(flight.request_id, flight.prompt, flight.params, flight.arrival_time))
+
+    def _log_route(self, flight: _Flight, decision: RouteDecision) -> None:
+        logger.debug("request %s -> replica %d (%s; expected %d item(s), %d prefix tokens cached)",
+                     flight.request_id, decision.replica, decision.reason, decision.expected_media_hits,
+                     decision.expected_prefix_tokens)
+
+    def _uncount(self, flight: _Flight) -> None:
+        if flight.counted and flight.replica is not None:
+            flight.counted = False
+            self.router.finished(flight.replica)
+
+    def _send(self, replica: int | None, generation: int, message: Any) -> None:
+        slot = self._slots[replica] if replica is not None else None
+        if slot is not None and slot.alive and slot.generation == generation:
+            with contextlib.suppress(Exception):  # a queue of a replica that just died
+                slot.inbox.put(message)
+
+    # ---- stats and checks -------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Counters summed over the live replicas, settings from the first, and `replicas` and `router`
+        with each replica's own and the routing counters."""
+        total: dict[str, Any] = {}
+        for slot in self._slots:
+            if not slot.alive:
+                continue
+            for key, value in slot.stats.items():
+                if key.startswith("_"):
+                    continue
+                if isinstance(value, str):
+                    total.setdefault(key, value)
+                elif isinstance(value, int | float):
+                    total[key] = total.get(key, 0) + value
+        total["replicas_total"] = len(self._slots)
+        total["replicas_alive"] = sum(s.alive for s in self._slots)
+        total["replica_restarts"] = sum(s.restarts for s in self._slots)
+        total["replicas"] = [{"replica": s.index, "role": "both", "alive": s.alive, "pid": s.pid if s.alive else None,
+                              "restarts": s.restarts,
+                              **{k: v for k, v in s.stats.items() if not k.startswith("_")}} for s in self._slots]
+        r = self.router.stats
+        total["router"] = {"policy": self.router.config.policy,
+                           "routed": [{"policy": p, "reason": reason, "requests": n}
+                                      for (p, reason), n in sorted(r.routed.items())],
+                           "expected_encoder_cache_hits": r.expected_media_hits,
+                           "expected_prefix_cache_tokens": r.expected_prefix_tokens}
+        return total
+
+    async def current_stats(self) -> dict[str, Any]:
+        """`stats()` after asking every live replica for its counters now."""
+        answers = await asyncio.gather(*(self._query(s.index, "stats") for s in self._slots if s.alive),
+                                       return_exceptions=True)
+        live = [s for s in self._slots if s.alive]
+        for slot, answer in zip(live, answers, strict=False):
+            if isinstance(answer, dict):
+                slot.stats.update(answer)
+        return self.stats()
+
+    async def check_integrity(self) -> None:
+        """Every live replica's `Engine.check_integrity()`; raises AssertionError naming the replica."""
+        for slot in [s for s in self._slots if s.alive]:
+            try:
+                await self._query(slot.index, "check_integrity")
+            except RuntimeError as exc:
+                raise AssertionError(f"replica {slot.index}: {exc}") from None
+
+    async def _query(self, replica: int, what: str, timeout_s: float = 30.0) -> Any:
+        slot = self._slots[replica]
+        query_id = next(self._query_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._answers[query_id] = future
+        try:
+            self._send(replica, slot.generation, Query(query_id, what))
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._answers.pop(query_id, None)
+
+    # ---- processes --------------------------------------------------------------------------------
+    def _spawn(self, slot: _Slot) -> None:
+        slot.generation += 1
+        slot.inbox, slot.outbox = self._ctx.Queue(), self._ctx.Queue()
+        slot.process = self._ctx.Process(target=replica_main, name=f"mmserve-replica-{slot.index}",
+                                         args=(self.config, self.threads_per_replica, slot.inbox, slot.outbox))
+        slot.process.start()
+
+    def _ready(self, slot: _Slot, ready: Ready) -> None:
+        slot.pid, slot.alive = ready.pid, True
+        slot.stats = {**ready.stats, "_max_model_len": ready.max_model_len}
+        self.router.set_alive(slot.index, True)
+        if self._any_alive is not None:
+            self._any_alive.set()
+        logger.info("replica %d ready (pid %d)", slot.index, ready.pid)
+
+    def _start_reader(self, slot: _Slot) -> None:
+        reader = threading.Thread(target=self._read, args=(slot, slot.generation, slot.process, slot.outbox),
+                                  name=f"mmserve-replica-{slot.index}-reader", daemon=True)
+        reader.start()
+        self._readers.append(reader)
+
+    def _read(self, slot: _Slot, generation: int, process: Any, outbox: Any) -> None:
+        """A reader thread: hand each message to the loop; when the process is gone, say so once."""
+        assert self._loop is not None
+        while not self._closed:
+            try:
+                message = outbox.get(timeout=POLL_S)
+            except queue.Empty:
+                if process.is_alive():
+                    continue
+                message = None
+            except (EOFError, OSError):
+                message = None
+            try:
+                self._loop.call_soon_threadsafe(self._receive, slot, generation, message)
+            except RuntimeError:  # the loop has closed: the server is gone
+                return
+            if message is None or isinstance(message, StartFailed):
+                return
+
+    def _receive(self, slot: _Slot, generation: int, message: Any) -> None:
+        """On the loop: one message of `slot`'s replica of `generation` (None: it died)."""
+        if generation != slot.generation or self._closed:
+            return
+        if message is None or isinstance(message, StartFailed):
+            self._died(slot, message.error if isinstance(message, StartFailed) else None)
+        elif isinstance(message, Outputs):
+            for output in message.outputs:
+                self._deliver(slot, output)
+        elif isinstance(message, Ready):
+            self._ready(slot, message)
+        elif isinstance(message, Stats):
+            slot.stats.update(message.stats)
+            self.router.evicted(slot.index, message.evicted_media_keys, message.evicted_block_hashes)
+        elif isinstance(message, Answer):
+            future = self._answers.get(message.query_id)
+            if future is not None and not future.done():
+                if message.error is None:
+                    future.set_result(message.value)
+                else:
+                    future.set_exception(RuntimeError(message.error))
+        elif isinstance(message, RequestRefused | RequestLost):
+            flight = self._flights.get(message.request_id)
+            if isinstance(message, RequestLost):  # its engine died: the process exits next, routes go elsewhere
+                self.router.set_alive(slot.index, False)
+            if flight is not None and flight.replica == slot.index:
+                self._uncount(flight)
+                flight.outputs.put_nowait(InvalidInputError(message.message, param=message.param)
+                                          if isinstance(message, RequestRefused) else _ReplicaLost(message.message))
+
+    def _deliver(self, slot: _Slot, output: RequestOutput) -> None:
+        flight = self._flights.get(output.request_id)
+        if flight is None or flight.replica != slot.index:
+            return
+        if output.finished:
+            self._uncount(flight)
+            if self.on_output is not None:
+                self.on_output(output)
+        flight.outputs.put_nowait(output)
+
+    def _died(self, slot: _Slot, error: str | None) -> None:
+        was_alive, slot.alive, slot.pid = slot.alive, False, None
+        _abandon(slot)
+        self.router.set_alive(slot.index, False)
+        exitcode = slot.process.exitcode if slot.process is not None else None
+        what = f"could not start: {error}" if error else f"died (exit code {exitcode})"
+        for flight in self._flights.values():
+            if flight.replica == slot.index and flight.generation == slot.generation:
+                flight.counted = False
+                flight.outputs.put_nowait(_ReplicaLost(f"replica {slot.index} {what}"))
+        now = time.monotonic()
+        slot.deaths.append(now)
+        while slot.deaths and now - slot.deaths[0] > RESTART_WINDOW_S:
+            slot.deaths.popleft()
+        delay_s = 0.0 if len(slot.deaths) <= 1 else min(MAX_BACKOFF_S, 2.0 ** (len(slot.deaths) - 1))
+        logger.error("replica %d %s%s; restarting it %s", slot.index, what, "" if was_alive else " before it was ready",
+                     "now" if delay_s == 0 else f"in {delay_s:g} s ({len(slot.deaths)} deaths in the last "
+                                                 f"{RESTART_WINDOW_S:g} s)")
+        assert self._loop is not None
+        self._loop.call_later(delay_s, self._restart, slot)
+
+    def _restart(self, slot: _Slot) -> None:
+        if self._closed:
+            return
+        if slot.process is not None:
+            slot.process.join(0)
+        slot.restarts += 1
+        self._spawn(slot)
+        self._start_reader(slot)
+
+
+def _abandon(slot: _Slot) -> None:
+    """Give up on a stopped replica's queues: what is still buffered for it must not hold this process's
+    exit (a queue's feeder thread blocks on a pipe nobody reads)."""
+    for q in (slot.inbox, slot.outbox):
+        if q is not None:
+            q.cancel_join_thread()

@@ -1,0 +1,72 @@
+"""What an engine knows before it has weights: the family's processor, its spec and its stop tokens.
+
+Role: from a checkpoint's config.json and tokenizer (no weights), build the processor that turns
+user input into `ProcessedPrompt`s, the family's `FamilySpec`, the end-of-sequence ids and the
+structured-output compiler, and process prompts and chats with them. The engine composes one; an
+API server in front of many replicas holds one of its own, so that it processes, hashes and routes
+a request before any replica sees it. `max_model_len` is the engine's (it depends on the KV cache):
+the engine sets it, and a server in front of replicas takes the one they report.
+What it does not know: weights, the KV cache, scheduling, requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from mmserve.config import EngineConfig
+from mmserve.engine.prompts import parse_prompt
+from mmserve.engine.structured_outputs import StructuredOutputs
+from mmserve.inputs.items import ProcessedPrompt
+from mmserve.models.loader import generation_eos_ids, read_config
+from mmserve.models.registry import resolve
+
+
+class Frontend:
+    def __init__(self, config: EngineConfig, model_config: Any | None = None) -> None:
+        """`model_config`: the family's parsed config where a model was built from it (else parsed here)."""
+        raw = read_config(config.model)
+        family = resolve(raw)
+        model_config = family.parse_config(raw) if model_config is None else model_config
+        self.config = config
+        self.processor = family.processor_class(Path(config.model), model_config, config.media)
+        self.spec = family.build_spec(model_config, self.processor, config.media)
+        eos = set(self.spec.eos_token_ids) | set(generation_eos_ids(config.model))
+        if self.processor.tokenizer.eos_token_id is not None:
+            eos.add(self.processor.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        self.structured = StructuredOutputs(self.processor.tokenizer, self.spec.vocab_size, self.eos_token_ids)
+        self.max_model_len: int | None = None
+
+    def process(self, raw_prompt: Any, mm_processor_kwargs: dict[str, Any] | None = None,
+                item_params: dict[str, list[str]] | None = None) -> ProcessedPrompt:
+        """`item_params`: the request fields the media items came from (errors name them)."""
+        p = parse_prompt(raw_prompt, mm_processor_kwargs)
+        processed = self.processor.process(p.prompt, p.prompt_token_ids, p.images, p.videos, p.mm_processor_kwargs,
+                                           p.uuids, item_params)
+        processed.cache_salt = p.cache_salt
+        return processed
+
+    def process_chat(self, messages: list[dict[str, Any]], mm_processor_kwargs: dict[str, Any] | None = None,
+                     **template_kwargs: Any) -> ProcessedPrompt:
+        chat = self.processor.render_chat(messages, **template_kwargs)
+        return self.processor.process(chat.prompt, None, chat.images, chat.videos, mm_processor_kwargs, chat.uuids,
+                                      chat.params)
+
+    async def process_off_loop(self, raw_prompt: Any, mm_processor_kwargs: dict[str, Any] | None = None,
+                               item_params: dict[str, list[str]] | None = None) -> ProcessedPrompt:
+        """`process` in the running loop's default executor (a server's callers never block the loop)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.process, raw_prompt, mm_processor_kwargs, item_params)
+
+    async def process_chat_off_loop(self, messages: list[dict[str, Any]],
+                                    mm_processor_kwargs: dict[str, Any] | None = None,
+                                    **template_kwargs: Any) -> ProcessedPrompt:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, partial(self.process_chat, messages, mm_processor_kwargs,
+                                                        **template_kwargs))
+
+    def close(self) -> None:
+        self.structured.close()

@@ -1,0 +1,185 @@
+"""Two engine replicas behind one server (cluster/): the same answers as one engine, routing by image,
+a replica killed mid-run, and nothing left running afterwards.
+
+In-process: a `ReplicaSet` of two local replica processes (the `mp` backend) over the tiny Qwen2-VL
+checkpoint, driven as the server drives it; its answers are compared with the offline `LLM`'s.
+Through the CLI: `mmserve serve --data-parallel-size 2` answers, reports per-replica stats and
+metrics, and leaves no replica process behind when it stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from mmserve import LLM, SamplingParams
+from mmserve.cluster.replicas import ReplicaSet
+from mmserve.cluster.router import RouterConfig
+from mmserve.config import EngineConfig
+from mmserve.engine.async_engine import EngineDeadError
+from mmserve.inputs.media import decode_image_bytes
+from tests.e2e.conftest import running_server
+from tests.e2e.test_server import data_uri, metric_samples, png_bytes
+
+NUM_TOKENS = 6
+COLORS = [(200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30)]
+QUESTIONS = ["What color is it?", "Describe it."]
+ENGINE_ARGS = {"num_kv_blocks": 256}
+
+
+def _messages(png: bytes, question: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(png)}},
+                                         {"type": "text", "text": question}]}]
+
+
+def _offline_answers(model: str, pngs: list[bytes]) -> dict[tuple[int, str], list[int]]:
+    llm = LLM(model, **ENGINE_ARGS)
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS)
+    answers = {}
+    for i, png in enumerate(pngs):
+        image = decode_image_bytes(png, llm.engine.config.media)
+        for q in QUESTIONS:
+            out = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
+                                                         {"type": "text", "text": q}]}], params, use_tqdm=False)[0]
+            answers[(i, q)] = list(out.outputs[0].token_ids)
+    llm.engine.check_integrity()
+    llm.shutdown()
+    return answers
+
+
+@pytest.fixture(scope="module")
+def model(all_checkpoints):
+    return str(all_checkpoints["qwen2_vl"])
+
+
+@pytest.fixture(scope="module")
+def pngs():
+    return [png_bytes(c, size=(224, 168)) for c in COLORS]  # an image is most of its prompt
+
+
+@pytest.fixture(scope="module")
+def reference(model, pngs):
+    return _offline_answers(model, pngs)
+
+
+async def _ask(replicas: ReplicaSet, request_id: str, png: bytes, question: str, restartable: bool = True,
+               on_first=None) -> list[int]:
+    messages = [{"role": "user", "content": [{"type": "image_pil",
+                                              "image_pil": decode_image_bytes(png, replicas.config.media)},
+                                             {"type": "text", "text": question}]}]
+    prompt = await replicas.process_chat(messages)
+    last = None
+    async for output in replicas.generate(request_id, prompt, SamplingParams(temperature=0, max_tokens=NUM_TOKENS),
+                                          restartable=restartable):
+        if on_first is not None and output.outputs[0].token_ids:
+            on_first()
+            on_first = None
+        last = output
+    assert last is not None and last.finished
+    return list(last.outputs[0].token_ids)
+
+
+def _process_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_two_replicas_answer_as_one_engine_route_by_image_and_survive_a_kill(model, pngs, reference):
+    config = EngineConfig.from_kwargs(model, **ENGINE_ARGS)
+    replicas = ReplicaSet(config, 2, RouterConfig(policy="cache_aware"), threads_per_replica=1)
+    replicas.launch()
+    pids = dict(replicas.replica_pids())
+
+    async def run() -> None:
+        replicas.start()
+        # every image asked about twice, shuffled, all at once
+        work = [(i, q) for i in range(len(pngs)) for q in QUESTIONS]
+        random.Random(0).shuffle(work)
+        got = await asyncio.gather(*(_ask(replicas, f"a{n}", pngs[i], q) for n, (i, q) in enumerate(work)))
+        assert dict(zip(work, got, strict=True)) == reference
+        stats = await replicas.current_stats()
+        assert stats["replicas_alive"] == 2 and [r["alive"] for r in stats["replicas"]] == [True, True]
+        assert all(r["requests_finished"] > 0 for r in stats["replicas"]), stats["replicas"]  # both busy
+        assert stats["requests_finished"] == len(work)
+        assert stats["encoder_items_encoded"] <= len(pngs) + 1, stats  # each image encoded about once
+        routed = {row["reason"]: row["requests"] for row in stats["router"]["routed"]}
+        assert sum(routed.values()) == len(work) and routed.get("cache_hit", 0) >= 1, routed
+        await replicas.check_integrity()
+
+        # a replica killed while it holds requests: the non-streamed ones are answered elsewhere
+        victim = 0
+        killed = asyncio.get_running_loop().create_future()
+
+        def kill_once() -> None:
+            if not killed.done():
+                os.kill(pids[victim], signal.SIGKILL)
+                killed.set_result(None)
+
+        tasks = [asyncio.create_task(_ask(replicas, f"b{n}", pngs[i], q, on_first=kill_once))
+                 for n, (i, q) in enumerate(work)]
+        got = await asyncio.gather(*tasks)
+        assert dict(zip(work, got, strict=True)) == reference
+        deadline = time.monotonic() + 30  # the target: back within 30 s
+        while replicas.replica_pids()[victim] is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert replicas.replica_pids()[victim] not in (None, pids[victim])
+        stats = await replicas.current_stats()
+        assert stats["replica_restarts"] == 1 and stats["replicas_alive"] == 2
+
+        # a stream that has sent tokens ends with an error when its replica dies
+        def kill_serving() -> None:
+            for pid in replicas.replica_pids().values():
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+
+        with pytest.raises(EngineDeadError, match="died"):
+            await _ask(replicas, "stream", pngs[0], QUESTIONS[0], restartable=False, on_first=kill_serving)
+        deadline = time.monotonic() + 60
+        while replicas.stats()["replicas_alive"] < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert await _ask(replicas, "after", pngs[1], QUESTIONS[1]) == reference[(1, QUESTIONS[1])]
+        await replicas.check_integrity()
+
+    try:
+        asyncio.run(run())
+    finally:
+        final_pids = [p for p in replicas.replica_pids().values() if p is not None]
+        replicas.shutdown()
+    assert all(_process_gone(p) for p in [*pids.values(), *final_pids])
+
+
+def test_serve_with_two_replicas(model, pngs, reference, tmp_path):
+    with running_server(model, tmp_path / "replicas.log", "--data-parallel-size", "2", "--num-kv-blocks",
+                        str(ENGINE_ARGS["num_kv_blocks"])) as server:
+        client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        for i in (0, 1, 0):
+            reply = client.chat.completions.create(model=server.model, max_tokens=NUM_TOKENS, temperature=0,
+                                                   messages=_messages(pngs[i], QUESTIONS[0]))
+            assert reply.choices[0].finish_reason == "length"
+            assert reply.usage.completion_tokens == NUM_TOKENS
+        stats = httpx.get(server.url + "/v1/stats", timeout=10).json()
+        assert stats["replicas_total"] == 2 and stats["replicas_alive"] == 2
+        assert stats["requests_finished"] == 3 and stats["kv_blocks_free"] <= stats["kv_blocks_total"]
+        assert stats["encoder_items_encoded"] == 2  # the third asks about the first image again, where it is
+        pids = [r["pid"] for r in stats["replicas"]]
+        samples = metric_samples(server)
+        assert samples[("mmserve_replica_requests_finished", (("replica", "0"),))] + \
+            samples[("mmserve_replica_requests_finished", (("replica", "1"),))] == 3
+        assert sum(v for (name, _), v in samples.items() if name == "mmserve_routed_total") == 3
+        # only the third was expected to find its image (the template's first block is every prompt's)
+        assert samples[("mmserve_router_expected_encoder_cache_hits_total", ())] == 1
+        assert httpx.get(server.url + "/health", timeout=10).json()["status"] == "ok"
+    deadline = time.monotonic() + 15
+    while not all(_process_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(_process_gone(p) for p in pids)
