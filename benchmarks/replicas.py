@@ -34,7 +34,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.checkpoints import ensure_model  # noqa: E402
-from benchmarks.serve import Job, image_data_uri, local_server_process, run_clients, summarize  # noqa: E402
+from benchmarks.serve import Job, RequestRecord, image_data_uri, local_server_process, summarize  # noqa: E402
 from benchmarks.workload import synthetic_image  # noqa: E402
 
 QUESTIONS = ("What is in this picture?", "Describe the colors.", "Is there any text in it?",
@@ -52,11 +52,46 @@ def build_jobs(num_images: int, asks: int, output_tokens: int, seed: int) -> lis
     return jobs
 
 
+async def stream_chat(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[float, str]:
+    """(seconds to the first event, the answer's text) of one streamed chat completion. The first event
+    comes once the engine has the request's first token (a random model's first tokens may carry no
+    text, so this is not the first text)."""
+    sent, first, pieces = time.perf_counter(), None, []
+    async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            first = first or time.perf_counter()
+            for choice in json.loads(line[6:]).get("choices", []):
+                pieces.append(choice.get("delta", {}).get("content") or "")
+    return (first or time.perf_counter()) - sent, "".join(pieces)
+
+
+async def _play(url: str, model: str, jobs: list[Job], clients: int) -> tuple[list[RequestRecord], float]:
+    todo = list(jobs)
+    records: list[RequestRecord] = []
+
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        while todo:
+            job = todo.pop(0)
+            started = time.perf_counter()
+            ttft_s, _ = await stream_chat(client, {"model": model, "messages": job.messages, "temperature": 0,
+                                                   "max_tokens": job.max_tokens, "min_tokens": job.min_tokens})
+            records.append(RequestRecord(ttft_s, time.perf_counter() - started, job.max_tokens))
+
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        started = time.perf_counter()
+        await asyncio.gather(*(client_loop(client) for _ in range(clients)))
+        return records, time.perf_counter() - started
+
+
 def measure(model_dir: Path, policy: str, jobs: list[Job], clients: int, extra: list[str]) -> dict[str, Any]:
-    args = ["--data-parallel-size", "2", "--routing", policy, *extra]
+    # eager steps: a short run would otherwise share its two cores with each replica's background compile
+    args = ["--data-parallel-size", "2", "--routing", policy, "--no-compile-cpu-decode", *extra]
     log = ROOT / ".bench" / f"replicas-{policy}.log"
     with local_server_process(model_dir, args, log) as server:
-        records, wall_s = asyncio.run(run_clients(server.url, "unused", str(model_dir), jobs, clients))
+        records, wall_s = asyncio.run(_play(server.url, str(model_dir), jobs, clients))
         stats = httpx.get(server.url + "/v1/stats", timeout=30).json()
     summary = summarize(records, wall_s)
     return {

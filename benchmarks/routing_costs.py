@@ -1,9 +1,10 @@
 """What the routing simulation charges for work: one replica's costs, measured on this machine.
 
-Role: with the engine itself (offline, one replica's share of the cores: `--threads`, default the
-cores divided by two replicas), time the steps that prefill a text prompt at two lengths (a fixed
-cost per step plus a cost per token), the step that also encodes one image of the workload's size
-(less that prefill), and a decode step at several batch sizes; read the chat template's token
+Role: with the engine itself (offline, one replica's share of the cores: the cores divided by two
+replicas), time the step that prefills a prompt with one image of the workload's size, the steps
+that prefill text prompts of as many tokens and of a few (the encode is the difference at equal
+length; a fixed cost per step plus a cost per token from the two text prompts), and a decode step
+at several batch sizes; read the chat template's token
 lengths (the start every conversation shares, an image's span, a question) and the replica's
 limits (max_num_seqs, the token budget, KV blocks, how many of these images its encoder cache
 holds). Writes them as JSON under `.bench/` (cached per model and thread count) for
@@ -38,23 +39,27 @@ BATCH_SIZES = (1, 4, 16, 32)
 REPEATS = 3
 
 
-def _timed_step(engine: Any) -> float:
+def _timed_step(engine: Any) -> float:  # one step's seconds
     started = time.perf_counter()
     engine.step()
     return time.perf_counter() - started
 
 
-def _prefill_s(engine: Any, prompt: Any, tag: str) -> float:
-    """Median seconds of the step that prefills `prompt` alone (prefix caching is off)."""
+def _first_token_s(engine: Any, prompt: Any, request_id: str) -> float:
+    """Seconds from adding `prompt` alone to its first token: its encode (unless the encoder cache has its
+    images), prefill and sampling, over however many steps they take (prefix caching is off)."""
     from mmserve import SamplingParams
 
-    times = []
-    for i in range(REPEATS):
-        engine.add_request(f"{tag}-{i}", prompt, SamplingParams(max_tokens=1, temperature=0))
-        times.append(_timed_step(engine))
-        while engine.has_unfinished_requests():
-            engine.step()
-    return statistics.median(times)
+    started = time.perf_counter()
+    engine.add_request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return time.perf_counter() - started
+
+
+def _prefill_s(engine: Any, prompt: Any, tag: str) -> float:
+    """The median of REPEATS `_first_token_s` of a text prompt."""
+    return statistics.median(_first_token_s(engine, prompt, f"{tag}-{i}") for i in range(REPEATS))
 
 
 def measure(model: str, threads: int) -> dict[str, Any]:
@@ -66,23 +71,27 @@ def measure(model: str, threads: int) -> dict[str, Any]:
     model_dir = ensure_model(model)
     llm = LLM(str(model_dir), enable_prefix_caching=False, **EAGER)
     engine = llm.engine
-    vocab = engine.spec.vocab_size
+    words = engine.processor.tokenizer.encode("the quick brown fox jumps over a lazy dog near the river " * 200)
     rng = np.random.default_rng(0)
 
-    def text(n: int) -> Any:
-        return engine.process({"prompt_token_ids": rng.integers(100, min(vocab, 30000), n).tolist()})
+    def text(n: int) -> Any:  # n ordinary text tokens (never a placeholder), shuffled: no prefix in common
+        return engine.process({"prompt_token_ids": rng.permutation(words)[:n].tolist()})
 
-    short, long = 64, 512
-    t_short, t_long = _prefill_s(engine, text(short), "s"), _prefill_s(engine, text(long), "l")
-    per_token = (t_long - t_short) / (long - short)
-    overhead = max(0.0, t_short - short * per_token)
-    encode_times = []
+    image_steps, prompt = [], None
     for i in range(REPEATS):  # a new image each time: no encoder-cache hit
         image = synthetic_image(np.random.default_rng(100 + i), *IMAGE_SIZE)
         prompt = engine.process_chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
                                                                    {"type": "text", "text": QUESTION}]}])
-        step_s = _prefill_s(engine, prompt, f"i{i}")
-        encode_times.append(step_s - overhead - prompt.num_tokens * per_token)
+        image_steps.append(_first_token_s(engine, prompt, f"i{i}"))
+    assert prompt is not None
+    # the same number of text tokens, and a short prompt: the encode is the difference, prefill the slope
+    short = 32
+    t_short, t_same = _prefill_s(engine, text(short), "s"), _prefill_s(engine, text(prompt.num_tokens), "l")
+    chat = engine.process_chat([{"role": "user", "content": "Say something about the weather."}])
+    chat_s = _prefill_s(engine, chat, "c")
+    per_token = (t_same - t_short) / (prompt.num_tokens - short)
+    overhead = max(0.0, t_short - short * per_token)
+    encode_times = [t - t_same for t in image_steps]
     item = prompt.items[0]
     decode = []
     for batch in BATCH_SIZES:
@@ -110,15 +119,40 @@ def measure(model: str, threads: int) -> dict[str, Any]:
                    "kv_blocks": stats["kv_blocks_total"]},
     }
     llm.shutdown()
+    result["costs"]["api_overhead_s"] = round(_api_overhead_s(model_dir, engine_text_s=chat_s), 6)
     return result
 
 
-def ensure_costs(model: str, threads: int | None = None) -> Path:
-    """The costs JSON for `model` at `threads`, measured (in a fresh process) on first use."""
+def _api_overhead_s(model_dir: Path, engine_text_s: float) -> float:
+    """What the server adds to a request's time to first token (HTTP, JSON, the hop to a replica and back):
+    a short text completion's TTFT through a two-replica server, less the engine's own first token."""
+    import asyncio
+
+    import httpx
+
+    from benchmarks.replicas import stream_chat
+    from benchmarks.serve import local_server_process
+
+    async def ttfts(url: str) -> list[float]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            body = {"model": str(model_dir), "max_tokens": 1, "temperature": 0,
+                    "messages": [{"role": "user", "content": "Say something about the weather."}]}
+            return [(await stream_chat(client, body))[0] for _ in range(8)]
+
+    with local_server_process(model_dir, ["--data-parallel-size", "2", "--no-compile-cpu-decode",
+                                          "--no-enable-prefix-caching"],
+                              BENCH_DIR / "routing-costs-server.log") as server:
+        times = asyncio.run(ttfts(server.url))
+    return max(0.0, statistics.median(times[2:]) - engine_text_s)
+
+
+def ensure_costs(model: str, threads: int | None = None, path: Path | None = None) -> Path:
+    """The costs JSON for `model` at `threads` (at `path`, default under .bench/), measured in a fresh
+    process on first use."""
     import subprocess
 
     threads = threads or max(1, (os.cpu_count() or 2) // 2)
-    path = BENCH_DIR / f"routing-costs-{Path(model).name}-t{threads}.json"
+    path = path or BENCH_DIR / f"routing-costs-{Path(model).name}-t{threads}.json"
     if not path.is_file():
         print(f"measuring routing costs on {model} with {threads} thread(s) ...", file=sys.stderr, flush=True)
         subprocess.run([sys.executable, str(Path(__file__)), model, str(threads), str(path)], check=True)

@@ -5,7 +5,8 @@ their image turn after turn — against N simulated replicas, each with an LRU e
 in images), an LRU prefix cache (counted in KV blocks), a waiting queue and continuous batching
 (whole prompts admitted up to `max_num_seqs` and a token budget, one decode token per running
 request per step). A step costs what was measured on this machine (`benchmarks/routing_costs.py`):
-each image encoded, each prompt token prefilled, and a decode step at the batch's size. The routing
+each image encoded, each prompt token prefilled, a decode step at the batch's size, and what the
+API server adds to a request's time to first token. The routing
 decision is `mmserve.cluster.router.Router` itself, fed the same kind of keys the server computes
 (an image's content key, the chained hashes of the prompt's full blocks) and told each eviction at
 once (a real replica reports them every half second).
@@ -54,6 +55,7 @@ class Costs:
     prefill_s_per_token: float
     decode_s: tuple[tuple[int, float], ...]  # (batch size, seconds per decode step), ascending
     step_overhead_s: float = 0.0  # a step's fixed cost (scheduling, sampling) beyond the above
+    api_overhead_s: float = 0.0  # what the server adds to a request's time to first token (HTTP, the hop)
 
     def decode_step_s(self, batch: int) -> float:
         sizes = [b for b, _ in self.decode_s]
@@ -260,7 +262,7 @@ class Simulation:
         for request in admitted:
             request.first_token_s = self.now
             request.remaining = self.shape.answer_tokens - 1
-            self.ttfts.append(self.now - request.arrival_s)
+            self.ttfts.append(self.now - request.arrival_s + self.costs.api_overhead_s)
             self._cache_blocks(index, request.keys.block_hashes)
         for request in decoding:
             request.remaining -= 1
@@ -322,11 +324,36 @@ def simulate(num_replicas: int, policy: str, costs: Costs, shape: Shape, workloa
     return Simulation(num_replicas, policy, costs, shape, workload, limits).run()
 
 
+def write_plot(results: list[dict[str, Any]], path: Path) -> str:
+    """Image reuse over one infinite engine's, TTFT p50 and load imbalance against replicas, per policy."""
+    from benchmarks import plots
+
+    plt = plots.pyplot()
+    if plt is None:
+        return plots.NOT_INSTALLED
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for policy in dict.fromkeys(r["policy"] for r in results):
+        rows = [r for r in results if r["policy"] == policy]
+        n = [r["replicas"] for r in rows]
+        for ax, key in zip(axes, ("reuse_vs_infinite", "ttft_p50_ms", "load_imbalance"), strict=True):
+            ax.plot(n, [r[key] for r in rows], marker="o", label=policy)
+    titles = ("image reuse / one infinite engine's", "TTFT p50 (ms)", "load imbalance (max / mean held)")
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("replicas")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].axhline(0.9, color="grey", linestyle="--", linewidth=1)
+    axes[2].axhline(1.3, color="grey", linestyle="--", linewidth=1)
+    axes[0].legend()
+    return plots.save(fig, path)
+
+
 def load_costs(path: Path) -> tuple[Costs, Shape, ReplicaLimits, dict[str, Any]]:
     data = json.loads(path.read_text())
     costs = Costs(data["costs"]["encode_s"], data["costs"]["prefill_s_per_token"],
                   tuple((int(b), float(s)) for b, s in data["costs"]["decode_s"]),
-                  data["costs"].get("step_overhead_s", 0.0))
+                  data["costs"].get("step_overhead_s", 0.0), data["costs"].get("api_overhead_s", 0.0))
     return costs, Shape(**data["shape"]), ReplicaLimits(**data["limits"]), data
 
 
@@ -344,6 +371,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--load", type=float, default=0.6,
                         help="offered load: conversations per second as this fraction of what the replicas serve")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-load-gap", type=int, default=RouterConfig.max_load_gap)
+    parser.add_argument("--load-gap-fraction", type=float, default=RouterConfig.load_gap_fraction)
+    parser.add_argument("--min-hit-fraction", type=float, default=RouterConfig.min_hit_fraction)
+    parser.add_argument("--plot", type=Path, default=ROOT / ".bench" / "routing_sim.png")
     parser.add_argument("--validate", action="store_true", help="first validate against a real 2-replica server")
     args = parser.parse_args(argv)
     from benchmarks.routing_costs import capacity_conversations_per_s, ensure_costs
@@ -354,7 +385,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.validate:
         from benchmarks.routing_validate import validate
 
-        validation = validate(args.model, costs_path)
+        validation = validate(costs_path)
+    router = RouterConfig(max_load_gap=args.max_load_gap, load_gap_fraction=args.load_gap_fraction,
+                          min_hit_fraction=args.min_hit_fraction)
     sizes = [int(n) for n in args.replicas.split(",")]
     policies = args.policies.split(",")
     per_replica_rate = capacity_conversations_per_s(costs, shape, limits, args.turns)
@@ -362,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
     card = {"bench": "routing_sim", "machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
             "costs": str(costs_path), "measured_on": data.get("model"), "shape": asdict(shape),
             "limits": asdict(limits), "costs_s": asdict(costs), "zipf": args.zipf, "images": args.images,
-            "turns": args.turns, "load": args.load,
+            "turns": args.turns, "load": args.load, "router": asdict(router),
             "replica_capacity_conversations_per_s": round(per_replica_rate, 3)}
     for key, value in card.items():
         print(f"  {key:38} {value}")
@@ -374,7 +407,7 @@ def main(argv: list[str] | None = None) -> None:
         workload = Workload(args.images, args.zipf, conversations, args.turns, args.load * per_replica_rate * n,
                             seed=args.seed)
         for policy in policies:
-            res = simulate(n, policy, costs, shape, workload, limits)
+            res = Simulation(n, policy, costs, shape, workload, limits, router).run()
             results.append(res)
             print(f"{n:>4} {policy:13} {res['image_reuse']:>7} {res['reuse_vs_infinite']:>7} "
                   f"{res['encoder_cache_hit_rate']:>8} {res['prefix_hit_rate']:>7} {res['ttft_p50_ms']:>9} "
@@ -386,7 +419,9 @@ def main(argv: list[str] | None = None) -> None:
                for r in results if r["policy"] == "cache_aware" and r["replicas"] == 64]
     for t in targets:
         print(f"  [{'met' if t['met'] else 'MISSED'}] {t['name']}")
-    print(json.dumps({**card, "validation": validation, "results": results, "targets": targets}))
+    plot = write_plot(results, args.plot)
+    print(f"plot: {plot}")
+    print(json.dumps({**card, "validation": validation, "results": results, "targets": targets, "plot": plot}))
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ class RouterConfig:
     # a replica is a candidate while its requests in flight exceed the least loaded one's by at most
     # max(max_load_gap, load_gap_fraction x that load): a batch absorbs a few more requests cheaply,
     # a queue of many does not
-    max_load_gap: int = 4
-    load_gap_fraction: float = 0.25
+    max_load_gap: int = 8
+    load_gap_fraction: float = 0.5
     # a replica's expected hit (its held items' rows plus its cached prefix tokens) attracts a request only
     # from this fraction of the request's prompt tokens plus media rows (SGLang's router has the same idea)
     min_hit_fraction: float = 0.5
