@@ -62,7 +62,8 @@ def _prefill_s(engine: Any, prompt: Any, tag: str) -> float:
     return statistics.median(_first_token_s(engine, prompt, f"{tag}-{i}") for i in range(REPEATS))
 
 
-def measure(model: str, threads: int) -> dict[str, Any]:
+def measure(model: str, threads: int, log_dir: Path = BENCH_DIR) -> dict[str, Any]:
+    """`log_dir`: where the server it starts for the API's share writes its log."""
     import torch
 
     from mmserve import LLM, SamplingParams
@@ -119,11 +120,11 @@ def measure(model: str, threads: int) -> dict[str, Any]:
                    "kv_blocks": stats["kv_blocks_total"]},
     }
     llm.shutdown()
-    result["costs"]["api_overhead_s"] = round(_api_overhead_s(model_dir, engine_text_s=chat_s), 6)
+    result["costs"]["api_overhead_s"] = round(_api_overhead_s(model_dir, chat_s, log_dir), 6)
     return result
 
 
-def _api_overhead_s(model_dir: Path, engine_text_s: float) -> float:
+def _api_overhead_s(model_dir: Path, engine_text_s: float, log_dir: Path) -> float:
     """What the server adds to a request's time to first token (HTTP, JSON, the hop to a replica and back):
     a short text completion's TTFT through a two-replica server, less the engine's own first token."""
     import asyncio
@@ -141,7 +142,7 @@ def _api_overhead_s(model_dir: Path, engine_text_s: float) -> float:
 
     with local_server_process(model_dir, ["--data-parallel-size", "2", "--no-compile-cpu-decode",
                                           "--no-enable-prefix-caching"],
-                              BENCH_DIR / "routing-costs-server.log") as server:
+                              log_dir / "routing-costs-server.log") as server:
         times = asyncio.run(ttfts(server.url))
     return max(0.0, statistics.median(times[2:]) - engine_text_s)
 
@@ -173,5 +174,5 @@ def capacity_conversations_per_s(costs: Any, shape: Any, limits: Any, turns: int
 if __name__ == "__main__":
     name, threads_arg, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(measure(name, threads_arg), indent=1))
+    out.write_text(json.dumps(measure(name, threads_arg, out.parent), indent=1))
     print(out.read_text())

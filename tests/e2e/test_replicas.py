@@ -183,3 +183,37 @@ def test_serve_with_two_replicas(model, pngs, reference, tmp_path):
     while not all(_process_gone(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert all(_process_gone(p) for p in pids)
+
+
+def test_replicas_as_ray_actors(model, pngs, reference):
+    """The `ray` backend on a local Ray instance: the same answers, and a killed actor is replaced."""
+    pytest.importorskip("ray")  # the `ray` extra, which the test environment installs
+    config = EngineConfig.from_kwargs(model, **ENGINE_ARGS)
+    replicas = ReplicaSet(config, 2, threads_per_replica=1, backend="ray")
+    replicas.launch()
+    pids = dict(replicas.replica_pids())
+
+    async def run() -> None:
+        replicas.start()
+        work = [(i, q) for i in range(2) for q in QUESTIONS]
+        got = await asyncio.gather(*(_ask(replicas, f"r{n}", pngs[i], q) for n, (i, q) in enumerate(work)))
+        assert dict(zip(work, got, strict=True)) == {k: reference[k] for k in work}
+        assert (await replicas.current_stats())["replica_backend"] == "ray"
+        os.kill(pids[0], signal.SIGKILL)
+        got = await asyncio.gather(*(_ask(replicas, f"k{n}", pngs[i], q) for n, (i, q) in enumerate(work)))
+        assert dict(zip(work, got, strict=True)) == {k: reference[k] for k in work}
+        deadline = time.monotonic() + 60
+        while replicas.replica_pids()[0] in (None, pids[0]) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert replicas.replica_pids()[0] not in (None, pids[0])
+        await replicas.check_integrity()
+
+    try:
+        asyncio.run(run())
+    finally:
+        final_pids = [p for p in replicas.replica_pids().values() if p is not None]
+        replicas.shutdown()
+    deadline = time.monotonic() + 15
+    while not all(_process_gone(p) for p in final_pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(_process_gone(p) for p in [*pids.values(), *final_pids])

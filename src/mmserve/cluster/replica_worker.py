@@ -54,8 +54,10 @@ def replica_main(config: EngineConfig, threads: int, inbox: Any, outbox: Any) ->
         asyncio.run(_Replica(async_engine, inbox, outbox).serve())
     finally:
         async_engine.shutdown()
-        # what is still buffered for a server that stopped reading must not hold the exit
-        outbox.cancel_join_thread()
+        # what is still buffered for a server that stopped reading must not hold the exit (a pipe's;
+        # Ray's queues have no feeder thread)
+        if hasattr(outbox, "cancel_join_thread"):
+            outbox.cancel_join_thread()
 
 
 class _Replica:
@@ -126,8 +128,9 @@ class _Replica:
 
     async def _answer(self, query: Query) -> None:
         try:
-            if query.what == "stats":
-                value: Any = self.engine.stats()
+            if query.what == "stats":  # exact: read on the engine thread, between steps
+                value: Any = (await self.engine.call(lambda engine: engine.get_stats()) if self.engine.is_running
+                              else self.engine.stats())
             elif query.what == "check_integrity":
                 if not self.engine.is_running:
                     raise RuntimeError("the replica's engine is not running")

@@ -1,11 +1,12 @@
-"""Many engine replicas behind one API server: the `mp` backend, dispatch, and surviving a dead replica.
+"""Many engine replicas behind one API server: their processes or actors, dispatch, and surviving a dead one.
 
 Role: `ReplicaSet` is what the server talks to in place of one `AsyncEngine` (the same methods:
 process, process_chat, generate, stats, abort_all, start, shutdown). It holds a `Frontend` (the
 processor and spec, no weights) as `.engine`, so prompts are processed, hashed and routed here,
 then sent to a replica process (cluster/replica_worker.py) over the messages of
-cluster/protocol.py. Each replica has its own torch threads (the cores divided between replicas)
-and its own queues per generation (a replica killed mid-send can only spoil its own).
+cluster/protocol.py. A replica is a local process (`mp`, the default) or a Ray actor (`ray`,
+cluster/ray_replicas.py). Each has its own torch threads (the cores divided between replicas) and
+its own queues per generation (a replica killed mid-send can only spoil its own).
 
 Faults: a reader thread per replica hands its messages to the event loop and notices, within
 POLL_S, that its process died. The dead replica's requests that have sent no token to their client
@@ -62,6 +63,7 @@ logger = logging.getLogger("mmserve.replicas")
 POLL_S = 0.5  # how long a reader waits for a message before checking that its replica still runs
 RESTART_WINDOW_S = 60.0  # deaths within this long of each other count as "keeps dying"
 MAX_BACKOFF_S = 60.0
+REPLICA_BACKENDS = ("mp", "ray")
 NO_REPLICA_WAIT_S = 60.0  # how long a request waits for a replica to come back when none is alive
 STOP_TIMEOUT_S = 10.0
 
@@ -106,10 +108,16 @@ class _Flight:
 
 class ReplicaSet:
     def __init__(self, config: EngineConfig, num_replicas: int, router: RouterConfig | None = None,
-                 threads_per_replica: int | None = None, start_timeout_s: float = 600.0) -> None:
+                 threads_per_replica: int | None = None, start_timeout_s: float = 600.0,
+                 backend: str = "mp", ray_address: str | None = None) -> None:
+        """`backend`: "mp" (local processes) or "ray" (Ray actors; `ray_address` joins a cluster, else a
+        local Ray is started and stopped with the set)."""
         if num_replicas < 1:
             raise ValueError(f"need at least one replica, got {num_replicas}")
+        if backend not in REPLICA_BACKENDS:
+            raise ValueError(f"unknown replica backend {backend!r}; use one of {', '.join(REPLICA_BACKENDS)}")
         self.config = config
+        self.backend = backend
         self.engine = Frontend(config)  # named as AsyncEngine's engine: the server reads its processor and spec
         self.router = Router(num_replicas, router)
         cores = len(os.sched_getaffinity(0))
@@ -117,7 +125,8 @@ class ReplicaSet:
         self.start_timeout_s = start_timeout_s
         self.on_output: Callable[[RequestOutput], None] | None = None  # finished outputs (the server's metrics)
         self.block_size = config.cache.block_size
-        self._ctx = mp.get_context("spawn")
+        self._launcher: Any = _ProcessLauncher() if backend == "mp" else _ray_launcher(
+            ray_address, num_replicas, self.threads_per_replica)
         self._slots = [_Slot(i) for i in range(num_replicas)]
         self._flights: dict[str, _Flight] = {}
         self._answers: dict[int, asyncio.Future] = {}
@@ -172,7 +181,8 @@ class ReplicaSet:
                 slot.process.kill()
                 slot.process.join(timeout_s)
             slot.alive = False
-            _abandon(slot)
+            self._launcher.abandon(slot.inbox, slot.outbox)
+        self._launcher.close()
         self.engine.close()
 
     def abort_all(self, error: BaseException) -> int:
@@ -286,6 +296,7 @@ class ReplicaSet:
                     total.setdefault(key, value)
                 elif isinstance(value, int | float):
                     total[key] = total.get(key, 0) + value
+        total["replica_backend"] = self.backend
         total["replicas_total"] = len(self._slots)
         total["replicas_alive"] = sum(s.alive for s in self._slots)
         total["replica_restarts"] = sum(s.restarts for s in self._slots)
@@ -332,10 +343,7 @@ class ReplicaSet:
     # ---- processes --------------------------------------------------------------------------------
     def _spawn(self, slot: _Slot) -> None:
         slot.generation += 1
-        slot.inbox, slot.outbox = self._ctx.Queue(), self._ctx.Queue()
-        slot.process = self._ctx.Process(target=replica_main, name=f"mmserve-replica-{slot.index}",
-                                         args=(self.config, self.threads_per_replica, slot.inbox, slot.outbox))
-        slot.process.start()
+        slot.process, slot.inbox, slot.outbox = self._launcher.start(self.config, self.threads_per_replica)
 
     def _ready(self, slot: _Slot, ready: Ready) -> None:
         slot.pid, slot.alive = ready.pid, True
@@ -361,7 +369,9 @@ class ReplicaSet:
                 if process.is_alive():
                     continue
                 message = None
-            except (EOFError, OSError):
+            except Exception:  # the pipe or the queue's actor is gone: so is the replica (or the set is closing)
+                if self._closed:
+                    return
                 message = None
             try:
                 self._loop.call_soon_threadsafe(self._receive, slot, generation, message)
@@ -412,7 +422,7 @@ class ReplicaSet:
 
     def _died(self, slot: _Slot, error: str | None) -> None:
         was_alive, slot.alive, slot.pid = slot.alive, False, None
-        _abandon(slot)
+        self._launcher.abandon(slot.inbox, slot.outbox)
         self.router.set_alive(slot.index, False)
         exitcode = slot.process.exitcode if slot.process is not None else None
         what = f"could not start: {error}" if error else f"died (exit code {exitcode})"
@@ -441,9 +451,31 @@ class ReplicaSet:
         self._start_reader(slot)
 
 
-def _abandon(slot: _Slot) -> None:
-    """Give up on a stopped replica's queues: what is still buffered for it must not hold this process's
-    exit (a queue's feeder thread blocks on a pipe nobody reads)."""
-    for q in (slot.inbox, slot.outbox):
-        if q is not None:
-            q.cancel_join_thread()
+
+class _ProcessLauncher:
+    """The `mp` backend: a replica is a local process started by spawn, its messages through pipes."""
+
+    def __init__(self) -> None:
+        self._ctx = mp.get_context("spawn")
+
+    def start(self, config: EngineConfig, threads: int) -> tuple[Any, Any, Any]:
+        inbox, outbox = self._ctx.Queue(), self._ctx.Queue()
+        process = self._ctx.Process(target=replica_main, name="mmserve-replica", args=(config, threads, inbox, outbox))
+        process.start()
+        return process, inbox, outbox
+
+    def abandon(self, *queues: Any) -> None:
+        """Give up on a stopped replica's queues: what is still buffered for it must not hold this
+        process's exit (a queue's feeder thread blocks on a pipe nobody reads)."""
+        for q in queues:
+            if q is not None:
+                q.cancel_join_thread()
+
+    def close(self) -> None:
+        pass
+
+
+def _ray_launcher(ray_address: str | None, num_replicas: int, threads: int) -> Any:
+    from mmserve.cluster.ray_replicas import RayLauncher
+
+    return RayLauncher(ray_address, num_replicas, threads)

@@ -221,6 +221,10 @@ def _add_serve_parser(sub: Any) -> None:
     replicas.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
                           help="engine replicas behind this server, each a local process with its share of the "
                                "cores (default: 1, the engine in the server's process)")
+    replicas.add_argument("--data-parallel-backend", default="mp", choices=("mp", "ray"),
+                          help="replicas as local processes (mp, the default) or Ray actors placed by Ray (ray: "
+                               "--ray-address joins a cluster, else a local Ray is started and stopped with the "
+                               "server)")
     replicas.add_argument("--routing", default="cache_aware", choices=ROUTING_POLICIES,
                           help="which replica a request goes to: the one likely to hold its images' encoder "
                                "outputs and its prompt's prefix, balanced by load (cache_aware, the default), "
@@ -330,7 +334,8 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"loading {model} ...", file=sys.stderr, flush=True)
     engine: Engine | ReplicaSet
     if args.data_parallel_size > 1:
-        engine = ReplicaSet(config, args.data_parallel_size, RouterConfig(policy=args.routing))
+        engine = ReplicaSet(config, args.data_parallel_size, RouterConfig(policy=args.routing),
+                            backend=args.data_parallel_backend, ray_address=config.encoder.ray_address)
         engine.launch()
         frontend, stats = engine.engine, engine.stats()
     else:
@@ -373,7 +378,8 @@ def startup_summary(frontend: Any, stats: dict[str, Any], served_name: str, base
         f"API           {base_url}/v1  (OpenAI-compatible: /v1/chat/completions, /v1/completions)",
     ]
     if replicas:
-        lines.insert(1, f"replicas      {replicas} local processes, routed {stats['router']['policy']}; "
+        lines.insert(1, f"replicas      {replicas} ({stats['replica_backend']}), "
+                        f"routed {stats['router']['policy']}; "
                         f"the caches below are all replicas' together")
     if web_ui:
         lines.append(f"chat in your browser: {base_url}/")

@@ -52,9 +52,26 @@ def _import_ray() -> Any:
     try:
         import ray
     except ImportError as exc:
-        raise ModelLoadError("encoder_backend='ray' needs Ray, which is not installed: "
-                             "pip install mmserve[ray]") from exc
+        raise ModelLoadError("the ray backend needs Ray, which is not installed: pip install mmserve[ray]") from exc
     return ray
+
+
+def init_ray(ray_address: str | None, cpus_needed: float) -> tuple[Any, bool]:
+    """Ray, joined at `ray_address`, used as is where this process already initialised it, or else
+    started locally; and whether this call started it (then its caller shuts it down)."""
+    ray = _import_ray()
+    if ray.is_initialized():
+        if ray_address is not None:
+            logger.warning("Ray is already initialised in this process; ray_address=%s is not used", ray_address)
+        return ray, False
+    if ray_address is not None:
+        ray.init(address=ray_address)
+    else:
+        # never fewer CPUs than the actors ask for: an actor Ray cannot place would wait forever;
+        # oversubscribing cores is what local processes would do too
+        cores = max(len(os.sched_getaffinity(0)), math.ceil(cpus_needed))
+        ray.init(num_cpus=cores, include_dashboard=False, log_to_driver=False)
+    return ray, True
 
 
 def _summary(exc: BaseException) -> str:
@@ -148,19 +165,7 @@ class RayEncoderPool:
                  num_cpus_per_worker: float = 1, num_gpus_per_worker: float = 0) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
-        self._ray = ray = _import_ray()
-        self._started_ray = not ray.is_initialized()
-        if self._started_ray:
-            if ray_address is not None:
-                ray.init(address=ray_address)
-            else:
-                # never fewer CPUs than the actors ask for: an actor Ray cannot place would hold its
-                # items forever; oversubscribing cores is what the `process` backend would do too
-                cores = max(len(os.sched_getaffinity(0)), math.ceil(num_workers * num_cpus_per_worker))
-                ray.init(num_cpus=cores, include_dashboard=False, log_to_driver=False)
-        elif ray_address is not None:
-            logger.warning("Ray is already initialised in this process; ray_address=%s is not used",
-                           ray_address)
+        self._ray, self._started_ray = ray, _ = init_ray(ray_address, num_workers * num_cpus_per_worker)
         self._spec = spec
         # max_restarts=0: the pool, not Ray, restarts actors, so it can move their items elsewhere
         self._actor_class = ray.remote(num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker,
