@@ -132,7 +132,6 @@ class ReplicaSet:
         self._answers: dict[int, asyncio.Future] = {}
         self._query_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._readers: list[threading.Thread] = []
         self._any_alive: asyncio.Event | None = None
         self._closed = False
 
@@ -357,7 +356,6 @@ class ReplicaSet:
         reader = threading.Thread(target=self._read, args=(slot, slot.generation, slot.process, slot.outbox),
                                   name=f"mmserve-replica-{slot.index}-reader", daemon=True)
         reader.start()
-        self._readers.append(reader)
 
     def _read(self, slot: _Slot, generation: int, process: Any, outbox: Any) -> None:
         """A reader thread: hand each message to the loop; when the process is gone, say so once."""

@@ -15,7 +15,7 @@ What it does not know: processes, HTTP, tensors, engines; it sees `RouteKeys` an
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 ROUTING_POLICIES = ("cache_aware", "round_robin", "least_loaded")
@@ -115,21 +115,14 @@ class Router:
         self._next = 0  # round robin's cursor, also the tie-break's starting point
         self.stats = RouterStats()
 
-    @property
-    def num_replicas(self) -> int:
-        return len(self._replicas)
-
     def in_flight(self, replica: int) -> int:
         return self._replicas[replica].in_flight
 
-    def is_alive(self, replica: int) -> bool:
-        return self._replicas[replica].alive
-
     # ---- the decision -----------------------------------------------------------------------------
-    def choose(self, keys: RouteKeys, exclude: Sequence[int] = ()) -> RouteDecision | None:
-        """The replica for a request, or None when no live replica is left (outside `exclude`). Does not
-        dispatch: call `dispatched` once the request is sent."""
-        live = [i for i, r in enumerate(self._replicas) if r.alive and i not in exclude]
+    def choose(self, keys: RouteKeys) -> RouteDecision | None:
+        """The replica for a request, or None when no replica is alive. Does not dispatch: call
+        `dispatched` once the request is sent."""
+        live = [i for i, r in enumerate(self._replicas) if r.alive]
         if not live:
             return None
         policy = self.config.policy
