@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv (if needed) and install mmserve into it, saying what it does, one line per phase, with pip's
 # own progress. Sourced by run.sh (what running needs: MMSERVE_EXTRAS unset) and test.sh
-# (MMSERVE_EXTRAS=test,ray). torch is installed first and pinned: on the project's CPU machines a CPU build
+# (MMSERVE_EXTRAS=test,ray,otel). torch is installed first and pinned: on the project's CPU machines a CPU build
 # of 2.13.0 is on pip's find-links, and any other version would pull a multi-GB CUDA build. Never
 # torchvision.
 set -euo pipefail

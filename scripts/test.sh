@@ -3,7 +3,7 @@
 # what is marked slow (under a minute; no browser needed). Other arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-MMSERVE_EXTRAS=test,ray source scripts/setup.sh
+MMSERVE_EXTRAS=test,ray,otel source scripts/setup.sh
 if [ "${1:-}" = "--fast" ]; then
   shift
   .venv/bin/python -m ruff check src tests benchmarks scripts

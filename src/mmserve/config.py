@@ -167,7 +167,7 @@ class GraphConfig:
 
 
 # the engine arguments EngineConfig holds itself, not in one of its groups
-TOP_LEVEL_ARGS = ("dtype", "device", "seed", "quantization", "logprobs_mode")
+TOP_LEVEL_ARGS = ("dtype", "device", "seed", "quantization", "logprobs_mode", "otlp_traces_endpoint")
 
 
 @dataclass(frozen=True)
@@ -178,6 +178,8 @@ class EngineConfig:
     seed: int = 0
     quantization: str | None = None  # int8 / int4 / w8a8 / w4a8 at load (models/quantization.py); None: as stored
     logprobs_mode: str = "raw_logprobs"  # one of LOGPROBS_MODES; prompt logprobs are always raw_logprobs
+    # OTLP collector for request traces (mmserve/tracing.py); None: no tracing, nothing recorded
+    otlp_traces_endpoint: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     encoder: EncoderConfig = field(default_factory=EncoderConfig)

@@ -111,3 +111,64 @@ def file_server(root: Path):
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+@dataclass(frozen=True)
+class ReceivedSpan:
+    """One span as an OTLP exporter sent it, ids in hex."""
+
+    name: str
+    service: str
+    trace_id: str
+    span_id: str
+    parent_span_id: str
+    attributes: dict
+
+
+class _OTLPHandler(http.server.BaseHTTPRequestHandler):
+    """OTLP/HTTP's trace export (protobuf), each span kept on the server."""
+
+    def do_POST(self) -> None:  # noqa: N802 (the http.server API)
+        import gzip
+
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+            ExportTraceServiceResponse,
+        )
+
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if self.headers.get("Content-Encoding") == "gzip":
+            body = gzip.decompress(body)
+        request = ExportTraceServiceRequest.FromString(body)
+        for resource_spans in request.resource_spans:
+            resource = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+            for scope_spans in resource_spans.scope_spans:
+                for span in scope_spans.spans:
+                    attributes = {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in span.attributes}
+                    self.server.spans.append(ReceivedSpan(span.name, resource.get("service.name", ""),
+                                                          span.trace_id.hex(), span.span_id.hex(),
+                                                          span.parent_span_id.hex(), attributes))
+        reply = ExportTraceServiceResponse().SerializeToString()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def otlp_receiver():
+    """A loopback endpoint that takes OTLP/HTTP trace exports (what a collector would): yields (its URL,
+    the list the received spans are appended to)."""
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OTLPHandler)
+    httpd.spans = []
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}", httpd.spans
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

@@ -25,10 +25,11 @@ from mmserve.cluster.router import RouterConfig
 from mmserve.config import EngineConfig
 from mmserve.engine.async_engine import EngineDeadError
 from mmserve.inputs.media import decode_image_bytes
-from tests.e2e.conftest import running_server
+from tests.e2e.conftest import otlp_receiver, running_server
 from tests.e2e.test_server import data_uri, metric_samples, png_bytes
 
 NUM_TOKENS = 6
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS)
 COLORS = [(200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30)]
 QUESTIONS = ["What color is it?", "Describe it."]
 ENGINE_ARGS = {"num_kv_blocks": 256}
@@ -70,14 +71,13 @@ def reference(model, pngs):
 
 
 async def _ask(replicas: ReplicaSet, request_id: str, png: bytes, question: str, restartable: bool = True,
-               on_first=None) -> list[int]:
+               on_first=None, params: SamplingParams = GREEDY) -> list[int]:
     messages = [{"role": "user", "content": [{"type": "image_pil",
                                               "image_pil": decode_image_bytes(png, replicas.config.media)},
                                              {"type": "text", "text": question}]}]
     prompt = await replicas.process_chat(messages)
     last = None
-    async for output in replicas.generate(request_id, prompt, SamplingParams(temperature=0, max_tokens=NUM_TOKENS),
-                                          restartable=restartable):
+    async for output in replicas.generate(request_id, prompt, params, restartable=restartable):
         if on_first is not None and output.outputs[0].token_ids:
             on_first()
             on_first = None
@@ -152,14 +152,16 @@ def test_two_replicas_answer_as_one_engine_route_by_image_and_survive_a_kill(mod
         stats = await replicas.current_stats()
         assert stats["replica_restarts"] == 1 and stats["replicas_alive"] == 2
 
-        # a stream that has sent tokens ends with an error when its replica dies
+        # a stream that has sent tokens ends with an error when its replica dies (long enough that its
+        # replica cannot have sent every token before the kill)
         def kill_serving() -> None:
             for pid in replicas.replica_pids().values():
                 if pid is not None:
                     os.kill(pid, signal.SIGKILL)
 
         with pytest.raises(EngineDeadError, match="died"):
-            await _ask(replicas, "stream", pngs[0], QUESTIONS[0], restartable=False, on_first=kill_serving)
+            await _ask(replicas, "stream", pngs[0], QUESTIONS[0], restartable=False, on_first=kill_serving,
+                       params=SamplingParams(temperature=0, max_tokens=512, min_tokens=512))
         deadline = time.monotonic() + 60
         while replicas.stats()["replicas_alive"] < 2 and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
@@ -169,15 +171,23 @@ def test_two_replicas_answer_as_one_engine_route_by_image_and_survive_a_kill(mod
     _run_then_shut_down(replicas, run, pids)
 
 
-def test_serve_with_two_replicas(model, pngs, reference, tmp_path):
-    with running_server(model, tmp_path / "replicas.log", "--data-parallel-size", "2", "--num-kv-blocks",
-                        str(ENGINE_ARGS["num_kv_blocks"])) as server:
+def test_serve_with_two_replicas(model, pngs, reference, tmp_path, monkeypatch):
+    """Also traced (`--otlp-traces-endpoint`): each request's spans reach the collector from the server's
+    process and its replica's, in one trace, the replica's under the server's request span."""
+    pytest.importorskip("opentelemetry.sdk")  # the `otel` extra, which the test environment installs
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")  # exported within a fraction of a second
+    with otlp_receiver() as (collector, spans), running_server(
+            model, tmp_path / "replicas.log", "--data-parallel-size", "2", "--num-kv-blocks",
+            str(ENGINE_ARGS["num_kv_blocks"]), "--otlp-traces-endpoint", collector) as server:
         client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        for i in (0, 1, 0):
+        reply_ids = []
+        for n, i in enumerate((0, 1, 0)):
             reply = client.chat.completions.create(model=server.model, max_tokens=NUM_TOKENS, temperature=0,
-                                                   messages=_messages(pngs[i], QUESTIONS[0]))
+                                                   messages=_messages(pngs[i], QUESTIONS[0]),
+                                                   extra_headers={"traceparent": CALLER} if n == 0 else None)
             assert reply.choices[0].finish_reason == "length"
             assert reply.usage.completion_tokens == NUM_TOKENS
+            reply_ids.append(reply.id)
         stats = httpx.get(server.url + "/v1/stats", timeout=10).json()
         assert stats["replicas_total"] == 2 and stats["replicas_alive"] == 2
         assert stats["requests_finished"] == 3 and stats["kv_blocks_free"] <= stats["kv_blocks_total"]
@@ -190,10 +200,38 @@ def test_serve_with_two_replicas(model, pngs, reference, tmp_path):
         # only the third was expected to find its image (the template's first block is every prompt's)
         assert samples[("mmserve_router_expected_encoder_cache_hits_total", ())] == 1
         assert httpx.get(server.url + "/health", timeout=10).json()["status"] == "ok"
+        deadline = time.monotonic() + 30
+        while sum(s.name == "engine.request" for s in spans) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
     deadline = time.monotonic() + 15
     while not all(_process_gone(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert all(_process_gone(p) for p in pids)
+    _check_traces(list(spans), reply_ids)
+
+
+CALLER = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"  # a client's W3C traceparent
+
+
+def _check_traces(spans: list, reply_ids: list[str]) -> None:
+    servers = {s.attributes["gen_ai.request.id"]: s for s in spans if s.name == "POST /v1/chat/completions"}
+    assert set(servers) == set(reply_ids)
+    first = servers[reply_ids[0]]
+    assert (first.trace_id, first.parent_span_id) == ("0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331")
+    for reply_id in reply_ids:
+        server = servers[reply_id]
+        trace = [s for s in spans if s.trace_id == server.trace_id]
+        under = {s.name: s for s in trace if s.parent_span_id == server.span_id}
+        assert {"media_load", "route", "handoff", "engine.request"} <= set(under), sorted(under)
+        assert {under[n].service for n in ("media_load", "route")} == {"mmserve"}  # the API server's process
+        assert {under[n].service for n in ("handoff", "engine.request")} == {"mmserve-replica"}
+        engine = under["engine.request"]
+        assert engine.attributes["gen_ai.request.id"] == reply_id
+        inside = {s.name for s in trace if s.parent_span_id == engine.span_id}
+        assert {"queue", "encode", "prefill", "decode"} <= inside
+    route = [s for s in spans if s.name == "route"]
+    assert {s.attributes["mmserve.route.replica"] for s in route} == {0, 1}
+    assert route[-1].attributes["mmserve.route.reason"] == "cache_hit"  # the third found its image
 
 
 def test_replicas_as_ray_actors(model, pngs, reference):

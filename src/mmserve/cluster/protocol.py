@@ -27,6 +27,8 @@ class AddRequest:
     prompt: ProcessedPrompt
     params: SamplingParams
     arrival_time: float
+    trace_parent: str | None = None  # W3C traceparent of the server's span of the request (tracing on)
+    sent_s: float = 0.0  # time.time() when the server sent it: the start of the hand-off span
 
 
 @dataclass(frozen=True)

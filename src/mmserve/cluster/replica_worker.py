@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import queue
 import threading
+import time
 from typing import Any
 
 from mmserve.cluster.protocol import (
@@ -44,8 +45,13 @@ def replica_main(config: EngineConfig, threads: int, inbox: Any, outbox: Any) ->
     from mmserve.engine.async_engine import AsyncEngine
     from mmserve.engine.llm_engine import Engine
 
+    tracing = None
     try:
-        engine = Engine(config)
+        if config.otlp_traces_endpoint is not None:  # the replica's spans, under the server's request spans
+            from mmserve.tracing import Tracing
+
+            tracing = Tracing.to_endpoint(config.otlp_traces_endpoint, "mmserve-replica")
+        engine = Engine(config, tracing=tracing)
     except Exception as exc:  # a checkpoint that does not load: the server reports it and gives up
         outbox.put(StartFailed(f"{type(exc).__name__}: {exc}"))
         return
@@ -54,6 +60,8 @@ def replica_main(config: EngineConfig, threads: int, inbox: Any, outbox: Any) ->
         asyncio.run(_Replica(async_engine, inbox, outbox).serve())
     finally:
         async_engine.shutdown()
+        if tracing is not None:
+            tracing.shutdown()
         # what is still buffered for a server that stopped reading must not hold the exit (a pipe's;
         # Ray's queues have no feeder thread)
         if hasattr(outbox, "cancel_join_thread"):
@@ -116,8 +124,12 @@ class _Replica:
         from mmserve.engine.async_engine import EngineDeadError
         from mmserve.errors import InvalidInputError
 
+        tracing = self.engine.tracing
+        if tracing is not None and add.trace_parent is not None:  # from the server's send to this replica's loop
+            tracing.record("handoff", add.trace_parent, add.sent_s, time.time(), {"mmserve.handoff.to": "replica"})
         try:
-            async for output in self.engine.generate(add.request_id, add.prompt, add.params, add.arrival_time):
+            async for output in self.engine.generate(add.request_id, add.prompt, add.params, add.arrival_time,
+                                                     trace_parent=add.trace_parent):
                 self.outbox.put(Outputs((output,)))
         except InvalidInputError as exc:
             self.outbox.put(RequestRefused(add.request_id, str(exc), exc.param))

@@ -99,6 +99,7 @@ class _Flight:
     arrival_time: float
     keys: RouteKeys
     restartable: bool
+    trace_parent: str | None = None
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     replica: int | None = None
     generation: int = -1
@@ -134,6 +135,12 @@ class ReplicaSet:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._any_alive: asyncio.Event | None = None
         self._closed = False
+        # the server's spans (the request's, routing); each replica writes its own to the same endpoint
+        self.tracing: Any = None
+        if config.otlp_traces_endpoint is not None:
+            from mmserve.tracing import Tracing
+
+            self.tracing = Tracing.to_endpoint(config.otlp_traces_endpoint, "mmserve")
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def launch(self) -> None:
@@ -183,6 +190,8 @@ class ReplicaSet:
             self._launcher.abandon(slot.inbox, slot.outbox)
         self._launcher.close()
         self.engine.close()
+        if self.tracing is not None:
+            self.tracing.shutdown()
 
     def abort_all(self, error: BaseException) -> int:
         """Fail every request in flight with `error` and abort it on its replica (the server's shutdown
@@ -215,13 +224,15 @@ class ReplicaSet:
         return await self.engine.process_off_loop(raw_prompt, mm_processor_kwargs, item_params)
 
     async def generate(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                       arrival_time: float | None = None, restartable: bool = False) -> AsyncIterator[RequestOutput]:
+                       arrival_time: float | None = None, restartable: bool = False,
+                       trace_parent: str | None = None) -> AsyncIterator[RequestOutput]:
         """Route the request, send it, and yield its outputs. `restartable`: the caller shows the client
-        only the finished output, so the request may start over on another replica even after tokens."""
+        only the finished output, so the request may start over on another replica even after tokens.
+        `trace_parent`: the W3C traceparent of the server's span (routing and the replica's spans go under it)."""
         if request_id in self._flights:
             raise InvalidInputError(f"request id {request_id!r} is already in use")
         flight = _Flight(request_id, prompt, params, arrival_time or time.time(),
-                         route_keys(prompt, self.block_size), restartable)
+                         route_keys(prompt, self.block_size), restartable, trace_parent)
         self._flights[request_id] = flight
         finished = False
         try:
@@ -247,6 +258,7 @@ class ReplicaSet:
 
     async def _dispatch(self, flight: _Flight) -> None:
         assert self._any_alive is not None, "start() the replica set on the server's loop first"
+        started_s = time.time()
         decision = self.router.choose(flight.keys)
         if decision is None:
             self._any_alive.clear()
@@ -259,10 +271,20 @@ class ReplicaSet:
                 raise EngineDeadError("no replica is alive")
         slot = self._slots[decision.replica]
         self._log_route(flight, decision)
+        if self.tracing is not None and flight.trace_parent is not None:
+            self._trace_route(flight, decision, started_s)
         self.router.dispatched(decision, flight.keys)
         flight.replica, flight.generation, flight.counted = decision.replica, slot.generation, True
         self._send(decision.replica, slot.generation,
-                   AddRequest(flight.request_id, flight.prompt, flight.params, flight.arrival_time))
+                   AddRequest(flight.request_id, flight.prompt, flight.params, flight.arrival_time, flight.trace_parent,
+                              time.time()))
+
+    def _trace_route(self, flight: _Flight, decision: RouteDecision, started_s: float) -> None:
+        self.tracing.record("route", flight.trace_parent, started_s, time.time(), {
+            "mmserve.route.policy": self.router.config.policy, "mmserve.route.replica": decision.replica,
+            "mmserve.route.reason": decision.reason, "mmserve.route.again": flight.replica is not None,
+            "mmserve.route.expected_encoder_cache_hits": decision.expected_media_hits,
+            "mmserve.route.expected_prefix_cached_tokens": decision.expected_prefix_tokens})
 
     def _log_route(self, flight: _Flight, decision: RouteDecision) -> None:
         logger.debug("request %s -> replica %d (%s; expected %d item(s), %d prefix tokens cached)",

@@ -47,6 +47,7 @@ class _Add:
     prompt: ProcessedPrompt
     params: SamplingParams
     arrival_time: float
+    trace_parent: str | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,11 @@ class AsyncEngine:
         return len(request_ids)
 
     @property
+    def tracing(self) -> Any:
+        """The engine's `Tracing` (None: no tracing)."""
+        return self.engine.tracing
+
+    @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._error is None
 
@@ -123,12 +129,14 @@ class AsyncEngine:
         return await self.engine.frontend.process_off_loop(raw_prompt, mm_processor_kwargs, item_params)
 
     async def generate(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                       arrival_time: float | None = None, restartable: bool = False) -> AsyncIterator[RequestOutput]:
+                       arrival_time: float | None = None, restartable: bool = False,
+                       trace_parent: str | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs until it finishes. Closing or cancelling the
         iterator early aborts the request. `arrival_time` (time.time()) defaults to now; a server
         passes when the HTTP request arrived, so time-to-first-token includes input processing.
         `restartable` (the caller shows its client only the finished output) matters to replicas,
-        which may start such a request over elsewhere; one engine never restarts a request."""
+        which may start such a request over elsewhere; one engine never restarts a request.
+        `trace_parent`: the W3C traceparent of the caller's span (the engine's spans go under it)."""
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running: {self._error!r}")
         stream = _Stream(asyncio.get_running_loop())
@@ -136,7 +144,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise InvalidInputError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, prompt, params, arrival_time or time.time()))
+        self._commands.put(_Add(request_id, prompt, params, arrival_time or time.time(), trace_parent))
         del prompt  # the engine owns it now: this generator must not keep the pixels alive to the end
         finished = False
         try:
@@ -197,7 +205,8 @@ class AsyncEngine:
     def _apply(self, command: _Add | _Abort | _Call) -> None:
         if isinstance(command, _Add):
             try:
-                self.engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time)
+                self.engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time,
+                                        command.trace_parent)
             except InvalidInputError as exc:
                 self._send(command.request_id, exc)
         elif isinstance(command, _Abort):

@@ -24,7 +24,7 @@ from mmserve.core.chunk_policy import ChunkBoundaryPolicy, resolve_token_budget
 from mmserve.core.encoder_cache import EncoderCacheManager, EntryState
 from mmserve.core.item_scheduler import ItemScheduler
 from mmserve.core.kv_cache import KVCacheManager
-from mmserve.core.request import Request, RequestStatus, item_specs
+from mmserve.core.request import ItemSpec, Request, RequestStatus, item_specs
 from mmserve.core.scheduler import Scheduler, SchedulerLimits
 from mmserve.core.step import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from mmserve.engine.choices import ChoiceGroups
@@ -34,6 +34,7 @@ from mmserve.engine.graph_settings import resolve_runner_graphs
 from mmserve.engine.inspection import EngineInspection
 from mmserve.engine.prompts import truncated_token_ids
 from mmserve.engine.sizing import resolve_encoder_budget, resolve_max_model_len, resolve_num_kv_blocks
+from mmserve.engine.timeline import RequestTimeline
 from mmserve.errors import InvalidInputError, at_param
 from mmserve.faults import FaultPlan
 from mmserve.inputs.items import ProcessedPrompt
@@ -76,12 +77,21 @@ class _Tracked:
     logprobs: list[dict[int, Logprob]] | None = None  # one per output token, when the request asked
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # one per prompt token computed so far
     cumulative_logprob: float = 0.0
+    timeline: RequestTimeline | None = None  # only when traced
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, faults: FaultPlan | None = None) -> None:
-        """`faults`: what a test plants (mmserve/faults.py); None in production."""
+    def __init__(self, config: EngineConfig, faults: FaultPlan | None = None, tracing: Any = None) -> None:
+        """`faults`: what a test plants (mmserve/faults.py); None in production. `tracing`: a
+        `mmserve.tracing.Tracing` to write request spans to (shared with a server); None: one of the
+        engine's own when config.otlp_traces_endpoint is set, else no tracing."""
         self.config = config
+        self._owns_tracing = tracing is None and config.otlp_traces_endpoint is not None
+        if self._owns_tracing:
+            from mmserve.tracing import Tracing
+
+            tracing = Tracing.to_endpoint(config.otlp_traces_endpoint, "mmserve")
+        self.tracing = tracing
         self.faults = faults or FaultPlan()
         if self.faults.encoder_pool is not None and not config.encoder.encoder_workers:
             raise ValueError("FaultPlan.encoder_pool replaces encoder workers: set encoder_workers too")
@@ -150,6 +160,8 @@ class Engine:
         if self.encoder_pool is not None:
             self.encoder_pool.shutdown()
         self.frontend.close()
+        if self._owns_tracing:
+            self.tracing.shutdown()
 
     # ---- input ----------------------------------------------------------------------------------
     def process(self, raw_prompt: Any, mm_processor_kwargs: dict[str, Any] | None = None,
@@ -162,7 +174,9 @@ class Engine:
         return self.frontend.process_chat(messages, mm_processor_kwargs, **template_kwargs)
 
     def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, trace_parent: str | None = None) -> None:
+        """`trace_parent`: the W3C traceparent the request's spans go under (with tracing on; without a
+        parent a traced request starts its own trace)."""
         cut = truncated_token_ids(prompt, params.truncate_prompt_tokens, self.max_model_len)
         if cut is not None:  # processed again as token ids, keeping its cache salt
             salt = prompt.cache_salt
@@ -181,20 +195,22 @@ class Engine:
         if params.structured_outputs is not None:  # compiled (or refused) before any choice is added
             self.structured.compiled(params.structured_outputs)
         if params.n == 1:
-            self._add_one(request_id, prompt, params, arrival_time, bad_words)
+            self._add_one(request_id, prompt, params, arrival_time, bad_words, trace_parent=trace_parent)
             return
         arrival_time = arrival_time or time.time()
         choices = self.choices.split(request_id, params, self.config.cache.enable_prefix_caching)
         try:
             for choice in choices:
-                self._add_one(choice.request_id, prompt, choice.params, arrival_time, bad_words, choice.prefill_after)
+                self._add_one(choice.request_id, prompt, choice.params, arrival_time, bad_words, choice.prefill_after,
+                              trace_parent)
         except BaseException:  # none of the request runs: the choices added are aborted, the group dropped
             self.abort_request([request_id])
             self.choices.forget(request_id)
             raise
 
     def _add_one(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, arrival_time: float | None,
-                 bad_words: tuple[tuple[int, ...], ...], prefill_after: str | None = None) -> None:
+                 bad_words: tuple[tuple[int, ...], ...], prefill_after: str | None = None,
+                 trace_parent: str | None = None) -> None:
         items = item_specs(prompt.items)
         request = Request(request_id, list(prompt.prompt_token_ids), params, self.eos_token_ids, items,
                           arrival_time or time.time(), prefill_after=prefill_after, cache_salt=prompt.cache_salt)
@@ -208,7 +224,8 @@ class Engine:
         tracked = _Tracked(request, prompt.prompt, detok, RequestMetrics(request.arrival_time), runner_prompt,
                            {i: it.payload for i, it in enumerate(prompt.items)},
                            logprobs=None if params.logprobs is None else [],
-                           prompt_logprobs=None if params.prompt_logprobs is None else [None])
+                           prompt_logprobs=None if params.prompt_logprobs is None else [None],
+                           timeline=None if self.tracing is None else RequestTimeline(trace_parent, time.time()))
         if params.structured_outputs is not None:
             self.structured.start(request_id, params.structured_outputs, request.prompt_token_ids)
         rejection = self.scheduler.add_request(request)
@@ -249,7 +266,11 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - a fault in one step must not take the engine down
             result = self._step_fault(sched, exc)
         self._record_prompt_logprobs(result.prompt_logprobs)
+        if self.tracing is not None:
+            self._trace_computed(sched, now, time.time())
         core_outputs = self.scheduler.update(sched, result)
+        if self.tracing is not None:
+            self._trace_encoded(time.time())
         self._drop_encoded_payloads(set(sched.num_scheduled_tokens) | set(sched.encoder_items))
         return pending + [self._output(o) for o in core_outputs]
 
@@ -298,6 +319,59 @@ class Engine:
                 # READY: encoded and held; PENDING: a worker has it (the pool keeps it until its outcome)
                 if cache.state(key) in (EntryState.READY, EntryState.PENDING) and cache.holds(rid, key):
                     del tracked.payloads[i]
+
+    def _trace_computed(self, sched: SchedulerOutput, start_s: float, end_s: float) -> None:
+        """Note what the step computed for each traced request (before `update` moves its progress)."""
+        for rid, indices in sched.encoder_items.items():
+            tracked = self.tracked.get(rid)
+            if tracked is not None and tracked.timeline is not None:
+                for i in indices:
+                    tracked.timeline.encode_scheduled(i, start_s)
+        for rid, num in sched.num_scheduled_tokens.items():
+            tracked = self.tracked.get(rid)
+            if tracked is None or tracked.timeline is None:
+                continue
+            request = tracked.request
+            start = request.num_computed_tokens
+            if num == 1 and start >= request.num_prompt_tokens and start == request.num_tokens - 1:
+                tracked.timeline.decode_step(start_s, end_s)
+            else:  # a prompt's chunk, or a preempted request's recompute
+                tracked.timeline.prefill_chunk(start_s, end_s, start, num)
+
+    def _trace_encoded(self, now_s: float) -> None:
+        """Close the encode spans of items whose outputs are now ready (this step's, or a worker's)."""
+        cache = self.scheduler.encoder_cache
+        for tracked in self.tracked.values():
+            timeline = tracked.timeline
+            if timeline is None or not timeline.encoding_since_s:
+                continue
+            for i in list(timeline.encoding_since_s):
+                item = tracked.request.items[i]
+                if cache.state(item.content_hash) == EntryState.READY:
+                    timeline.encode_ready(i, now_s, _item_attributes(item, self.encoder_pool is not None))
+
+    def _trace_finished(self, tracked: _Tracked, finish: str, error: str | None) -> None:
+        request, metrics, timeline = tracked.request, tracked.metrics, tracked.timeline
+        assert timeline is not None and metrics.finish_time is not None
+        cached = max(request.num_cached_tokens, 0)
+        media = [item for item in request.items if item.output_rows > 0]
+        children = timeline.finish(metrics.first_scheduled_time, metrics.finish_time,
+                                   {item.index: _item_attributes(item, False) for item in media},
+                                   {item.index for item in media if item.end <= cached})
+        attributes: dict[str, Any] = {
+            "gen_ai.request.id": request.request_id,
+            "gen_ai.usage.prompt_tokens": request.num_prompt_tokens,
+            "gen_ai.usage.completion_tokens": len(request.output_token_ids),
+            "gen_ai.response.finish_reasons": [finish],
+            "mmserve.prefix_cached_tokens": cached,
+            "mmserve.mm_items": request.num_mm_items,
+            "mmserve.encoder_cache_hit_items": request.num_encoder_cached_items,
+            "mmserve.num_preemptions": request.num_preemptions,
+        }
+        if metrics.first_token_time is not None:
+            attributes["gen_ai.latency.time_to_first_token"] = metrics.first_token_time - metrics.arrival_time
+        self.tracing.record_request(timeline.trace_parent, timeline.received_s, metrics.finish_time, attributes,
+                                    children, error if finish == "error" else None)
 
     def _output(self, core: EngineCoreOutput) -> RequestOutput:
         tracked = self.tracked[core.request_id]
@@ -356,6 +430,8 @@ class Engine:
         if finished:
             tracked.metrics.finish_time = time.time()
             tracked.metrics.num_preemptions = request.num_preemptions
+            if tracked.timeline is not None:
+                self._trace_finished(tracked, finish, error)
             self.tracked.pop(request.request_id, None)
             self.runner.release(request.request_id)
             self.structured.release(request.request_id)
@@ -464,3 +540,12 @@ class Engine:
         assert ready <= stored, "a ready encoder entry has no tensor in the runner"
         # the runner holds only tensors the cache accounts for (or has freed and will hand over next step)
         assert stored <= ready | set(cache.pending_freed_keys), "the runner holds an encoder output the cache lost"
+
+
+def _item_attributes(item: ItemSpec, by_workers: bool) -> dict[str, Any]:
+    attributes: dict[str, Any] = {"mmserve.item.index": item.index, "mmserve.item.content_key": item.content_hash,
+                                  "mmserve.item.encoder_tokens": item.encoder_tokens,
+                                  "mmserve.item.output_rows": item.output_rows}
+    if by_workers:
+        attributes["mmserve.encoder.workers"] = True
+    return attributes

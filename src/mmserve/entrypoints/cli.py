@@ -35,6 +35,7 @@ from mmserve.config import (
 )
 from mmserve.errors import InvalidInputError, ModelLoadError
 from mmserve.inputs.media import MediaLimits
+from mmserve.tracing import otlp_exporter
 
 ENGINE_ARG_GROUPS = (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("encoder budgets", EncoderConfig),
                      ("media limits", MediaLimits), ("captured graphs (CUDA), compiled decode (CPU)", GraphConfig))
@@ -137,6 +138,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                      help="what logprobs report: the model's raw distribution (raw_logprobs, the default) or the "
                           "one sampled from after penalties, biases, grammars, temperature and top-k/p "
                           "(processed_logprobs); *_logits: the logits instead")
+    top.add_argument("--otlp-traces-endpoint", default=argparse.SUPPRESS, metavar="URL",
+                     help="export OpenTelemetry traces of every request (server, routing, each replica's queue, "
+                          "encode, prefill chunks and decode) to this OTLP collector, e.g. http://localhost:4318 "
+                          "(OTLP/HTTP; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc for gRPC); needs mmserve[otel] "
+                          "(default: no tracing)")
     for title, cls in ENGINE_ARG_GROUPS:
         group = parser.add_argument_group(title)
         hints = typing.get_type_hints(cls)
@@ -331,6 +337,12 @@ def _serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size < 1:
         print(f"error: --data-parallel-size must be at least 1, got {args.data_parallel_size}", file=sys.stderr)
         return 2
+    if config.otlp_traces_endpoint is not None:
+        try:
+            otlp_exporter(config.otlp_traces_endpoint)  # the SDK is installed and the endpoint parses
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     print(f"loading {model} ...", file=sys.stderr, flush=True)
     engine: Engine | ReplicaSet
     if args.data_parallel_size > 1:

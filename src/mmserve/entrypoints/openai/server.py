@@ -48,6 +48,7 @@ from mmserve.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from mmserve.entrypoints.openai.serving import OpenAIServing, ServerConfig, engine_error
+from mmserve.entrypoints.openai.trace_middleware import TraceMiddleware
 from mmserve.entrypoints.openai.web_ui import web_ui_router
 from mmserve.errors import InvalidInputError
 
@@ -213,6 +214,8 @@ def build_app(engine: Engine | ReplicaSet, config: ServerConfig) -> FastAPI:
                   lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.serving = async_engine, metrics, serving
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
+    if async_engine.tracing is not None:  # outermost: the span covers the whole exchange
+        app.add_middleware(TraceMiddleware, tracing=async_engine.tracing)
     if config.request_id_headers:
         @app.middleware("http")
         async def request_id_header(request: Request, call_next: Callable[[Request], Any]) -> Response:

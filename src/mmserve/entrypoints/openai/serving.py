@@ -328,6 +328,7 @@ class OpenAIServing:
         self.engine = engine
         self.config = config
         self.max_model_len = engine.engine.max_model_len
+        self.tracing = engine.tracing  # None: no spans (trace_middleware.py opens the request's)
 
     def _names(self, entries: list) -> list:
         """Logprob entries as the responses name their tokens: text, or "token_id:N" with the flag."""
@@ -343,6 +344,13 @@ class OpenAIServing:
             raise RequestError(f"The model `{name}` does not exist.", status_code=404, param="model",
                                code="model_not_found")
         return self.config.served_model_name
+
+    def _traced(self, name: str, raw: Request) -> contextlib.AbstractContextManager[Any]:
+        """A child span of the request's (a no-op without tracing)."""
+        trace_parent = getattr(raw.state, "trace_parent", None)
+        if self.tracing is None or trace_parent is None:
+            return contextlib.nullcontext()
+        return self.tracing.span(name, trace_parent)
 
     async def _in_worker(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(None, partial(fn, *args))
@@ -377,7 +385,8 @@ class OpenAIServing:
             except InvalidInputError as exc:
                 field_name = "tools" if tool_grammar is not None else body.structured()[1]
                 raise RequestError(str(exc).replace("structured_outputs", field_name, 1), param=field_name) from exc
-        outputs = self.engine.generate(request_id, prompt, params, arrival_time, restartable=not body.stream)
+        outputs = self.engine.generate(request_id, prompt, params, arrival_time, restartable=not body.stream,
+                                       trace_parent=getattr(raw.state, "trace_parent", None))
         first = await _unless_disconnected(anext(outputs), raw)
         if _failed(first):
             await outputs.aclose()
@@ -435,15 +444,16 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Any:
         arrival_time = time.time()
         model = self._check_model(body.model)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id = raw.state.request_id = f"chatcmpl-{uuid.uuid4().hex}"
         # the media and the processed prompt live in no frame of this request past submission: once
         # encoded, the engine releases the pixels and nothing else holds them
         tools = self._tools(body)
         grammar = None
         if tools is not None and tools[0].forced:
             grammar = StructuredOutputsParams(structural_tag=tools[1].structural_tag(tools[0]))
-        first, outputs = await self._start(request_id, await self._chat_prompt(body, tools and tools[0]), body, raw,
-                                           arrival_time, grammar)
+        with self._traced("media_load", raw):  # fetching and decoding the media, the template, the processor
+            prompt = await self._chat_prompt(body, tools and tools[0])
+        first, outputs = await self._start(request_id, prompt, body, raw, arrival_time, grammar)
 
         num_logprobs = body.requested_logprobs()
         in_thought = self._in_thought(first)
@@ -577,11 +587,12 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, raw: Request) -> Any:
         arrival_time = time.time()
         model = self._check_model(body.model)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id = raw.state.request_id = f"cmpl-{uuid.uuid4().hex}"
         raw_prompts = self._raw_prompts(body)
         if len(raw_prompts) == 1:
-            first, outputs = await self._start(request_id, await self._completion_prompt(body, raw_prompts[0]), body,
-                                               raw, arrival_time)
+            with self._traced("media_load", raw):
+                prompt = await self._completion_prompt(body, raw_prompts[0])
+            first, outputs = await self._start(request_id, prompt, body, raw, arrival_time)
         else:
             first, outputs = await self._start_several(request_id, raw_prompts, body, raw, arrival_time)
 
