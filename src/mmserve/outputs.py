@@ -55,6 +55,9 @@ class RequestOutput:
     # (num_cached_tokens) — an item can be both
     num_encoder_cached_mm_items: int = 0
     num_prefix_cached_mm_items: int = 0
+    # a prefill replica's first output of a request it hands off: it holds the prompt's KV for a decode
+    # replica, which sends the rest (cluster/)
+    kv_parked: bool = False
     # with SamplingParams.prompt_logprobs: one entry per prompt token (None for the first, which nothing
     # predicts); complete once the prompt is computed
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None

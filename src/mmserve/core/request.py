@@ -20,10 +20,12 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    PARKED = 3  # a prefill replica's request after its first token: holds its KV until a decode replica takes it
+    RECEIVING = 4  # a decode replica's request: blocks allocated, its KV on the way
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH = 6
+    FINISHED_ABORTED = 7
+    FINISHED_ERROR = 8
 
     @property
     def is_finished(self) -> bool:
@@ -85,6 +87,8 @@ class Request:
     # a sibling choice (n > 1) whose prefill this one waits for, to find its prompt in the prefix cache
     prefill_after: str | None = None
     cache_salt: str | None = None  # seeds the prompt's block hashes: only the same salt shares blocks
+    hand_off: bool = False  # prefill only: park after the first token, for a decode replica to take its KV
+    transferred: bool = False  # its prompt's KV came from a prefill replica (no media payloads here)
     num_mm_items: int = field(init=False)  # items with embedding rows (the media the prompt carries)
 
     def __post_init__(self) -> None:

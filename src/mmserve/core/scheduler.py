@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from mmserve.core.chunk_policy import ChunkBoundaryPolicy
 from mmserve.core.encoder_cache import EntryState
+from mmserve.core.handoff import HandOffBook
 from mmserve.core.item_scheduler import EncoderStep, ItemScheduler
 from mmserve.core.kv_cache import KVBlock, KVCacheManager
 from mmserve.core.request import Request, RequestStatus
@@ -75,6 +76,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self._finished_since_step: set[str] = set()
+        self.handoff = HandOffBook(max_parked=limits.max_num_seqs)
+        self._failed_in_schedule: list[EngineCoreOutput] = []  # reported by the next update
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def add_request(self, request: Request) -> str | None:
@@ -105,6 +108,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
         request.status = status
         request.error = error
+        self.handoff.forget(request.request_id)
         self.kv.free(request)
         self.encoder_cache.release(request.request_id)
         del self.requests[request.request_id]
@@ -115,11 +119,42 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.requests)
 
+    @property
+    def num_schedulable(self) -> int:
+        """Requests a step may compute: not parked for a hand-off, not waiting for their KV."""
+        return len(self.requests) - len(self.handoff.parked) - len(self.handoff.receiving)
+
+    # ---- hand-offs (core/handoff.py) --------------------------------------------------------------
+    def admit_transferred(self, request: Request) -> list[int] | None:
+        """Take a request whose prompt's KV comes from a prefill replica (its first token already in
+        `output_token_ids`): the indices of the prompt blocks to send, or None while the blocks or a
+        sequence slot are not free (backpressure)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if len(self.running) + len(self.handoff.receiving) >= self.limits.max_num_seqs:
+            return None
+        needed = self.handoff.receive(request, self.kv)
+        if needed is not None:
+            self.requests[request.request_id] = request
+            self.stats.prompt_tokens += request.num_prompt_tokens
+        return needed
+
+    def transfer_done(self, request_id: str, num_blocks: int) -> None:
+        """Its KV is in its blocks: it runs from its first token on."""
+        request = self.handoff.received(request_id, num_blocks)
+        self.running.append(request)
+        self.kv.cache_full_blocks(request)
+
     # ---- schedule -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan()
+        adopted, self.handoff.adopted = self.handoff.adopted, []
+        plan.out.new_requests.extend(self._new_request_data(r) for r in adopted)  # before any block they get now
         budget = self._schedule_running(plan, self.limits.max_num_batched_tokens)
-        if not plan.preempted:
+        if plan.preempted:  # one adopted this step and preempted at once: the runner never sees it
+            gone = {r.request_id for r in plan.preempted}
+            plan.out.new_requests = [n for n in plan.out.new_requests if n.request_id not in gone]
+        else:
             self._schedule_waiting(plan, budget)
         plan.out.finished_request_ids = self._finished_since_step | {r.request_id for r in plan.preempted}
         self._finished_since_step = set()
@@ -174,7 +209,8 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan, budget: int) -> None:
         i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.limits.max_num_seqs \
+                and not self.handoff.is_full:
             request = self.waiting[i]
             if self._waits_for_sibling(request):
                 i += 1  # the requests behind it go first: its sibling is ahead of it and will be computed
@@ -182,6 +218,11 @@ class Scheduler:
             # prompt logprobs need every prompt position computed: no prefix-cache hit for such a request
             hits, num_hit = ([], 0) if request.sampling_params.prompt_logprobs is not None \
                 else self.kv.get_computed_blocks(request)
+            if request.transferred and any(item.end > num_hit for item in request.items if item.output_rows > 0):
+                del self.waiting[i]  # preempted after its KV came: its images' KV is gone, and their pixels too
+                self._failed_in_schedule.append(self._fail(request, "preempted on the decode replica after its image KV was "
+                                                       "evicted; the images are not here to compute it again"))
+                continue
             num_new = request.num_tokens - num_hit
             if not self.limits.enable_chunked_prefill and num_new > budget:
                 break
@@ -249,7 +290,8 @@ class Scheduler:
 
     # ---- update ---------------------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        outputs = self._apply_encoder_results(sched, result)
+        outputs, self._failed_in_schedule = self._failed_in_schedule, []
+        outputs += self._apply_encoder_results(sched, result)
         for rid, num in sched.num_scheduled_tokens.items():
             request = self.requests.get(rid)
             if request is None or request.status != RequestStatus.RUNNING or rid in result.skipped:
@@ -269,13 +311,18 @@ class Scheduler:
             self.stats.generation_tokens += 1
             self.kv.cache_full_blocks(request)
             status = self._check_stop(request, token)
+            parked = status is None and request.hand_off and len(request.output_token_ids) == 1
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
+            elif parked:  # its KV waits for a decode replica; its encoder references are no longer needed
+                self.running.remove(request)
+                self.encoder_cache.release(rid)
+                self.handoff.park(request)
             logprobs = result.sampled_logprobs.get(rid)
             outputs.append(EngineCoreOutput(rid, (token,), status.finish_reason if status else None,
                                             token if status == RequestStatus.FINISHED_STOPPED else None,
-                                            new_logprobs=() if logprobs is None else (logprobs,)))
+                                            new_logprobs=() if logprobs is None else (logprobs,), parked=parked))
         for rid, error in result.failed.items():  # failed without tokens this step (a faulted step's waiting requests)
             if rid not in sched.num_scheduled_tokens and rid in self.requests:
                 outputs.append(self._fail(self.requests[rid], error))
@@ -334,7 +381,9 @@ class Scheduler:
         self.kv.check_integrity()
         self.encoder_cache.check_integrity(set(self.requests))
         owners = set(self.kv.req_blocks)
-        assert owners <= {r.request_id for r in self.running}, f"blocks held by non-running requests: {owners}"
+        holders = {r.request_id for r in self.running} | self.handoff.holders
+        assert owners <= holders, f"blocks held by requests neither running nor handing off: {owners - holders}"
+        assert self.handoff.holders <= set(self.requests), "a parked or receiving request is not live"
         for r in self.running:
             held = len(self.kv.req_blocks.get(r.request_id, []))
             assert held * self.kv.block_size >= r.num_computed_tokens, f"{r.request_id} computed past its blocks"

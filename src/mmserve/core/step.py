@@ -102,3 +102,4 @@ class EngineCoreOutput:
     stop_token_id: int | None = None
     error: str | None = None
     new_logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token, when the request asked for logprobs
+    parked: bool = False  # its first token: now parked, its KV held for a decode replica (core/handoff.py)

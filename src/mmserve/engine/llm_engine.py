@@ -78,6 +78,7 @@ class _Tracked:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # one per prompt token computed so far
     cumulative_logprob: float = 0.0
     timeline: RequestTimeline | None = None  # only when traced
+    transfer_indices: list[int] | None = None  # a decode replica's request: the prompt blocks it receives
 
 
 class Engine:
@@ -174,9 +175,12 @@ class Engine:
         return self.frontend.process_chat(messages, mm_processor_kwargs, **template_kwargs)
 
     def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                    arrival_time: float | None = None, trace_parent: str | None = None) -> None:
+                    arrival_time: float | None = None, trace_parent: str | None = None,
+                    hand_off: bool = False) -> None:
         """`trace_parent`: the W3C traceparent the request's spans go under (with tracing on; without a
-        parent a traced request starts its own trace)."""
+        parent a traced request starts its own trace). `hand_off` (a prefill replica): after its first
+        token the request parks, holding its KV for `send_kv` (a request of n > 1 choices or with a grammar
+        decodes here: its first output says whether it parked, `kv_parked`)."""
         cut = truncated_token_ids(prompt, params.truncate_prompt_tokens, self.max_model_len)
         if cut is not None:  # processed again as token ids, keeping its cache salt
             salt = prompt.cache_salt
@@ -195,7 +199,8 @@ class Engine:
         if params.structured_outputs is not None:  # compiled (or refused) before any choice is added
             self.structured.compiled(params.structured_outputs)
         if params.n == 1:
-            self._add_one(request_id, prompt, params, arrival_time, bad_words, trace_parent=trace_parent)
+            self._add_one(request_id, prompt, params, arrival_time, bad_words, trace_parent=trace_parent,
+                          hand_off=hand_off and params.structured_outputs is None)
             return
         arrival_time = arrival_time or time.time()
         choices = self.choices.split(request_id, params, self.config.cache.enable_prefix_caching)
@@ -210,7 +215,21 @@ class Engine:
 
     def _add_one(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, arrival_time: float | None,
                  bad_words: tuple[tuple[int, ...], ...], prefill_after: str | None = None,
-                 trace_parent: str | None = None) -> None:
+                 trace_parent: str | None = None, hand_off: bool = False) -> None:
+        tracked = self._tracked(request_id, prompt, params, arrival_time, bad_words, prefill_after, trace_parent)
+        tracked.request.hand_off = hand_off
+        if params.structured_outputs is not None:
+            self.structured.start(request_id, params.structured_outputs, tracked.request.prompt_token_ids)
+        rejection = self.scheduler.add_request(tracked.request)
+        if rejection is not None:  # can never fit the encoder budgets: finish now, others run on
+            self._pending_outputs.append(self._make_output(tracked, "error", rejection))
+            return
+        self.tracked[request_id] = tracked
+
+    def _tracked(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, arrival_time: float | None,
+                 bad_words: tuple[tuple[int, ...], ...], prefill_after: str | None = None,
+                 trace_parent: str | None = None) -> _Tracked:
+        """A request and the engine's view of it, before the scheduler has it."""
         items = item_specs(prompt.items)
         request = Request(request_id, list(prompt.prompt_token_ids), params, self.eos_token_ids, items,
                           arrival_time or time.time(), prefill_after=prefill_after, cache_salt=prompt.cache_salt)
@@ -226,13 +245,59 @@ class Engine:
                            logprobs=None if params.logprobs is None else [],
                            prompt_logprobs=None if params.prompt_logprobs is None else [None],
                            timeline=None if self.tracing is None else RequestTimeline(trace_parent, time.time()))
-        if params.structured_outputs is not None:
-            self.structured.start(request_id, params.structured_outputs, request.prompt_token_ids)
-        rejection = self.scheduler.add_request(request)
-        if rejection is not None:  # can never fit the encoder budgets: finish now, others run on
-            self._pending_outputs.append(self._make_output(tracked, "error", rejection))
-            return
-        self.tracked[request_id] = tracked
+        return tracked
+
+    # ---- hand-offs: prefill on one replica, decode on another (core/handoff.py, cluster/) ----------
+    def send_kv(self, request_id: str, block_indices: list[int], connector: Any) -> Any:
+        """A parked request's prompt blocks at `block_indices` (of its block list) into `connector`
+        (`connector.send(request_id, part_shapes, num_blocks, fill)`, which returns a transfer handle);
+        the request then finishes here (finish reason "handoff"), its blocks staying in the prefix cache."""
+        tracked, request = self.tracked.get(request_id), self.scheduler.requests.get(request_id)
+        if tracked is None or request is None or request.status != RequestStatus.PARKED:
+            raise ValueError(f"request {request_id!r} is not parked for a hand-off")
+        owned = self.scheduler.kv.block_ids(request_id)
+        block_ids = [owned[i] for i in block_indices]
+        transfer = connector.send(request_id, self.kv_storage.block_part_shapes(), len(block_ids),
+                                  lambda outs: self.kv_storage.read_blocks(block_ids, outs))
+        self.scheduler.handoff.handed_off(request_id, len(block_ids))
+        self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_STOPPED)
+        self._pending_outputs.append(self._make_output(tracked, "handoff"))
+        return transfer
+
+    def admit_transferred(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+                          first: CompletionOutput, arrival_time: float | None = None) -> list[int] | None:
+        """Take a request a prefill replica computed, `first` its first output there (one token, its
+        logprobs): the indices of its prompt blocks to send (those this replica's prefix cache lacks), or
+        None while there is no room (ask again later). `prompt` needs no media payloads: nothing is
+        encoded here. Its KV then comes through `receive_kv`; until then it holds its blocks."""
+        if params.n != 1 or params.structured_outputs is not None or len(first.token_ids) != 1:
+            raise ValueError("a hand-off carries one choice without a grammar, after exactly one token")
+        if request_id in self.tracked:
+            raise InvalidInputError(f"request id {request_id!r} is already in use")
+        with at_param("bad_words"):
+            bad_words = self.processor.tokenizer.bad_words_token_ids(params.bad_words)
+        tracked = self._tracked(request_id, prompt, params, arrival_time, bad_words)
+        request = tracked.request
+        request.transferred, tracked.payloads = True, {}
+        request.output_token_ids.append(first.token_ids[0])
+        tracked.detokenizer.update(list(first.token_ids))
+        tracked.detokenizer.take_delta(False)  # the prefill replica sent that text
+        if tracked.logprobs is not None and first.logprobs:
+            tracked.logprobs.extend(first.logprobs)
+            tracked.cumulative_logprob = first.cumulative_logprob or 0.0
+        needed = self.scheduler.admit_transferred(request)
+        if needed is not None:
+            self.tracked[request_id] = tracked
+            tracked.transfer_indices = needed
+        return needed
+
+    def receive_kv(self, request_id: str, parts: list[torch.Tensor]) -> None:
+        """The blocks `admit_transferred` asked for, as the prefill replica's `send_kv` read them: the
+        request decodes from its first token on."""
+        tracked = self.tracked[request_id]
+        owned = self.scheduler.kv.block_ids(request_id)
+        self.kv_storage.write_blocks([owned[i] for i in tracked.transfer_indices], parts)
+        self.scheduler.transfer_done(request_id, len(tracked.transfer_indices))
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         """Token ids a request names must be in the model's vocabulary."""
@@ -246,7 +311,9 @@ class Engine:
 
     # ---- stepping -------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self._pending_outputs)
+        """Requests a step computes, or outputs due (a parked request, or one receiving its KV, waits for
+        a call from outside)."""
+        return self.scheduler.num_schedulable > 0 or bool(self._pending_outputs)
 
     def step(self) -> list[RequestOutput]:
         pending, self._pending_outputs = self._pending_outputs, []
@@ -397,7 +464,9 @@ class Engine:
                 finish, tracked.stop_reason = "stop", stop_string
         if core.stop_token_id is not None:
             tracked.stop_reason = core.stop_token_id
-        return self._make_output(tracked, finish, error)
+        output = self._make_output(tracked, finish, error)
+        output.kv_parked = core.parked and finish is None
+        return output
 
     def _record_prompt_logprobs(self, computed: dict[str, tuple[int, tuple[TokenLogprobs, ...]]]) -> None:
         """Append each request's new prompt logprobs (a prompt recomputed after a preemption has them)."""
@@ -491,6 +560,7 @@ class Engine:
             "encoder_cache_bytes_referenced": cache.referenced_bytes,  # held by live requests; 0 when idle
             "encoder_cache_bytes_total": cache.capacity_bytes,
             "requests_rejected": s.requests_rejected,
+            **self._handoff_stats(),
             "budget_max_encoder_items_per_step": self.budget.max_items_per_step,
             "budget_max_encoder_tokens_per_step": self.budget.max_encoder_tokens_per_step,
             "budget_encoder_output_bytes": self.budget.output_budget_bytes,
@@ -498,6 +568,15 @@ class Engine:
             "budget_bytes_per_embedding_row": self.budget.bytes_per_row,
             **self._worker_stats(),
         }
+
+    def _handoff_stats(self) -> dict[str, int]:
+        h = self.scheduler.handoff
+        block_bytes = self.kv_bytes_per_token * self.scheduler.kv.block_size
+        return {"requests_parked": len(h.parked), "requests_receiving_kv": len(h.receiving),
+                "requests_handed_off": h.stats.requests_handed_off, "requests_received": h.stats.requests_received,
+                "kv_blocks_sent": h.stats.kv_blocks_sent, "kv_blocks_transferred": h.stats.kv_blocks_received,
+                "kv_bytes_transferred": h.stats.kv_blocks_received * block_bytes,
+                "kv_blocks_deduplicated": h.stats.kv_blocks_deduplicated}
 
     def wait_for_compiled_decode(self, timeout_s: float | None = None) -> bool:
         """Block until the CPU's decode step, compiled in the background, replays (True), or it is not

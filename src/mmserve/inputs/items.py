@@ -9,6 +9,7 @@ What it does not know: engine state, tensors on devices, what a payload holds.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,3 +97,8 @@ class ProcessedPrompt:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    def without_payloads(self) -> ProcessedPrompt:
+        """The same prompt without the items' encoder inputs: what a decode replica needs (their keys,
+        spans and rows shape the prefix hashes and positions; their pixels are never encoded there)."""
+        return dataclasses.replace(self, items=[dataclasses.replace(item, payload=None) for item in self.items])

@@ -85,3 +85,30 @@ class PagedKVStorage:
             return keys.to(dtype), values.to(dtype)
         return (dequantize(keys, self.key_scale[layer_idx].index_select(0, block_ids), dtype, self._table),
                 dequantize(values, self.value_scale[layer_idx].index_select(0, block_ids), dtype, self._table))
+
+    # ---- hand-offs: blocks as bytes ---------------------------------------------------------------
+    def _byte_parts(self) -> list[torch.Tensor]:
+        parts = [self.key, self.value]
+        if self.fmt.quantized:
+            parts += [self.key_scale, self.value_scale]
+        return [p.view(torch.uint8) for p in parts]  # codes and scales as stored, whatever their dtype
+
+    def block_part_shapes(self) -> list[tuple[int, ...]]:
+        """The byte shape of one block in each stored tensor (keys, values, and their scales when
+        quantized), layers first: (num_layers, block_size, kv_heads, bytes per head...)."""
+        return [(p.shape[0], *p.shape[2:]) for p in self._byte_parts()]
+
+    def read_blocks(self, block_ids: list[int], outs: list[torch.Tensor]) -> None:
+        """Copy blocks `block_ids` into `outs` (one per part, (num_layers, n, ...) bytes): bit for bit."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.key.device)
+        for part, out in zip(self._byte_parts(), outs, strict=True):
+            if out.device == part.device:
+                torch.index_select(part, 1, ids, out=out)
+            else:
+                out.copy_(part.index_select(1, ids))
+
+    def write_blocks(self, block_ids: list[int], parts: list[torch.Tensor]) -> None:
+        """Store blocks read by another storage's `read_blocks` at `block_ids`."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.key.device)
+        for part, src in zip(self._byte_parts(), parts, strict=True):
+            part.index_copy_(1, ids, src.to(part.device))
