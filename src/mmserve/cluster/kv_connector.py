@@ -70,9 +70,9 @@ def _views(base: torch.Tensor, part_shapes: tuple[tuple[int, ...], ...] | list[t
 
 
 def _untrack(segment: shared_memory.SharedMemory) -> None:
-    """The segment's life is the transfer's, not this process's: without this, the process's resource
-    tracker would unlink it (with a warning) when the process exits, or complain of a segment another
-    process unlinked."""
+    """The sender's segment lives as long as its transfer, not as long as the sender: without this, the
+    resource tracker would unlink it (with a warning) when the sender exits. A process that attaches is
+    registered again, and its `unlink` unregisters it."""
     resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
 
 
@@ -85,7 +85,6 @@ class SharedMemoryConnector:
         if num_blocks == 0:
             return KVTransfer(request_id, 0, shapes, None, 0)
         segment = shared_memory.SharedMemory(create=True, size=nbytes, name=f"mmserve-kv-{uuid.uuid4().hex[:16]}")
-        _untrack(segment)
         try:
             base = torch.frombuffer(segment.buf, dtype=torch.uint8, count=nbytes)
             fill(_views(base, shapes, num_blocks))
@@ -94,6 +93,7 @@ class SharedMemoryConnector:
             segment.close()
             segment.unlink()
             raise
+        _untrack(segment)
         segment.close()
         return KVTransfer(request_id, num_blocks, shapes, segment.name, nbytes)
 
@@ -102,7 +102,6 @@ class SharedMemoryConnector:
         if transfer.location is None:
             return use([torch.empty((s[0], 0, *s[1:]), dtype=torch.uint8) for s in transfer.part_shapes])
         segment = shared_memory.SharedMemory(name=transfer.location)
-        _untrack(segment)
         try:
             base = torch.frombuffer(segment.buf, dtype=torch.uint8, count=transfer.nbytes)
             views = _views(base, transfer.part_shapes, transfer.num_blocks)
@@ -120,7 +119,6 @@ class SharedMemoryConnector:
             segment = shared_memory.SharedMemory(name=transfer.location)
         except FileNotFoundError:  # received already, or discarded
             return
-        _untrack(segment)
         segment.close()
         segment.unlink()
 

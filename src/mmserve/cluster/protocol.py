@@ -29,6 +29,16 @@ class AddRequest:
     arrival_time: float
     trace_parent: str | None = None  # W3C traceparent of the server's span of the request (tracing on)
     sent_s: float = 0.0  # time.time() when the server sent it: the start of the hand-off span
+    hand_off: bool = False  # a prefill replica's: park after the first token, for a decode replica
+
+
+@dataclass(frozen=True)
+class ReceiveKV:
+    """A decode replica's request admitted earlier (the `admit_transferred` query): its KV is at
+    `transfer` (cluster/kv_connector.py); take it and decode, sending outputs as for an `AddRequest`."""
+
+    request_id: str
+    transfer: Any
 
 
 @dataclass(frozen=True)
@@ -38,10 +48,12 @@ class AbortRequest:
 
 @dataclass(frozen=True)
 class Query:
-    """Ask for `what` ("stats" or "check_integrity"); answered by an `Answer` with the same id."""
+    """Ask for `what` ("stats", "check_integrity"; for P/D "admit_transferred" and "send_kv", with their
+    `args`); answered by an `Answer` with the same id."""
 
     query_id: int
     what: str
+    args: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -82,6 +94,15 @@ class RequestRefused:
 @dataclass(frozen=True)
 class RequestLost:
     """The replica's engine died while holding the request (the server may send it elsewhere)."""
+
+    request_id: str
+    message: str
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    """The replica could not go on with the request (its KV did not arrive): not the replica's death,
+    not the request's fault (the server may start it over)."""
 
     request_id: str
     message: str

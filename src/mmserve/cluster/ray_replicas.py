@@ -21,7 +21,7 @@ class _ReplicaActor:
     def run(self, config: EngineConfig, threads: int, inbox: Any, outbox: Any) -> None:
         from mmserve.cluster.replica_worker import replica_main
 
-        replica_main(config, threads, inbox, outbox)
+        replica_main(config, threads, inbox, outbox, connector="ray")
 
 
 class _ActorHandle:
@@ -51,6 +51,9 @@ class _ActorHandle:
 class RayLauncher:
     def __init__(self, ray_address: str | None, num_replicas: int, threads_per_replica: int) -> None:
         self._ray, self._started_ray = init_ray(ray_address, num_replicas * threads_per_replica)
+        from mmserve.cluster.kv_connector import RayConnector
+
+        self.connector = RayConnector()
         from ray.util.queue import Queue
 
         self._queue = Queue

@@ -27,6 +27,8 @@ from mmserve.cluster.protocol import (
     Outputs,
     Query,
     Ready,
+    ReceiveKV,
+    RequestFailed,
     RequestLost,
     RequestRefused,
     StartFailed,
@@ -38,7 +40,8 @@ from mmserve.config import EngineConfig
 PARENT_CHECK_S = 1.0  # how often a replica with nothing to read checks that its server still runs
 
 
-def replica_main(config: EngineConfig, threads: int, inbox: Any, outbox: Any) -> None:
+def replica_main(config: EngineConfig, threads: int, inbox: Any, outbox: Any, connector: str = "shm") -> None:
+    """`connector`: how this replica moves KV in a P/D hand-off ("shm" or "ray", cluster/kv_connector.py)."""
     import torch
 
     torch.set_num_threads(threads)
@@ -56,8 +59,11 @@ def replica_main(config: EngineConfig, threads: int, inbox: Any, outbox: Any) ->
         outbox.put(StartFailed(f"{type(exc).__name__}: {exc}"))
         return
     async_engine = AsyncEngine(engine)
+    from mmserve.cluster.kv_connector import RayConnector, SharedMemoryConnector
+
+    kv_connector = RayConnector() if connector == "ray" else SharedMemoryConnector()
     try:
-        asyncio.run(_Replica(async_engine, inbox, outbox).serve())
+        asyncio.run(_Replica(async_engine, inbox, outbox, kv_connector).serve())
     finally:
         async_engine.shutdown()
         if tracing is not None:
@@ -69,8 +75,9 @@ def replica_main(config: EngineConfig, threads: int, inbox: Any, outbox: Any) ->
 
 
 class _Replica:
-    def __init__(self, engine: Any, inbox: Any, outbox: Any) -> None:
+    def __init__(self, engine: Any, inbox: Any, outbox: Any, connector: Any) -> None:
         self.engine = engine
+        self.connector = connector
         self.inbox, self.outbox = inbox, outbox
         self.tasks: dict[str, asyncio.Task] = {}
         self.stopped: asyncio.Event | None = None
@@ -110,10 +117,15 @@ class _Replica:
     def _handle(self, message: Any) -> None:
         if isinstance(message, AddRequest):
             self.tasks[message.request_id] = asyncio.create_task(self._run(message))
+        elif isinstance(message, ReceiveKV):
+            self.tasks[message.request_id] = asyncio.create_task(self._receive(message))
         elif isinstance(message, AbortRequest):
             task = self.tasks.get(message.request_id)
             if task is not None:
                 task.cancel()
+            elif self.engine.is_running:  # admitted for a hand-off, its KV not sent yet
+                rid = message.request_id
+                asyncio.create_task(self.engine.call(lambda engine: engine.abort_request([rid])))
         elif isinstance(message, Query):
             asyncio.create_task(self._answer(message))
         elif isinstance(message, Stop):
@@ -129,7 +141,7 @@ class _Replica:
             tracing.record("handoff", add.trace_parent, add.sent_s, time.time(), {"mmserve.handoff.to": "replica"})
         try:
             async for output in self.engine.generate(add.request_id, add.prompt, add.params, add.arrival_time,
-                                                     trace_parent=add.trace_parent):
+                                                     trace_parent=add.trace_parent, hand_off=add.hand_off):
                 self.outbox.put(Outputs((output,)))
         except InvalidInputError as exc:
             self.outbox.put(RequestRefused(add.request_id, str(exc), exc.param))
@@ -137,6 +149,22 @@ class _Replica:
             self.outbox.put(RequestLost(add.request_id, str(exc)))
         finally:
             self.tasks.pop(add.request_id, None)
+
+    async def _receive(self, message: ReceiveKV) -> None:
+        """A transferred request: its KV into the engine's storage (on the engine thread), then its outputs."""
+        from mmserve.engine.async_engine import EngineDeadError
+
+        rid, transfer, connector = message.request_id, message.transfer, self.connector
+        try:
+            async for output in self.engine.adopt(rid, lambda engine: connector.receive(
+                    transfer, lambda parts: engine.receive_kv(rid, parts))):
+                self.outbox.put(Outputs((output,)))
+        except EngineDeadError as exc:
+            self.outbox.put(RequestLost(rid, str(exc)))
+        except Exception as exc:  # noqa: BLE001 - its KV did not arrive: the request fails, the replica serves on
+            self.outbox.put(RequestFailed(rid, f"the request's KV did not arrive: {type(exc).__name__}: {exc}"))
+        finally:
+            self.tasks.pop(rid, None)
 
     async def _answer(self, query: Query) -> None:
         try:
@@ -147,6 +175,12 @@ class _Replica:
                 if not self.engine.is_running:
                     raise RuntimeError("the replica's engine is not running")
                 value = await self.engine.call(lambda engine: engine.check_integrity())
+            elif query.what == "admit_transferred":  # (request id, prompt without payloads, params, first output)
+                args = query.args
+                value = await self.engine.call(lambda engine: engine.admit_transferred(*args))
+            elif query.what == "send_kv":  # (request id, block indices)
+                rid, indices = query.args
+                value = await self.engine.call(lambda engine: engine.send_kv(rid, indices, self.connector))
             else:
                 raise ValueError(f"unknown query {query.what!r}")
             self.outbox.put(Answer(query.query_id, value))

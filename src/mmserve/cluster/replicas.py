@@ -36,6 +36,8 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from mmserve.cluster.keys import route_keys
+from mmserve.cluster.kv_connector import SharedMemoryConnector
+from mmserve.cluster.pd_flow import HandOffLost, TransferLatencies, hand_off, merged
 from mmserve.cluster.protocol import (
     AbortRequest,
     AddRequest,
@@ -43,6 +45,7 @@ from mmserve.cluster.protocol import (
     Outputs,
     Query,
     Ready,
+    RequestFailed,
     RequestLost,
     RequestRefused,
     StartFailed,
@@ -84,6 +87,7 @@ class _Slot:
     outbox: Any = None
     pid: int | None = None
     alive: bool = False
+    role: str = "both"  # or "prefill" / "decode" (P/D)
     stats: dict[str, Any] = field(default_factory=dict)
     deaths: deque = field(default_factory=deque)  # times of recent deaths
     restarts: int = 0
@@ -105,30 +109,38 @@ class _Flight:
     generation: int = -1
     counted: bool = False  # the router counts it in flight on `replica`
     sent_tokens: bool = False
+    transfer: Any = None  # P/D: its KV's transfer handle, once the prefill replica has sent it
 
 
 class ReplicaSet:
     def __init__(self, config: EngineConfig, num_replicas: int, router: RouterConfig | None = None,
                  threads_per_replica: int | None = None, start_timeout_s: float = 600.0,
-                 backend: str = "mp", ray_address: str | None = None) -> None:
+                 backend: str = "mp", ray_address: str | None = None, decode_replicas: int = 0) -> None:
         """`backend`: "mp" (local processes) or "ray" (Ray actors; `ray_address` joins a cluster, else a
-        local Ray is started and stopped with the set)."""
-        if num_replicas < 1:
-            raise ValueError(f"need at least one replica, got {num_replicas}")
+        local Ray is started and stopped with the set). `decode_replicas` > 0: prefill/decode
+        disaggregation — the `num_replicas` replicas prefill and hand each request's KV to one of
+        these, which decodes it (cluster/pd_flow.py)."""
+        if num_replicas < 1 or decode_replicas < 0:
+            raise ValueError(f"need at least one replica, got {num_replicas} (and {decode_replicas} decode replicas)")
         if backend not in REPLICA_BACKENDS:
             raise ValueError(f"unknown replica backend {backend!r}; use one of {', '.join(REPLICA_BACKENDS)}")
         self.config = config
         self.backend = backend
         self.engine = Frontend(config)  # named as AsyncEngine's engine: the server reads its processor and spec
         self.router = Router(num_replicas, router)
+        self.num_prefill = num_replicas
+        self.decode_router = Router(decode_replicas, router) if decode_replicas else None
+        self.transfer_latencies = TransferLatencies()
         cores = len(os.sched_getaffinity(0))
-        self.threads_per_replica = threads_per_replica or max(1, cores // num_replicas)
+        self.threads_per_replica = threads_per_replica or max(1, cores // (num_replicas + decode_replicas))
         self.start_timeout_s = start_timeout_s
         self.on_output: Callable[[RequestOutput], None] | None = None  # finished outputs (the server's metrics)
         self.block_size = config.cache.block_size
         self._launcher: Any = _ProcessLauncher() if backend == "mp" else _ray_launcher(
             ray_address, num_replicas, self.threads_per_replica)
-        self._slots = [_Slot(i) for i in range(num_replicas)]
+        roles = ["both"] * num_replicas if not decode_replicas else ["prefill"] * num_replicas + ["decode"] * decode_replicas
+        self._slots = [_Slot(i, role=role) for i, role in enumerate(roles)]
+        self._query_slots: dict[int, int] = {}  # query id -> the slot asked (its death fails the query)
         self._flights: dict[str, _Flight] = {}
         self._answers: dict[int, asyncio.Future] = {}
         self._query_ids = itertools.count()
@@ -159,6 +171,10 @@ class ReplicaSet:
                 raise RuntimeError(f"replica {slot.index} could not start: {message.error}")
             self._ready(slot, message)
         self.engine.max_model_len = self._slots[0].stats["_max_model_len"]
+        layouts = {(s.stats["_block_size"], s.stats["kv_cache_dtype"], s.stats["kv_bytes_per_token"]) for s in self._slots}
+        if len(layouts) > 1:  # a hand-off moves blocks as stored: both sides must store them alike
+            self.shutdown()
+            raise RuntimeError(f"the replicas' KV layouts differ (block size, KV dtype, bytes per token): {layouts}")
 
     def start(self) -> None:
         """Begin delivering the replicas' messages to the running event loop (the server's lifespan)."""
@@ -234,24 +250,36 @@ class ReplicaSet:
         flight = _Flight(request_id, prompt, params, arrival_time or time.time(),
                          route_keys(prompt, self.block_size), restartable, trace_parent)
         self._flights[request_id] = flight
-        finished = False
+        finished, first = False, None
         try:
             await self._dispatch(flight)
             while not finished:
                 item = await flight.outputs.get()
                 if isinstance(item, _ReplicaLost):
+                    self._lost_transfer(flight)
                     if flight.sent_tokens and not flight.restartable:
                         raise EngineDeadError(f"the replica serving this request died: {item.message}")
                     logger.warning("request %s: %s; routing it again", request_id, item.message)
+                    first = None
                     await self._dispatch(flight)
                     continue
                 if isinstance(item, BaseException):
                     raise item
                 flight.sent_tokens = flight.sent_tokens or any(c.token_ids for c in item.outputs)
                 finished = item.finished
+                if first is not None:  # decoded by the decode replica: the prefill replica's figures
+                    item = merged(first, item)
                 yield item
+                if item.kv_parked:  # its KV goes to a decode replica, which sends the rest
+                    first = item
+                    try:
+                        await hand_off(self, flight, item)
+                    except HandOffLost as exc:
+                        flight.outputs.put_nowait(_ReplicaLost(str(exc)))
         finally:
             self._flights.pop(request_id, None)
+            if not finished:
+                self._lost_transfer(flight)
             if not finished and flight.counted:  # the caller left early: the replica stops computing it
                 self._uncount(flight)
                 self._send(flight.replica, flight.generation, AbortRequest(request_id))
@@ -277,7 +305,13 @@ class ReplicaSet:
         flight.replica, flight.generation, flight.counted = decision.replica, slot.generation, True
         self._send(decision.replica, slot.generation,
                    AddRequest(flight.request_id, flight.prompt, flight.params, flight.arrival_time, flight.trace_parent,
-                              time.time()))
+                              time.time(), hand_off=self.decode_router is not None))
+
+    def _lost_transfer(self, flight: _Flight) -> None:
+        """A transfer its decode replica will not receive: its bytes go (a shared-memory segment would stay)."""
+        if flight.transfer is not None:
+            self._launcher.connector.discard(flight.transfer)
+            flight.transfer = None
 
     def _trace_route(self, flight: _Flight, decision: RouteDecision, started_s: float) -> None:
         self.tracing.record("route", flight.trace_parent, started_s, time.time(), {
@@ -294,7 +328,19 @@ class ReplicaSet:
     def _uncount(self, flight: _Flight) -> None:
         if flight.counted and flight.replica is not None:
             flight.counted = False
-            self.router.finished(flight.replica)
+            router, index = self._router_of(self._slots[flight.replica])
+            router.finished(index)
+
+    def _router_of(self, slot: _Slot) -> tuple[Router, int]:
+        """The router that routes to `slot`, and the slot's index there."""
+        if slot.role == "decode":
+            assert self.decode_router is not None
+            return self.decode_router, slot.index - self.num_prefill
+        return self.router, slot.index
+
+    def _set_alive(self, slot: _Slot, alive: bool) -> None:
+        router, index = self._router_of(slot)
+        router.set_alive(index, alive)
 
     def _send(self, replica: int | None, generation: int, message: Any) -> None:
         slot = self._slots[replica] if replica is not None else None
@@ -321,7 +367,8 @@ class ReplicaSet:
         total["replicas_total"] = len(self._slots)
         total["replicas_alive"] = sum(s.alive for s in self._slots)
         total["replica_restarts"] = sum(s.restarts for s in self._slots)
-        total["replicas"] = [{"replica": s.index, "role": "both", "alive": s.alive, "pid": s.pid if s.alive else None,
+        total.update(self.transfer_latencies.stats())
+        total["replicas"] = [{"replica": s.index, "role": s.role, "alive": s.alive, "pid": s.pid if s.alive else None,
                               "restarts": s.restarts,
                               **{k: v for k, v in s.stats.items() if not k.startswith("_")}} for s in self._slots]
         r = self.router.stats
@@ -350,16 +397,22 @@ class ReplicaSet:
             except RuntimeError as exc:
                 raise AssertionError(f"replica {slot.index}: {exc}") from None
 
-    async def _query(self, replica: int, what: str, timeout_s: float = 30.0) -> Any:
+    async def _query(self, replica: int, what: str, timeout_s: float = 30.0, args: tuple = (),
+                     generation: int | None = None) -> Any:
+        """Ask one replica (of `generation`, by default its current one); raises RuntimeError with its
+        error, or when it dies first."""
         slot = self._slots[replica]
+        if not slot.alive or (generation is not None and generation != slot.generation):
+            raise RuntimeError(f"replica {replica} is not the one that held the request")
         query_id = next(self._query_ids)
         future = asyncio.get_running_loop().create_future()
-        self._answers[query_id] = future
+        self._answers[query_id], self._query_slots[query_id] = future, replica
         try:
-            self._send(replica, slot.generation, Query(query_id, what))
+            self._send(replica, slot.generation, Query(query_id, what, args))
             return await asyncio.wait_for(future, timeout_s)
         finally:
             self._answers.pop(query_id, None)
+            self._query_slots.pop(query_id, None)
 
     # ---- processes --------------------------------------------------------------------------------
     def _spawn(self, slot: _Slot) -> None:
@@ -368,8 +421,8 @@ class ReplicaSet:
 
     def _ready(self, slot: _Slot, ready: Ready) -> None:
         slot.pid, slot.alive = ready.pid, True
-        slot.stats = {**ready.stats, "_max_model_len": ready.max_model_len}
-        self.router.set_alive(slot.index, True)
+        slot.stats = {**ready.stats, "_max_model_len": ready.max_model_len, "_block_size": ready.block_size}
+        self._set_alive(slot, True)
         if self._any_alive is not None:
             self._any_alive.set()
         logger.info("replica %d ready (pid %d)", slot.index, ready.pid)
@@ -413,7 +466,8 @@ class ReplicaSet:
             self._ready(slot, message)
         elif isinstance(message, Stats):
             slot.stats.update(message.stats)
-            self.router.evicted(slot.index, message.evicted_media_keys, message.evicted_block_hashes)
+            router, index = self._router_of(slot)
+            router.evicted(index, message.evicted_media_keys, message.evicted_block_hashes)
         elif isinstance(message, Answer):
             future = self._answers.get(message.query_id)
             if future is not None and not future.done():
@@ -421,10 +475,10 @@ class ReplicaSet:
                     future.set_result(message.value)
                 else:
                     future.set_exception(RuntimeError(message.error))
-        elif isinstance(message, RequestRefused | RequestLost):
+        elif isinstance(message, RequestRefused | RequestLost | RequestFailed):
             flight = self._flights.get(message.request_id)
             if isinstance(message, RequestLost):  # its engine died: the process exits next, routes go elsewhere
-                self.router.set_alive(slot.index, False)
+                self._set_alive(slot, False)
             if flight is not None and flight.replica == slot.index:
                 self._uncount(flight)
                 flight.outputs.put_nowait(InvalidInputError(message.message, param=message.param)
@@ -443,7 +497,11 @@ class ReplicaSet:
     def _died(self, slot: _Slot, error: str | None) -> None:
         was_alive, slot.alive, slot.pid = slot.alive, False, None
         self._launcher.abandon(slot.inbox, slot.outbox)
-        self.router.set_alive(slot.index, False)
+        self._set_alive(slot, False)
+        for query_id, asked in list(self._query_slots.items()):  # its answers will not come
+            future = self._answers.get(query_id)
+            if asked == slot.index and future is not None and not future.done():
+                future.set_exception(RuntimeError(f"replica {slot.index} died"))
         exitcode = slot.process.exitcode if slot.process is not None else None
         what = f"could not start: {error}" if error else f"died (exit code {exitcode})"
         for flight in self._flights.values():
@@ -477,6 +535,7 @@ class _ProcessLauncher:
 
     def __init__(self) -> None:
         self._ctx = mp.get_context("spawn")
+        self.connector = SharedMemoryConnector()  # the server only discards what a dead replica left
 
     def start(self, config: EngineConfig, threads: int) -> tuple[Any, Any, Any]:
         inbox, outbox = self._ctx.Queue(), self._ctx.Queue()

@@ -48,6 +48,15 @@ class _Add:
     params: SamplingParams
     arrival_time: float
     trace_parent: str | None = None
+    hand_off: bool = False
+
+
+@dataclass(frozen=True)
+class _Adopt:
+    """Run `fn(engine)`, which makes `request_id` a live request (a decode replica's `receive_kv`)."""
+
+    request_id: str
+    fn: Callable[[Engine], None]
 
 
 @dataclass(frozen=True)
@@ -130,13 +139,27 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                        arrival_time: float | None = None, restartable: bool = False,
-                       trace_parent: str | None = None) -> AsyncIterator[RequestOutput]:
+                       trace_parent: str | None = None, hand_off: bool = False) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs until it finishes. Closing or cancelling the
         iterator early aborts the request. `arrival_time` (time.time()) defaults to now; a server
         passes when the HTTP request arrived, so time-to-first-token includes input processing.
         `restartable` (the caller shows its client only the finished output) matters to replicas,
         which may start such a request over elsewhere; one engine never restarts a request.
-        `trace_parent`: the W3C traceparent of the caller's span (the engine's spans go under it)."""
+        `trace_parent`: the W3C traceparent of the caller's span (the engine's spans go under it).
+        `hand_off`: a prefill replica's (Engine.add_request)."""
+        outputs = self._follow(request_id, _Add(request_id, prompt, params, arrival_time or time.time(), trace_parent,
+                                                hand_off))
+        del prompt  # the engine owns it now: this generator must not keep the pixels alive to the end
+        async for output in outputs:
+            yield output
+
+    async def adopt(self, request_id: str, fn: Callable[[Engine], None]) -> AsyncIterator[RequestOutput]:
+        """Run `fn(engine)` on the engine thread, which makes `request_id` live (a decode replica's
+        `receive_kv`), and yield its outputs as `generate` does; `fn`'s exception is raised here."""
+        async for output in self._follow(request_id, _Adopt(request_id, fn)):
+            yield output
+
+    async def _follow(self, request_id: str, command: _Add | _Adopt) -> AsyncIterator[RequestOutput]:
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running: {self._error!r}")
         stream = _Stream(asyncio.get_running_loop())
@@ -144,8 +167,8 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise InvalidInputError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, prompt, params, arrival_time or time.time(), trace_parent))
-        del prompt  # the engine owns it now: this generator must not keep the pixels alive to the end
+        self._commands.put(command)
+        del command
         finished = False
         try:
             while not finished:
@@ -202,12 +225,19 @@ class AsyncEngine:
         except queue.Empty:
             return
 
-    def _apply(self, command: _Add | _Abort | _Call) -> None:
+    def _apply(self, command: _Add | _Adopt | _Abort | _Call) -> None:
         if isinstance(command, _Add):
             try:
                 self.engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time,
-                                        command.trace_parent)
+                                        command.trace_parent, command.hand_off)
             except InvalidInputError as exc:
+                self._send(command.request_id, exc)
+        elif isinstance(command, _Adopt):
+            try:
+                command.fn(self.engine)
+            except Exception as exc:  # noqa: BLE001 - the KV did not arrive: this request fails, the engine runs on
+                logger.warning("request %s: %s", command.request_id, exc)
+                self.engine.abort_request([command.request_id])
                 self._send(command.request_id, exc)
         elif isinstance(command, _Abort):
             self._deliver(self.engine.abort_request(list(command.request_ids)))

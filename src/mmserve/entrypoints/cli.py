@@ -231,6 +231,12 @@ def _add_serve_parser(sub: Any) -> None:
                           help="replicas as local processes (mp, the default) or Ray actors placed by Ray (ray: "
                                "--ray-address joins a cluster, else a local Ray is started and stopped with the "
                                "server)")
+    replicas.add_argument("--prefill-replicas", type=int, default=0, metavar="P",
+                          help="prefill/decode disaggregation: P replicas that encode and prefill each request "
+                               "and sample its first token, then hand its KV to one of --decode-replicas, which "
+                               "decodes the rest (same backend and routing; default: 0, no disaggregation)")
+    replicas.add_argument("--decode-replicas", type=int, default=0, metavar="D",
+                          help="the decode replicas of --prefill-replicas (both at least 1 to disaggregate)")
     replicas.add_argument("--routing", default="cache_aware", choices=ROUTING_POLICIES,
                           help="which replica a request goes to: the one likely to hold its images' encoder "
                                "outputs and its prompt's prefix, balanced by load (cache_aware, the default), "
@@ -337,6 +343,11 @@ def _serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size < 1:
         print(f"error: --data-parallel-size must be at least 1, got {args.data_parallel_size}", file=sys.stderr)
         return 2
+    disaggregated = args.prefill_replicas > 0 or args.decode_replicas > 0
+    if disaggregated and (args.prefill_replicas < 1 or args.decode_replicas < 1 or args.data_parallel_size > 1):
+        print("error: disaggregation takes --prefill-replicas P and --decode-replicas D, both at least 1, and no "
+              "--data-parallel-size", file=sys.stderr)
+        return 2
     if config.otlp_traces_endpoint is not None:
         try:
             otlp_exporter(config.otlp_traces_endpoint)  # the SDK is installed and the endpoint parses
@@ -345,9 +356,10 @@ def _serve(args: argparse.Namespace) -> int:
             return 2
     print(f"loading {model} ...", file=sys.stderr, flush=True)
     engine: Engine | ReplicaSet
-    if args.data_parallel_size > 1:
-        engine = ReplicaSet(config, args.data_parallel_size, RouterConfig(policy=args.routing),
-                            backend=args.data_parallel_backend, ray_address=config.encoder.ray_address)
+    if args.data_parallel_size > 1 or disaggregated:
+        engine = ReplicaSet(config, args.prefill_replicas if disaggregated else args.data_parallel_size,
+                            RouterConfig(policy=args.routing), backend=args.data_parallel_backend,
+                            ray_address=config.encoder.ray_address, decode_replicas=args.decode_replicas)
         engine.launch()
         frontend, stats = engine.engine, engine.stats()
     else:
