@@ -57,7 +57,11 @@ from benchmarks.serve import Job, RequestRecord, image_data_uri, local_server, o
 from benchmarks.workload import QUESTIONS, synthetic_image  # noqa: E402
 
 # name -> (encoder workers, backend); inline first: every target is a ratio to it
-MODES = {"inline": (0, "process"), "process-1": (1, "process"), "process-2": (2, "process"), "ray-1": (1, "ray")}
+MODES = {"inline": (0, "process"), "process-1": (1, "process"), "process-2": (2, "process"), "ray-1": (1, "ray"),
+         "pd-1+1": (0, "process")}
+# modes that are not encoder placements: prefill/decode disaggregation, the same cores split between a
+# prefill replica and a decode replica (one thread each on 2 cores) behind the API server
+PD_ARGS = {"pd-1+1": ["--prefill-replicas", "1", "--decode-replicas", "1"]}
 TEXT_TOPICS = ("a lighthouse", "a train journey", "a small robot", "the sea", "a mountain village", "a library",
                "an old clock", "a garden in winter")
 
@@ -268,7 +272,8 @@ def scrape(url: str) -> dict[str, Any]:
     """Worker liveness counters from /v1/stats, and the mean worker encode latency from /metrics."""
     stats = httpx.get(url + "/v1/stats", timeout=30).json()
     keep = ("encoder_items_encoded", "encoder_workers_alive", "encoder_worker_restarts",
-            "encoder_items_redispatched", "num_preemptions")
+            "encoder_items_redispatched", "num_preemptions", "kv_transfers", "kv_blocks_transferred",
+            "kv_bytes_transferred", "kv_blocks_deduplicated", "kv_transfer_ms_p50", "kv_transfer_ms_p99")
     out: dict[str, Any] = {k: stats[k] for k in keep if k in stats}
     total = count = 0.0
     for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
@@ -311,7 +316,7 @@ def run_mode(mode: str, settings: Settings, model_dir: Path, bursts: list[list[J
     warmup = image_jobs(settings, max(2, workers), settings.seed + 1000 + round_index)
     log = lambda msg: print(f"[{mode} round {round_index + 1}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     started = time.perf_counter()
-    args = ["--encoder-workers", str(workers), "--encoder-backend", backend]
+    args = ["--encoder-workers", str(workers), "--encoder-backend", backend, *PD_ARGS.get(mode, [])]
     tree: set[int] = set()
     try:
         with local_server(model_dir, args) as url:
@@ -326,6 +331,7 @@ def run_mode(mode: str, settings: Settings, model_dir: Path, bursts: list[list[J
     finally:
         leftovers = _reap_leftovers(tree)
     result = {"mode": mode, "encoder_workers": workers, "encoder_backend": backend if workers else None,
+              "replicas": "1 prefill + 1 decode" if mode in PD_ARGS else None,
               "startup_s": round(startup_s, 1), **summarize(raw), "server": server}
     if leftovers:
         result["leftover_processes_ended"] = leftovers
@@ -374,7 +380,9 @@ def parse_args(argv: list[str] | None) -> Settings:
     parser.add_argument("--min-side", type=int, default=448)
     parser.add_argument("--max-side", type=int, default=640)
     parser.add_argument("--rounds", type=int, default=2, help="rounds over all modes, medians kept (default 2)")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"subset of {','.join(MODES)}")
+    parser.add_argument("--modes", default="inline,process-1,process-2,ray-1",
+                        help=f"subset of {','.join(MODES)} (default: the encoder placements; pd-1+1 is "
+                             "prefill/decode disaggregation against inline, the colocated engine)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--server-threads", type=int, default=None,
                         help="OMP_NUM_THREADS for the server, a diagnosis of core contention (default: unset)")

@@ -126,6 +126,11 @@ def print_card(machine: dict[str, Any], model: dict[str, Any], settings: dict[st
         split = core_split(machine, r.get("encoder_workers", 0))
         workers = r.get("encoder_workers", 0)
         where = "inline in the engine step" if not workers else f"{workers} x {split['worker_threads']} thread(s)"
+        if r.get("replicas"):  # P/D: the server process holds no engine
+            print(f"            {mode:<10} {r['replicas']} replica process(es), max(1, cores // 2) thread(s) each, "
+                  "encoders inline in the prefill replica; the API server in its own process ('workers' CPU: "
+                  "the replicas)")
+            continue
         print(f"            {mode:<10} engine {split['engine_threads']} thread(s) + encoders {where} = "
               f"{split['total_threads']} compute threads on {split['cores']} cores")
     print("windows   : a burst window runs from its send to its last image's first token; 'in bursts' = text ITL "
