@@ -125,6 +125,14 @@ class ReceivedSpan:
     attributes: dict
 
 
+def _value(value):
+    """An OTLP AnyValue as Python (an array as a list)."""
+    kind = value.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(v) for v in value.array_value.values]
+    return getattr(value, kind)
+
+
 class _OTLPHandler(http.server.BaseHTTPRequestHandler):
     """OTLP/HTTP's trace export (protobuf), each span kept on the server."""
 
@@ -144,7 +152,7 @@ class _OTLPHandler(http.server.BaseHTTPRequestHandler):
             resource = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
-                    attributes = {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in span.attributes}
+                    attributes = {a.key: _value(a.value) for a in span.attributes}
                     self.server.spans.append(ReceivedSpan(span.name, resource.get("service.name", ""),
                                                           span.trace_id.hex(), span.span_id.hex(),
                                                           span.parent_span_id.hex(), attributes))

@@ -24,7 +24,7 @@ from mmserve import SamplingParams
 from mmserve.cluster.replicas import ReplicaSet
 from mmserve.config import EngineConfig
 from mmserve.engine.async_engine import EngineDeadError
-from tests.e2e.conftest import running_server
+from tests.e2e.conftest import otlp_receiver, running_server
 from tests.e2e.test_replicas import (
     COLORS,
     ENGINE_ARGS,
@@ -167,9 +167,13 @@ def test_disaggregated_replicas_as_ray_actors(model, pngs, reference):
     _run_then_shut_down(replicas, run, pids)
 
 
-def test_serve_with_a_prefill_and_a_decode_replica(model, pngs, reference, tmp_path):
-    with running_server(model, tmp_path / "pd.log", "--prefill-replicas", "1", "--decode-replicas", "1",
-                        "--num-kv-blocks", str(ENGINE_ARGS["num_kv_blocks"])) as server:
+def test_serve_with_a_prefill_and_a_decode_replica(model, pngs, reference, tmp_path, monkeypatch):
+    """Traced as well: a request's spans from the server, its prefill replica and its decode replica in one trace."""
+    pytest.importorskip("opentelemetry.sdk")  # the `otel` extra, which the test environment installs
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
+    with otlp_receiver() as (collector, spans), running_server(
+            model, tmp_path / "pd.log", "--prefill-replicas", "1", "--decode-replicas", "1", "--num-kv-blocks",
+            str(ENGINE_ARGS["num_kv_blocks"]), "--otlp-traces-endpoint", collector) as server:
         client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         stream = client.chat.completions.create(model=server.model, max_tokens=NUM_TOKENS, temperature=0,
                                                 messages=_messages(pngs[2], QUESTIONS[0]), stream=True)
@@ -180,4 +184,16 @@ def test_serve_with_a_prefill_and_a_decode_replica(model, pngs, reference, tmp_p
         stats = httpx.get(server.url + "/v1/stats", timeout=10).json()
         assert [r["role"] for r in stats["replicas"]] == ["prefill", "decode"]
         assert stats["requests_received"] == 2 and stats["kv_transfers"] == 2
+        assert stats["requests_finished"] == 2  # each counted once, where it finished
         assert httpx.get(server.url + "/health", timeout=10).json()["status"] == "ok"
+        deadline = time.monotonic() + 30
+        while sum(s.name == "engine.request" for s in spans) < 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
+    (server_span,) = [s for s in spans if s.name == "POST /v1/chat/completions"
+                      and s.attributes["gen_ai.request.id"] == reply.id]
+    under = [s for s in spans if s.parent_span_id == server_span.span_id]
+    names = sorted(s.name for s in under)
+    # the prefill replica's request (finished "handoff") and the decode replica's, both under the server's span
+    assert names.count("engine.request") == 2 and "kv_handoff" in names and "route" in names, names
+    finishes = sorted(s.attributes["gen_ai.response.finish_reasons"][0] for s in under if s.name == "engine.request")
+    assert finishes == ["handoff", "length"]

@@ -61,7 +61,8 @@ async def hand_off(replicas: Any, flight: Any, first: RequestOutput) -> None:
     `EngineDeadError` when no decode replica had room in time, `HandOffLost` when a replica fails."""
     rid, prefill, prefill_generation = flight.request_id, flight.replica, flight.generation
     prompt = flight.prompt.without_payloads()
-    args = (rid, prompt, flight.params, first.outputs[0], flight.arrival_time)
+    args = (rid, prompt, flight.params, first.outputs[0], flight.arrival_time, flight.trace_parent)
+    started_s = time.time()
     started = time.monotonic()
     while True:
         decision = replicas.decode_router.choose(flight.keys)
@@ -72,6 +73,9 @@ async def hand_off(replicas: Any, flight: Any, first: RequestOutput) -> None:
             except RuntimeError as exc:  # it died meanwhile, or refused: another, or later
                 logger.warning("request %s: decode replica %d could not admit it: %s", rid, decode.index, exc)
                 needed = None
+            except asyncio.CancelledError:  # the client left: what the decode replica may have admitted goes
+                replicas._send(decode.index, decode.generation, AbortRequest(rid))
+                raise
             if needed is not None:
                 break
         if time.monotonic() - started > HANDOFF_TIMEOUT_S:
@@ -85,15 +89,31 @@ async def hand_off(replicas: Any, flight: Any, first: RequestOutput) -> None:
     replicas.decode_router.dispatched(decision, flight.keys)
     flight.replica, flight.generation, flight.counted = decode.index, decode.generation, True
     sent_at = time.monotonic()
+    sending = asyncio.ensure_future(replicas._query(prefill, "send_kv", args=(rid, needed),
+                                                    generation=prefill_generation))
     try:
-        flight.transfer = await replicas._query(prefill, "send_kv", args=(rid, needed), generation=prefill_generation)
+        flight.transfer = await asyncio.shield(sending)
+    except asyncio.CancelledError:  # the client left: the transfer, once made, is nobody's
+        sending.add_done_callback(_discard_when_sent(replicas))
+        raise
     except RuntimeError as exc:
         replicas._send(decode.index, decode.generation, AbortRequest(rid))
         replicas._uncount(flight)
         raise HandOffLost(f"prefill replica {prefill} could not send the request's KV: {exc}") from None
     replicas.transfer_latencies.add(time.monotonic() - sent_at)
+    if replicas.tracing is not None and flight.trace_parent is not None:
+        replicas.tracing.record("kv_handoff", flight.trace_parent, started_s, time.time(), {
+            "mmserve.handoff.prefill_replica": prefill, "mmserve.handoff.decode_replica": decode.index,
+            "mmserve.handoff.blocks": len(needed), "mmserve.handoff.bytes": flight.transfer.nbytes})
     logger.debug("request %s: %d block(s) from replica %d to %d", rid, len(needed), prefill, decode.index)
     replicas._send(decode.index, decode.generation, ReceiveKV(rid, flight.transfer))
+
+
+def _discard_when_sent(replicas: Any) -> Any:
+    def discard(sending: asyncio.Future) -> None:
+        if not sending.cancelled() and sending.exception() is None:
+            replicas.discard(sending.result())
+    return discard
 
 
 def merged(first: RequestOutput, output: RequestOutput) -> RequestOutput:

@@ -310,8 +310,11 @@ class ReplicaSet:
     def _lost_transfer(self, flight: _Flight) -> None:
         """A transfer its decode replica will not receive: its bytes go (a shared-memory segment would stay)."""
         if flight.transfer is not None:
-            self._launcher.connector.discard(flight.transfer)
+            self.discard(flight.transfer)
             flight.transfer = None
+
+    def discard(self, transfer: Any) -> None:
+        self._launcher.connector.discard(transfer)
 
     def _trace_route(self, flight: _Flight, decision: RouteDecision, started_s: float) -> None:
         self.tracing.record("route", flight.trace_parent, started_s, time.time(), {

@@ -134,9 +134,8 @@ class Scheduler:
         if len(self.running) + len(self.handoff.receiving) >= self.limits.max_num_seqs:
             return None
         needed = self.handoff.receive(request, self.kv)
-        if needed is not None:
+        if needed is not None:  # its prompt was counted where it was computed
             self.requests[request.request_id] = request
-            self.stats.prompt_tokens += request.num_prompt_tokens
         return needed
 
     def transfer_done(self, request_id: str, num_blocks: int) -> None:

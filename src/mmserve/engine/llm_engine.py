@@ -265,7 +265,8 @@ class Engine:
         return transfer
 
     def admit_transferred(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                          first: CompletionOutput, arrival_time: float | None = None) -> list[int] | None:
+                          first: CompletionOutput, arrival_time: float | None = None,
+                          trace_parent: str | None = None) -> list[int] | None:
         """Take a request a prefill replica computed, `first` its first output there (one token, its
         logprobs): the indices of its prompt blocks to send (those this replica's prefix cache lacks), or
         None while there is no room (ask again later). `prompt` needs no media payloads: nothing is
@@ -276,7 +277,7 @@ class Engine:
             raise InvalidInputError(f"request id {request_id!r} is already in use")
         with at_param("bad_words"):
             bad_words = self.processor.tokenizer.bad_words_token_ids(params.bad_words)
-        tracked = self._tracked(request_id, prompt, params, arrival_time, bad_words)
+        tracked = self._tracked(request_id, prompt, params, arrival_time, bad_words, trace_parent=trace_parent)
         request = tracked.request
         request.transferred, tracked.payloads = True, {}
         request.output_token_ids.append(first.token_ids[0])
@@ -532,7 +533,8 @@ class Engine:
         s, kv, cache = self.scheduler.stats, self.scheduler.kv, self.scheduler.encoder_cache
         encoder = self.runner.encoder_counts()
         return {
-            "requests_finished": s.requests_finished,
+            # a request handed off to a decode replica finishes there, and is counted there
+            "requests_finished": s.requests_finished - self.scheduler.handoff.stats.requests_handed_off,
             "requests_running": len(self.scheduler.running),
             "requests_waiting": len(self.scheduler.waiting),
             "prompt_tokens": s.prompt_tokens,
