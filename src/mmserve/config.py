@@ -53,6 +53,9 @@ class CacheConfig:
                                                "included)")
     kv_cache_dtype: str = option("auto", "how keys and values are stored: the model dtype (auto), or int8 / fp8_e4m3 "
                                          "codes with a scale per token and kv head", choices=KV_CACHE_DTYPES)
+    cross_kv_cache_bytes: int | None = option(
+        None, "bytes of the running requests' image K/V in a model that cross-attends to its images (Llama 3.2 "
+              "Vision; stored in the model dtype)", shown="kv_cache_bytes, lifted to one image")
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -63,6 +66,8 @@ class CacheConfig:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.cross_kv_cache_bytes is not None and self.cross_kv_cache_bytes <= 0:
+            raise ValueError(f"cross_kv_cache_bytes must be positive, got {self.cross_kv_cache_bytes}")
 
 
 @dataclass(frozen=True)

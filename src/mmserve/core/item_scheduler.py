@@ -44,7 +44,7 @@ class ItemScheduler:
         """The request's items still to compute, one per content key."""
         out: dict[str, ItemSpec] = {}
         for item in request.items:
-            if item.end > from_token and item.output_rows > 0:
+            if item.needed_after(from_token) and item.output_rows > 0:
                 out.setdefault(item.content_hash, item)
         return out
 
@@ -86,20 +86,20 @@ class ItemScheduler:
     def waits_for_output(self, request: Request, token: int) -> bool:
         """Does the request's prefill stop at `token` only for an item that workers are encoding?"""
         return self.outputs_arrive_later and any(
-            item.offset <= token < item.end and self.cache.state(item.content_hash) == EntryState.PENDING
+            item.reaches(token, token + 1) and self.cache.state(item.content_hash) == EntryState.PENDING
             for item in request.items)
 
     def plan_chunk(self, request: Request, start: int, end: int, step: EncoderStep) -> int:
         """Schedule the MISSING items tokens [start, end) reach; return the (possibly cut) end."""
         rid = request.request_id
         for item in request.items:
-            if item.end <= start or item.offset >= end or item.output_rows == 0:
+            if not item.reaches(start, end) or item.output_rows == 0:
                 continue
             state = self.cache.state(item.content_hash)
             if state == EntryState.READY or (state == EntryState.PENDING and not self.outputs_arrive_later):
                 continue
             if state == EntryState.PENDING:  # in flight on a worker
-                return max(start, item.offset)
+                return max(start, item.needed_from)
             assert state == EntryState.MISSING and self.cache.holds(rid, item.content_hash), (
                 f"{rid}: item {item.index} reached without a reservation")
             cost = self.item_bytes(item)
@@ -107,12 +107,12 @@ class ItemScheduler:
                     and step.num_tokens + item.encoder_tokens <= self.budget.max_encoder_tokens_per_step
                     and step.num_bytes + cost <= self.budget.output_budget_bytes)
             if not fits:
-                return max(start, item.offset)
+                return max(start, item.needed_from)
             self.cache.produce(rid, item.content_hash)
             step.num_items += 1
             step.num_tokens += item.encoder_tokens
             step.num_bytes += cost
             step.items.setdefault(rid, []).append(item.index)
             if self.outputs_arrive_later:
-                return max(start, item.offset)
+                return max(start, item.needed_from)
         return end

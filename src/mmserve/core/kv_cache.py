@@ -90,8 +90,9 @@ def salted_root(salt: str | None) -> bytes | None:
 
 
 def block_extra_keys(items: Sequence[ItemSpec], start: int, end: int) -> list[tuple[str, int]]:
-    """(content hash, block start - item start) for every item overlapping tokens [start, end)."""
-    return [(it.content_hash, start - it.offset) for it in items if it.offset < end and it.end > start]
+    """(content hash, block start - item start) for every item tokens [start, end) depend on: those
+    overlapping them, and every cross-attention item (all of a request's tokens attend to it)."""
+    return [(it.content_hash, start - it.offset) for it in items if it.reaches(start, end)]
 
 
 @dataclass

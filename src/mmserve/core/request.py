@@ -54,16 +54,34 @@ class ItemSpec:
     content_hash: str  # identity of what the model sees
     encoder_tokens: int  # pre-merge patches
     output_rows: int  # post-merge embedding rows
+    # read by cross-attention layers (Llama 3.2 Vision): every token of the request depends on the item,
+    # those before its placeholder too, so it is needed from the first prefill chunk on and keys every block
+    cross_attention: bool = False
 
     @property
     def end(self) -> int:
         return self.offset + self.length
 
+    @property
+    def needed_from(self) -> int:
+        """The first token that needs the item's encoder output: where a chunk that cannot have it yet stops."""
+        return 0 if self.cross_attention else self.offset
+
+    def reaches(self, start: int, end: int) -> bool:
+        """Do tokens [start, end) depend on this item's encoder output?"""
+        return self.cross_attention or (self.offset < end and self.end > start)
+
+    def needed_after(self, num_computed: int) -> bool:
+        """Is the item's encoder output still needed once `num_computed` tokens are computed (or found in
+        the prefix cache)? A cross-attention item always is: its K/V is built from it before any chunk."""
+        return self.cross_attention or self.end > num_computed
+
 
 def item_specs(items: Sequence[Any]) -> tuple[ItemSpec, ...]:
     """`ItemSpec`s of a processed prompt's items (anything with their offset, length, content hash,
     encoder tokens and output rows): what the engine hands its scheduler and the router hashes."""
-    return tuple(ItemSpec(i, it.offset, it.length, it.content_hash, it.encoder_tokens, it.output_rows)
+    return tuple(ItemSpec(i, it.offset, it.length, it.content_hash, it.encoder_tokens, it.output_rows,
+                          getattr(it, "cross_attention", None) is not None)
                  for i, it in enumerate(items))
 
 
@@ -89,6 +107,7 @@ class Request:
     cache_salt: str | None = None  # seeds the prompt's block hashes: only the same salt shares blocks
     hand_off: bool = False  # prefill only: park after the first token, for a decode replica to take its KV
     transferred: bool = False  # its prompt's KV came from a prefill replica (no media payloads here)
+    cross_kv_bytes: int = 0  # its items' cross-attention K/V (families that cross-attend), held while it runs
     num_mm_items: int = field(init=False)  # items with embedding rows (the media the prompt carries)
 
     def __post_init__(self) -> None:

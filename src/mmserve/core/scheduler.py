@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from mmserve.core.chunk_policy import ChunkBoundaryPolicy
+from mmserve.core.cross_kv import CrossKVBook
 from mmserve.core.encoder_cache import EntryState
 from mmserve.core.handoff import HandOffBook
 from mmserve.core.item_scheduler import EncoderStep, ItemScheduler
@@ -65,8 +66,10 @@ class _StepPlan:
 
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, kv: KVCacheManager, items: ItemScheduler,
-                 chunking: ChunkBoundaryPolicy | None = None) -> None:
+                 chunking: ChunkBoundaryPolicy | None = None, cross_kv: CrossKVBook | None = None) -> None:
+        """`cross_kv`: the cross-attention KV budget of a family that cross-attends to its images."""
         self.limits = limits
+        self.cross_kv = cross_kv
         self.kv = kv
         self.items = items
         self.chunking = chunking or ChunkBoundaryPolicy()
@@ -85,6 +88,8 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         error = self.items.admission_error(request)
+        if error is None and self.cross_kv is not None:
+            error = self.cross_kv.admission_error(request)
         if error is not None:
             request.status, request.error = RequestStatus.FINISHED_ERROR, error
             self.stats.requests_rejected += 1
@@ -110,6 +115,7 @@ class Scheduler:
         request.error = error
         self.handoff.forget(request.request_id)
         self.kv.free(request)
+        self._free_cross_kv(request)
         self.encoder_cache.release(request.request_id)
         del self.requests[request.request_id]
         self._finished_since_step.add(request.request_id)
@@ -191,8 +197,13 @@ class Scheduler:
             i += 1
         return budget
 
+    def _free_cross_kv(self, request: Request) -> None:
+        if self.cross_kv is not None:
+            self.cross_kv.free(request.request_id)
+
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         self.kv.free(request)
+        self._free_cross_kv(request)  # the runner drops the tensors with the request's state; rebuilt on resume
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -244,7 +255,10 @@ class Scheduler:
         undone. Admitted with 0 tokens: its first uncomputed token is an item encoder workers are
         encoding (it waits in running, holding its reservations)."""
         request.num_computed_tokens = 0
+        if self.cross_kv is not None and not self.cross_kv.try_take(request):
+            return 0, False
         if self.kv.allocate_slots(request, num_new, hits) is None:
+            self._free_cross_kv(request)
             return 0, False
         held = {k for k in self.encoder_cache.entries if self.encoder_cache.holds(request.request_id, k)}
         # counted before reserving (once, at the first admission): an entry found ready, or being encoded for
@@ -255,6 +269,7 @@ class Scheduler:
         # every item is referenced, also those inside the prefix hit: a preempted request may need them
         if not self.items.try_reserve(request, 0):
             self.kv.free(request)
+            self._free_cross_kv(request)
             return 0, False
         end = self.items.plan_chunk(request, num_hit, num_hit + num_new, plan.encoder)
         if end <= num_hit and not self.items.waits_for_output(request, num_hit):
@@ -263,6 +278,7 @@ class Scheduler:
             new_refs = {k for k in self.encoder_cache.entries if self.encoder_cache.holds(request.request_id, k)}
             self.encoder_cache.release(request.request_id, new_refs - held)
             self.kv.free(request)
+            self._free_cross_kv(request)
             return 0, False
         request.num_computed_tokens = num_hit
         request.status = RequestStatus.RUNNING
@@ -271,7 +287,7 @@ class Scheduler:
             request.num_cached_tokens = num_hit
             request.num_encoder_cached_items = found
             request.num_prefix_cached_items = sum(1 for item in request.items
-                                                  if item.output_rows > 0 and item.end <= num_hit)
+                                                  if item.output_rows > 0 and not item.needed_after(num_hit))
             self.stats.prompt_tokens += request.num_prompt_tokens
         return max(0, end - num_hit), True
 
@@ -317,6 +333,7 @@ class Scheduler:
             elif parked:  # its KV waits for a decode replica; its encoder references are no longer needed
                 self.running.remove(request)
                 self.encoder_cache.release(rid)
+                self._free_cross_kv(request)
                 self.handoff.park(request)
             logprobs = result.sampled_logprobs.get(rid)
             outputs.append(EngineCoreOutput(rid, (token,), status.finish_reason if status else None,
@@ -379,6 +396,10 @@ class Scheduler:
     def check_integrity(self) -> None:
         self.kv.check_integrity()
         self.encoder_cache.check_integrity(set(self.requests))
+        if self.cross_kv is not None:
+            self.cross_kv.check_integrity({r.request_id for r in self.running})
+            if not self.requests:
+                assert not self.cross_kv.held, "idle engine holds cross-attention KV"
         owners = set(self.kv.req_blocks)
         holders = {r.request_id for r in self.running} | self.handoff.holders
         assert owners <= holders, f"blocks held by requests neither running nor handing off: {owners - holders}"

@@ -21,6 +21,7 @@ import torch
 
 from mmserve.config import EngineConfig
 from mmserve.core.chunk_policy import ChunkBoundaryPolicy, resolve_token_budget
+from mmserve.core.cross_kv import CrossKVBook
 from mmserve.core.encoder_cache import EncoderCacheManager, EntryState
 from mmserve.core.item_scheduler import ItemScheduler
 from mmserve.core.kv_cache import KVCacheManager
@@ -33,7 +34,12 @@ from mmserve.engine.frontend import Frontend
 from mmserve.engine.graph_settings import resolve_runner_graphs
 from mmserve.engine.inspection import EngineInspection
 from mmserve.engine.prompts import truncated_token_ids
-from mmserve.engine.sizing import resolve_encoder_budget, resolve_max_model_len, resolve_num_kv_blocks
+from mmserve.engine.sizing import (
+    resolve_cross_kv_bytes,
+    resolve_encoder_budget,
+    resolve_max_model_len,
+    resolve_num_kv_blocks,
+)
 from mmserve.engine.timeline import RequestTimeline
 from mmserve.errors import InvalidInputError, at_param
 from mmserve.faults import FaultPlan
@@ -117,7 +123,8 @@ class Engine:
         graphs = resolve_runner_graphs(config, encoder_tokens_per_step=self.budget.max_encoder_tokens_per_step,
                                        encoder_items_per_step=self.budget.max_items_per_step,
                                        num_kv_blocks=num_blocks, max_model_len=self.max_model_len,
-                                       num_position_rows=spec.num_position_rows)
+                                       num_position_rows=spec.num_position_rows,
+                                       cross_attention=spec.cross_attention is not None)
         # decode graphs' padding rows write to a scratch block after the ones the KV manager hands out
         self.kv_storage = PagedKVStorage(spec.num_layers, num_blocks + graphs.num_scratch_blocks,
                                          config.cache.block_size, spec.num_kv_heads, spec.head_dim, self.kv_format,
@@ -131,8 +138,13 @@ class Engine:
         chunking = ChunkBoundaryPolicy(indivisible_items=spec.bidirectional_media)
         max_batched, _ = resolve_token_budget(sched.max_num_batched_tokens, spec.max_item_span,
                                               chunking.indivisible_items)
+        cross_kv_bytes = resolve_cross_kv_bytes(config.cache, spec, self.dtype)
+        # bytes of one item row's cross-attention K/V (the model dtype), for a family that cross-attends
+        self.cross_kv_bytes_per_row = 0 if spec.cross_attention is None else spec.cross_attention.bytes_per_row(
+            torch.empty((), dtype=self.dtype).element_size())
         self.scheduler = Scheduler(SchedulerLimits(sched.max_num_seqs, max_batched, sched.enable_chunked_prefill,
-                                                   self.max_model_len), kv, items, chunking)
+                                                   self.max_model_len), kv, items, chunking,
+                                   None if cross_kv_bytes is None else CrossKVBook(cross_kv_bytes))
         self.runner = ModelRunner(self.model, spec, PagedAttentionBackend(self.kv_storage), self.device,
                                   self.encoder_pool, enc.encoder_timeout_s, graphs.encoder, graphs.decode,
                                   self.faults, config.logprobs_mode)
@@ -232,14 +244,17 @@ class Engine:
         """A request and the engine's view of it, before the scheduler has it."""
         items = item_specs(prompt.items)
         request = Request(request_id, list(prompt.prompt_token_ids), params, self.eos_token_ids, items,
-                          arrival_time or time.time(), prefill_after=prefill_after, cache_salt=prompt.cache_salt)
+                          arrival_time or time.time(), prefill_after=prefill_after, cache_salt=prompt.cache_salt,
+                          cross_kv_bytes=self.cross_kv_bytes_per_row * sum(
+                              i.output_rows for i in prompt.items if i.cross_attention is not None))
         detok = IncrementalDetokenizer(self.processor.tokenizer, request.prompt_token_ids,
                                        params.skip_special_tokens, params.stop, params.include_stop_str_in_output)
         spans = embed_runs(prompt.embed_mask) if self.spec.bidirectional_media and prompt.items else ()
         runner_prompt = RunnerPrompt(prompt.positions, prompt.embed_mask, prompt.embed_cumsum,
                                      tuple(i.content_hash for i in prompt.items),
                                      tuple(i.output_rows for i in prompt.items), tuple(sorted(request.stop_token_ids)),
-                                     spans, bad_words)
+                                     spans, bad_words,
+                                     tuple(i.cross_attention for i in prompt.items if i.cross_attention is not None))
         tracked = _Tracked(request, prompt.prompt, detok, RequestMetrics(request.arrival_time), runner_prompt,
                            {i: it.payload for i, it in enumerate(prompt.items)},
                            logprobs=None if params.logprobs is None else [],
@@ -563,6 +578,7 @@ class Engine:
             "encoder_cache_bytes_total": cache.capacity_bytes,
             "requests_rejected": s.requests_rejected,
             **self._handoff_stats(),
+            **self._cross_kv_stats(),
             "budget_max_encoder_items_per_step": self.budget.max_items_per_step,
             "budget_max_encoder_tokens_per_step": self.budget.max_encoder_tokens_per_step,
             "budget_encoder_output_bytes": self.budget.output_budget_bytes,
@@ -579,6 +595,13 @@ class Engine:
                 "kv_blocks_sent": h.stats.kv_blocks_sent, "kv_blocks_transferred": h.stats.kv_blocks_received,
                 "kv_bytes_transferred": h.stats.kv_blocks_received * block_bytes,
                 "kv_blocks_deduplicated": h.stats.kv_blocks_deduplicated}
+
+    def _cross_kv_stats(self) -> dict[str, int]:
+        book = self.scheduler.cross_kv
+        if book is None:
+            return {}
+        return {"cross_kv_bytes_used": book.used_bytes, "cross_kv_bytes_total": book.capacity_bytes,
+                "cross_kv_builds": self.runner.cross_kv_builds}
 
     def wait_for_compiled_decode(self, timeout_s: float | None = None) -> bool:
         """Block until the CPU's decode step, compiled in the background, replays (True), or it is not
@@ -615,6 +638,8 @@ class Engine:
         self.choices.check_integrity(live)
         assert self.structured.tracked_ids() <= live, "a grammar matcher outlived its request"
         assert set(self.runner.request_views()) <= live, "runner holds state of finished requests"
+        holders = set(self.scheduler.cross_kv.held) if self.scheduler.cross_kv is not None else set()
+        assert self.runner.cross_kv_holders() <= holders, "the runner holds cross-attention KV the budget lost"
         cache = self.scheduler.encoder_cache
         ready = {k for k, e in cache.entries.items() if e.state == EntryState.READY}
         stored = set(self.runner.encoder_outputs())

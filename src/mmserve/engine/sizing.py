@@ -3,7 +3,8 @@
 Role: the KV cache's blocks (from `kv_cache_bytes` and the bytes a token takes in the KV format, or
 `num_kv_blocks`), the context a request may reach (`max_model_len`: the configured one, else the
 model's, never more than the KV cache holds), and the encoder budgets (lifted to the largest legal
-item, logged once).
+item, logged once), and the cross-attention KV pool of a family that cross-attends (`cross_kv_cache_bytes`,
+else as many bytes as the KV cache, lifted to one largest image).
 
 What it does not know: devices, the runner, scheduling.
 """
@@ -29,6 +30,18 @@ def resolve_num_kv_blocks(cache: CacheConfig, kv_bytes_per_token: int) -> int:
     if num < 1:
         raise ValueError(f"kv_cache_bytes={cache.kv_cache_bytes} is smaller than one block ({per_block} bytes)")
     return int(num)
+
+
+def resolve_cross_kv_bytes(cache: CacheConfig, spec: FamilySpec, dtype: torch.dtype) -> int | None:
+    """The cross-attention KV pool's bytes, or None for a family that does not cross-attend."""
+    if spec.cross_attention is None:
+        return None
+    one_image = spec.max_item_rows * spec.cross_attention.bytes_per_row(torch.empty((), dtype=dtype).element_size())
+    configured = cache.cross_kv_cache_bytes or cache.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
+    if configured < one_image:
+        logger.warning("cross_kv_cache_bytes lifted to one image: configured=%d effective=%d", configured, one_image)
+        return one_image
+    return configured
 
 
 def resolve_max_model_len(configured: int | None, model_len: int, kv_capacity_tokens: int) -> int:

@@ -20,6 +20,16 @@ VIDEO = "video"
 
 
 @dataclass(frozen=True)
+class CrossAttentionSpan:
+    """An item the language model reads through cross-attention (its rows are keys and values, not prompt
+    rows): which token positions see it, and which of its rows they see."""
+
+    visible_from: int  # first token position that sees the item
+    visible_until: int | None  # first position that no longer does; None: every later one, generated included
+    attended_rows: int  # its first rows; the rest (padding) count only for a query that sees no row at all
+
+
+@dataclass(frozen=True)
 class MMItem:
     modality: str  # IMAGE or VIDEO
     index: int  # which image or video of the prompt (its parts share the index)
@@ -30,6 +40,9 @@ class MMItem:
     content_hash: str  # identity of what the model sees (pixels + processing)
     payload: Any = None  # the family's encoder input; only the family's model reads it
     part: int = 0  # which part of its image or video (a video's temporal group, in families that split)
+    # set when the item is read by cross-attention layers: its span is one token that keeps its text
+    # embedding, and `output_rows` are rows of cross-attention states, not prompt rows
+    cross_attention: CrossAttentionSpan | None = None
 
     @property
     def ref(self) -> tuple[str, int]:

@@ -97,6 +97,10 @@ class _Text(str):
 
 class MultimodalProcessor:
     default_video_fps: float = DEFAULT_VIDEO_FPS
+    # False: the family reads items through cross-attention (Llama 3.2 Vision): each placeholder is one
+    # token that keeps its text embedding, no prompt row is an encoder row, and `cross_attention_items`
+    # says which positions see each item
+    fuses_rows: bool = True
     modalities: tuple[str, ...] = (IMAGE, VIDEO)  # what the family takes; others are refused up front
 
     def __init__(self, model_dir: str | Path, placeholder_ids: Mapping[str, int], vocab_size: int,
@@ -137,6 +141,10 @@ class MultimodalProcessor:
     def positions(self, token_ids: list[int], items: list[MMItem]) -> PromptPositions:
         """Rotary positions of the prompt: by default a token's index (1-D RoPE)."""
         return PromptPositions(1)
+
+    def cross_attention_items(self, token_ids: list[int], items: list[MMItem]) -> list[MMItem]:
+        """A family that does not fuse rows: the items with their `cross_attention` spans set."""
+        raise NotImplementedError
 
     # ---- chat ---------------------------------------------------------------------------------
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
@@ -272,7 +280,7 @@ class MultimodalProcessor:
                 if not out or not isinstance(out[-1], list):
                     out.append([])
                 out[-1].append(tid)
-            elif out and isinstance(out[-1], _Run) and (out[-1], out[-1].expanded) == found:
+            elif self.fuses_rows and out and isinstance(out[-1], _Run) and (out[-1], out[-1].expanded) == found:
                 out[-1].length += 1
             elif found[1] and out and isinstance(out[-1], _Run) and not out[-1].expanded \
                     and out[-1].length == 1 and out[-1] == found[0]:
@@ -351,6 +359,8 @@ class MultimodalProcessor:
             raise InvalidInputError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}",
                                     param="prompt")
         ids = np.asarray(token_ids, dtype=np.int64)
+        if not self.fuses_rows:
+            return self._finish_cross_attention(prompt, token_ids, items)
         embed_mask = np.isin(ids, np.asarray(list(self.embed_ids.values()), dtype=np.int64))
         mm_mask = np.zeros(len(token_ids), dtype=bool)
         embed_cumsum = np.cumsum(embed_mask, dtype=np.int64)
@@ -363,6 +373,19 @@ class MultimodalProcessor:
         check_item_rows("the prompt's items together", total, sum(i.output_rows for i in items))
         return ProcessedPrompt(prompt, token_ids, items, mm_mask, embed_mask, embed_cumsum,
                                self.positions(token_ids, items))
+
+    def _finish_cross_attention(self, prompt: str | None, token_ids: list[int], items: list[MMItem]) -> ProcessedPrompt:
+        """No prompt row is an encoder row: the masks mark each item's one placeholder token, the embed
+        cumsum stays 0, and the family sets each item's cross-attention span."""
+        mm_mask = np.zeros(len(token_ids), dtype=bool)
+        for item in items:
+            if item.length != 1:
+                raise InvalidInputError(f"{item.modality} {item.index}: this model takes one placeholder token per "
+                                        f"{item.modality}, got a span of {item.length}", param="prompt")
+            mm_mask[item.offset] = True
+        zeros = np.zeros(len(token_ids), dtype=np.int64)
+        return ProcessedPrompt(prompt, token_ids, self.cross_attention_items(token_ids, items), mm_mask,
+                               zeros.astype(bool), zeros, self.positions(token_ids, items))
 
 
 def _cut_after_final_message(rendered: str, final: dict[str, Any]) -> str:

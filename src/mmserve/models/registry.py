@@ -13,6 +13,7 @@ from mmserve.errors import ModelLoadError
 from mmserve.models.gemma3 import family as gemma3
 from mmserve.models.llava_onevision import family as llava_onevision
 from mmserve.models.mistral3 import family as mistral3
+from mmserve.models.mllama import family as mllama
 from mmserve.models.qwen2_vl import family as qwen2_vl
 from mmserve.models.qwen3_vl import family as qwen3_vl
 from mmserve.models.spec import ModelFamily
@@ -23,6 +24,7 @@ _FAMILIES: Mapping[str, ModelFamily] = MappingProxyType({
     **qwen3_vl.FAMILIES,
     **gemma3.FAMILIES,
     **mistral3.FAMILIES,
+    **mllama.FAMILIES,
 })
 
 

@@ -51,6 +51,19 @@ class ItemSize:
 
 
 @dataclass(frozen=True)
+class CrossAttentionLayout:
+    """A family whose language model reads items through cross-attention layers: their K/V per item row."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def bytes_per_row(self, dtype_bytes: int) -> int:
+        """Bytes of one item row's keys and values over every cross-attention layer."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     name: str
     num_layers: int  # KV layout: one K and one V per layer ...
@@ -67,6 +80,9 @@ class FamilySpec:
     # each run of an item's encoder rows attends to itself in both directions (Gemma 3): the language
     # model must see an item's span in one prefill chunk
     bidirectional_media: bool = False
+    # items are read by cross-attention layers (Llama 3.2 Vision): a request's items are encoded before its
+    # first prefill chunk, their K/V kept per request; `num_layers` above counts self-attention layers only
+    cross_attention: CrossAttentionLayout | None = None
 
     @classmethod
     def for_decoder(cls, name: str, text: DecoderTextConfig, *, eos_token_ids: tuple[int, ...],

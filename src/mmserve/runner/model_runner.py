@@ -4,7 +4,10 @@ Role: keep per-request device-side state (token ids, block table, positions, the
 encode the items the scheduler asked for (their payloads arrive keyed by content key with the
 step), build the flattened ragged batch (token ids, positions, KV slots, fusion indices) on the
 CPU, ship it with non_blocking copies, run the model and the sampler. One host sync per step: the
-sampled token ids. Reports which encoder keys it committed and which failed. With captured graphs
+sampled token ids. Reports which encoder keys it committed and which failed. For a family that
+cross-attends to its images, a request's cross-attention K/V is built from its items' encoder outputs
+the first time one of its chunks runs (runner/cross_attention.py), and each step's sequences carry
+their cross-attention inputs in the attention metadata. With captured graphs
 (runner/graphs/) the encoder replays a bucket's graph and a decode-only step replays a (batch,
 width) graph; anything no graph holds runs eagerly. The engine talks to it through its methods only:
 `execute`, `release`, `free_encoder_outputs`, `take_outcomes` and the views and counters
@@ -29,6 +32,7 @@ from mmserve.faults import FaultPlan
 from mmserve.models.spec import FamilyModel, FamilySpec
 from mmserve.runner.attention import PagedAttentionBackend
 from mmserve.runner.batch import BatchBuilder, PromptLogprobRows
+from mmserve.runner.cross_attention import CrossKV, cross_items, step_inputs
 from mmserve.runner.encoder.async_dispatch import AsyncEncoder
 from mmserve.runner.encoder.pool import EncoderPool, ItemOutcome
 from mmserve.runner.encoder.runner import EncoderRunner, OutputShape
@@ -115,6 +119,7 @@ class ModelRunner:
         self._outcomes: list[ItemOutcome] = []  # what arrived from workers in the last step
         self.last_step = StepTiming()
         self.fault_token = faults.step_fault_token_id  # a step holding this token id raises (a test's fault)
+        self.cross_kv_builds = 0  # requests' cross-attention K/V built (once per request, again after a preemption)
 
     # ---- the engine's calls besides execute -----------------------------------------------------
     def wait_for_decode_graphs(self, timeout_s: float | None = None) -> bool:
@@ -170,6 +175,10 @@ class ModelRunner:
         """A copy of the last step's timing."""
         return replace(self.last_step)
 
+    def cross_kv_holders(self) -> set[str]:
+        """The requests whose cross-attention K/V the runner holds."""
+        return {rid for rid, r in self.requests.items() if r.cross is not None}
+
     def request_views(self) -> dict[str, RunnerRequestView]:
         """Every request the runner holds state for, read-only."""
         return {rid: RunnerRequestView(r.num_prompt_tokens, r.num_computed_tokens, tuple(r.block_ids))
@@ -212,7 +221,7 @@ class ModelRunner:
 
     def _start(self, new: NewRequestData, prompt: RunnerPrompt) -> RunnerRequest:
         mm = None
-        if prompt.item_keys:
+        if prompt.item_keys and not prompt.cross_spans:  # cross-attended items fuse no prompt rows
             mm = MultimodalRuntimeData(prompt.embed_mask, prompt.embed_cumsum, list(prompt.item_rows))
         return RunnerRequest(new.request_id, list(new.token_ids), new.num_prompt_tokens, prompt,
                              new.sampling_params, list(new.block_ids), new.num_computed_tokens, mm)
@@ -225,9 +234,32 @@ class ModelRunner:
         return state.mm.plan_chunk(state.num_computed_tokens, state.num_computed_tokens + num)
 
     def _rows_ready(self, rid: str, pieces: list[ChunkPiece]) -> bool:
-        """Are the encoder rows this request's chunk fuses all in the store?"""
-        keys = self.requests[rid].prompt.item_keys
+        """Are the encoder rows this request's chunk fuses all in the store (and, for a request that
+        cross-attends without its K/V yet, every item's output)?"""
+        state = self.requests[rid]
+        keys = state.prompt.item_keys
+        if state.prompt.cross_spans and state.cross is None:
+            return all(key in self.encoder.store for key in keys)
         return all(keys[p.item_index] in self.encoder.store for p in pieces)
+
+    def _cross_inputs(self, scheduled: dict[str, int]) -> list:
+        """Each scheduled sequence's cross-attention inputs (None: it has no images), building the K/V of a
+        request that has none yet from its items' encoder outputs; [] when no sequence cross-attends."""
+        out = []
+        for rid, num in scheduled.items():
+            state = self.requests[rid]
+            if not state.prompt.cross_spans:
+                out.append(None)
+                continue
+            if state.cross is None:
+                rows = state.prompt.item_rows
+                states = torch.cat([self.encoder.store[key][0] for key in state.prompt.item_keys])  # (rows, hidden)
+                state.cross = CrossKV(self.model.cross_attention_kv(states),
+                                      cross_items(state.prompt.cross_spans, rows), sum(rows))
+                self.cross_kv_builds += 1
+            start = state.num_computed_tokens
+            out.append(step_inputs(state.cross, start, start + num, self.device))
+        return out if any(c is not None for c in out) else []
 
     def _forward(self, scheduled: dict[str, int], plans: dict[str, list[ChunkPiece]],
                  result: ModelRunnerOutput, token_bitmasks: dict[str, torch.Tensor]) -> None:
@@ -239,7 +271,7 @@ class ModelRunner:
         forward_started = time.perf_counter()
         logits = None if self.decode_graphs is None else self._decode_graph_logits(builder)
         if logits is None:
-            logits, forward_started, result.prompt_logprobs = self._eager_logits(builder)
+            logits, forward_started, result.prompt_logprobs = self._eager_logits(builder, self._cross_inputs(scheduled))
         if builder.sample_rows:
             rows = builder.sample_rows
             meta = sampling_metadata([self._sampled_row(r, logits.shape[1], token_bitmasks.get(r.request_id))
@@ -267,12 +299,13 @@ class ModelRunner:
             return None  # the eager path raises the test fault
         return self.decode_graphs.run(builder)
 
-    def _eager_logits(self, builder: BatchBuilder) -> tuple[torch.Tensor | None, float,
-                                                            dict[str, tuple[int, tuple[TokenLogprobs, ...]]]]:
+    def _eager_logits(self, builder: BatchBuilder, cross: list) -> tuple[torch.Tensor | None, float,
+                                                                         dict[str, tuple[int, tuple[TokenLogprobs, ...]]]]:
         """(num_sampled, vocab) logits of the step's sampled rows (None when none is sampled), when the
         model forward began (after the batch is built and fused), and the prompt logprobs of the requests
-        that asked for them."""
+        that asked for them. `cross`: the sequences' cross-attention inputs ([]: none cross-attends)."""
         batch = builder.build()
+        batch.attn.cross = cross
         embeds = self.model.embed(batch.input_ids)
         extra = None
         if batch.fusion and self.spec.num_embedding_streams > 1:  # deepstack: zero at text rows

@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mmserve.inputs.items import PromptPositions
+from mmserve.inputs.items import CrossAttentionSpan, PromptPositions
 from mmserve.runner.encoder.runner import EncodeJob
 from mmserve.runner.fusion import MultimodalRuntimeData
 from mmserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from mmserve.runner.cross_attention import CrossKV
     from mmserve.runner.sampling_state import RequestSampling
 
 
@@ -37,6 +38,8 @@ class RunnerPrompt:
     stop_token_ids: tuple[int, ...]
     attention_spans: tuple[tuple[int, int], ...] = ()  # [start, end) runs of tokens attending bidirectionally
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # SamplingParams.bad_words, tokenized
+    # a family that cross-attends: each item's span (items in order; all or none of them cross-attend)
+    cross_spans: tuple[CrossAttentionSpan, ...] = ()
 
 
 @dataclass
@@ -61,6 +64,7 @@ class RunnerRequest:
     num_computed_tokens: int
     mm: MultimodalRuntimeData | None = None
     sampling: RequestSampling | None = None  # device-side sampling state, for requests whose options need it
+    cross: CrossKV | None = None  # its cross-attention K/V, built at its first chunk (again after a preemption)
 
     @property
     def num_output_tokens(self) -> int:

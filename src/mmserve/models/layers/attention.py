@@ -11,6 +11,11 @@ The mask semantics, shared by every backend and by transformers: a query at posi
 key position j when j <= p, or when p and j lie in the same bidirectional span; a sliding-window
 layer then keeps only keys with j > p - sliding_window.
 
+Cross-attention (late fusion: text queries over an image's encoder rows as keys and values) rides on
+the same metadata: `AttentionMetadata.cross` holds, per sequence, its `CrossAttentionInputs` (the
+K/V of every cross-attention layer, computed once per request, and which rows each of this step's
+queries sees), or None for a sequence without images, whose tokens skip those layers.
+
 `dense_attention` is that rule over dense tensors (the reference the paged backend is tested
 against, and its prefill path); `ContiguousKVCache` is the simple one-buffer-per-sequence
 backend for single-request generation. The engine's paged backend lives in `runner/`.
@@ -41,6 +46,18 @@ class LayerAttention:
 FULL = LayerAttention()
 
 
+@dataclass(frozen=True)
+class CrossAttentionInputs:
+    """One sequence's cross-attention in this step. `kv[c]` is the (keys, values) of cross-attention
+    layer c, each (num_kv_heads, num_rows, head_dim); `bias` (q_len, num_rows) is added to the scores
+    (0 or -inf), None when every query sees every row; `row_gate` (q_len, 1) is 0 for a query that sees
+    no row (the family decides what that drops), None when every query sees some row."""
+
+    kv: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    bias: torch.Tensor | None = None
+    row_gate: torch.Tensor | None = None
+
+
 @dataclass
 class AttentionMetadata:
     """One step's ragged batch: sequence i owns the next `query_lens[i]` tokens of the flattened batch,
@@ -51,6 +68,9 @@ class AttentionMetadata:
     # per sequence, its bidirectional spans (sorted, disjoint); empty: plain causal. A span a query
     # lies in must be wholly within the sequence's keys this step (the chunk policy guarantees it).
     spans: list[tuple[Span, ...]] = field(default_factory=list)
+    # per sequence, its cross-attention inputs or None (no images: cross-attention layers skip it);
+    # empty: no sequence cross-attends
+    cross: list[CrossAttentionInputs | None] = field(default_factory=list)
 
     @property
     def num_sequences(self) -> int:
@@ -58,6 +78,9 @@ class AttentionMetadata:
 
     def spans_of(self, i: int) -> tuple[Span, ...]:
         return self.spans[i] if self.spans else ()
+
+    def cross_of(self, i: int) -> CrossAttentionInputs | None:
+        return self.cross[i] if self.cross else None
 
 
 class AttentionBackend(Protocol):
@@ -121,6 +144,17 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_l
     if mask is not None:
         mask = mask.repeat(q.shape[1] // kh.shape[1], 1)  # one mask row per folded query row
     out = F.scaled_dot_product_attention(fold_gqa(q, kh.shape[1])[None], kh, vh, attn_mask=mask, scale=layer.scale)
+    return unfold_gqa(out[0], q_len)
+
+
+def cross_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,
+                    scale: float) -> torch.Tensor:
+    """q (q_len, H, D) over one sequence's cross-attention keys/values (KVH, rows, D) under `bias`
+    (q_len, rows) or None. Returns (q_len, H * D)."""
+    q_len = q.shape[0]
+    mask = None if bias is None else bias.to(q.dtype).repeat(q.shape[1] // keys.shape[0], 1)
+    out = F.scaled_dot_product_attention(fold_gqa(q, keys.shape[0])[None], keys[None], values[None],
+                                         attn_mask=mask, scale=scale)
     return unfold_gqa(out[0], q_len)
 
 

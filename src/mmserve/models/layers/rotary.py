@@ -7,6 +7,8 @@ does) and rotate the full head dim ("rotate half" convention).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -24,6 +26,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def inverse_frequencies(dim: int, theta: float, device: torch.device | str | None = None) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+
+
+def llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                  original_max_positions: int) -> torch.Tensor:
+    """Llama 3.1's rope scaling of plain inverse frequencies (transformers' `_compute_llama3_parameters`):
+    long wavelengths divided by `factor`, short ones kept, the band between interpolated."""
+    low_freq_wavelen = original_max_positions / low_freq_factor
+    high_freq_wavelen = original_max_positions / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_positions / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 class MRotaryEmbedding(torch.nn.Module):

@@ -1,1 +1,1 @@
-"""Llama 3.2 Vision (mllama): so far only its image preprocessing; the family itself is not built yet."""
+"""Llama 3.2 Vision (mllama): a tile encoder read by cross-attention layers of a Llama 3 decoder."""

@@ -1,14 +1,15 @@
-"""Typed view of the parts of a Llama 3.2 Vision `config.json` (`MllamaConfig`) its image encoder reads.
+"""Typed view of a Llama 3.2 Vision `config.json` (`MllamaConfig`).
 
-Role: turn the checkpoint's `vision_config` (transformers' `MllamaVisionConfig`), the text hidden size
-the projector maps onto and the image token into frozen dataclasses, with transformers' names and
+Role: turn the checkpoint's `vision_config` (transformers' `MllamaVisionConfig`), its `text_config`
+(`MllamaTextConfig`: a Llama 3 decoder whose `cross_attention_layers` cross-attend to the image, with
+Llama 3's rope scaling) and the image token into frozen dataclasses, with transformers' names and
 defaults: an absent section or field takes `MllamaVisionConfig` / `MllamaTextConfig` / `MllamaConfig`'s
 default (Llama 3.2 11B Vision's sizes). A malformed config fails here with a `ModelLoadError`: sizes
 that are not positive, heads that do not divide the width, intermediate layers outside the local
 encoder, a `vision_output_dim` other than the width times (1 + intermediate layers) that the encoder
 concatenates, aspect ratios that are not (rows, columns) grids of at most `max_num_tiles` tiles.
 
-What it does not know: the language model beyond its width, weights, tokenizers, pixels, devices.
+What it does not know: weights, tokenizers, pixels, devices.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from types import MappingProxyType
 from typing import Any
 
 from mmserve.errors import ModelLoadError
-from mmserve.models.config_reader import Key, read
+from mmserve.models.config_reader import DecoderTextConfig, Key, read, rope_section, rope_type, token_ids
 
 MLLAMA = "MllamaForConditionalGeneration"
 VISION_MODEL_TYPE = "mllama_vision_model"
@@ -108,13 +109,44 @@ class MllamaVisionConfig:
         return -(-self.num_patches // PATCH_MULTIPLE) * PATCH_MULTIPLE
 
 
+@dataclass(frozen=True, kw_only=True)
+class MllamaTextConfig(DecoderTextConfig):
+    """The Llama 3 decoder; the layers at `cross_attention_layers` cross-attend to the image instead of
+    attending to the text (they hold no self-attention KV). `head_dim` is hidden / heads, as transformers
+    computes it for both kinds of layer. `vocab_size` is the width of the logits: the embedding has 8
+    rows more (`<|image|>` is the first of them)."""
+
+    rope_theta: float
+    rope_llama3: tuple[float, float, float, int] | None  # (factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings) of Llama 3's rope scaling; None: plain RoPE
+    cross_attention_layers: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        outside = [i for i in self.cross_attention_layers if not 0 <= i < self.num_hidden_layers]
+        if outside:
+            raise ModelLoadError(f"cross_attention_layers {outside} are outside the {self.num_hidden_layers} layers")
+        if len(set(self.cross_attention_layers)) == self.num_hidden_layers:
+            raise ModelLoadError("every text layer is a cross-attention layer: no layer attends to the text")
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.vocab_size + 8
+
+    @property
+    def self_attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if i not in self.cross_attention_layers)
+
+
 @dataclass(frozen=True)
 class MllamaConfig:
-    """What the image encoder and its projector need of the whole checkpoint."""
+    """The whole checkpoint: vision tower, projector, decoder, the image token and the eos ids."""
 
     vision: MllamaVisionConfig
     text_hidden_size: int  # text_config.hidden_size: the width of the projected cross-attention states
     image_token_index: int  # <|image|>
+    text: MllamaTextConfig | None = None  # None only where the image encoder is read alone
+    eos_token_ids: tuple[int, ...] = (128001,)
 
     def __post_init__(self) -> None:
         if self.text_hidden_size < 1:
@@ -173,6 +205,49 @@ TOP_KEYS = MappingProxyType({
 })
 
 
+# MllamaTextConfig's defaults (Llama 3.2 11B Vision's decoder)
+DEFAULT_CROSS_ATTENTION_LAYERS = (3, 8, 13, 18, 23, 28, 33, 38)
+DEFAULT_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+TEXT_KEYS = MappingProxyType({
+    "vocab_size": _int_key("vocab_size"), "hidden_size": _int_key("hidden_size"),
+    "intermediate_size": _int_key("intermediate_size"), "num_hidden_layers": _int_key("num_hidden_layers"),
+    "num_attention_heads": _int_key("num_attention_heads"),
+    "num_key_value_heads": Key(default=lambda f: f["num_attention_heads"], falsy_is_absent=True),
+    "max_position_embeddings": _int_key("max_position_embeddings"),
+    "cross_attention_layers": Key(convert=lambda value: _integers(value, "cross_attention_layers")),
+})
+TEXT_DEFAULTS = MappingProxyType({
+    "vocab_size": 128256, "hidden_size": TEXT_HIDDEN_DEFAULT, "intermediate_size": 14336, "num_hidden_layers": 40,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+    "hidden_act": "silu", "tie_word_embeddings": False, "cross_attention_layers": DEFAULT_CROSS_ATTENTION_LAYERS,
+})
+
+
+def _rope(section: dict[str, Any]) -> tuple[float, tuple[float, float, float, int] | None]:
+    params = rope_section(section) or dict(DEFAULT_ROPE)
+    kind = rope_type(params)
+    theta = float(params.get("rope_theta", section.get("rope_theta", DEFAULT_ROPE["rope_theta"])))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise ModelLoadError(f"unsupported text rope_type {kind!r}; supported: default, llama3")
+    return theta, (float(params["factor"]), float(params["low_freq_factor"]), float(params["high_freq_factor"]),
+                   int(params["original_max_position_embeddings"]))
+
+
+def parse_text_config(t: dict[str, Any]) -> MllamaTextConfig:
+    """Read a `text_config` section (absent fields: MllamaTextConfig's defaults)."""
+    section = {**TEXT_DEFAULTS, **{k: v for k, v in t.items() if v is not None or k == "num_key_value_heads"}}
+    theta, llama3 = _rope(t)
+    heads = _integer(section["num_attention_heads"], "text_config num_attention_heads")
+    if heads < 1 or section["hidden_size"] % heads:
+        raise ModelLoadError(f"text_config hidden_size {section['hidden_size']} is not divisible by "
+                             f"num_attention_heads {heads}")
+    return read(MllamaTextConfig, section, TEXT_KEYS, rope_theta=theta, rope_llama3=llama3,
+                head_dim=section["hidden_size"] // heads)
+
+
 def _section(raw: dict[str, Any], name: str) -> dict[str, Any]:
     section = raw.get(name)
     if section is None:
@@ -196,8 +271,10 @@ def parse_config(raw: dict[str, Any]) -> MllamaConfig:
         if not isinstance(raw, dict):
             raise ModelLoadError(f"config.json is not a JSON object, got {type(raw).__name__}")
         vision = parse_vision_config(_section(raw, "vision_config"))
-        text_hidden = _integer(_section(raw, "text_config").get("hidden_size", TEXT_HIDDEN_DEFAULT),
-                               "text_config hidden_size")
-        return read(MllamaConfig, raw, TOP_KEYS, vision=vision, text_hidden_size=text_hidden)
+        text_section = _section(raw, "text_config")
+        text = parse_text_config(text_section)
+        eos = token_ids(text_section.get("eos_token_id", raw.get("eos_token_id", 128001)))
+        return read(MllamaConfig, raw, TOP_KEYS, vision=vision, text_hidden_size=text.hidden_size, text=text,
+                    eos_token_ids=eos)
     except (TypeError, ValueError) as exc:
         raise ModelLoadError(f"bad Llama 3.2 Vision config: {exc}") from exc
