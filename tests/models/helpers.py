@@ -7,7 +7,7 @@ import torch
 
 from mmserve.inputs.items import ProcessedPrompt
 from mmserve.inputs.media import MediaLimits
-from mmserve.models.generation import prefill_inputs, prefill_metadata, prompt_positions
+from mmserve.models.generation import prefill_inputs, prefill_metadata, prompt_cross_kv, prompt_positions
 from mmserve.models.layers.attention import ContiguousKVCache
 from mmserve.models.loader import load_model, read_config
 from mmserve.models.registry import resolve
@@ -58,7 +58,8 @@ def full_logits(model, prompt: ProcessedPrompt, spec: FamilySpec) -> torch.Tenso
     device = next(model.parameters()).device
     cache = ContiguousKVCache(layout[0], 1, n, layout[1], layout[2], dtype, device)
     embeds, extra = prefill_inputs(model, prompt, device)
-    hidden = model(embeds, prompt_positions(prompt, 0, n, device), cache, prefill_metadata(prompt, spec), extra)
+    meta = prefill_metadata(prompt, spec, prompt_cross_kv(model, prompt))
+    hidden = model(embeds, prompt_positions(prompt, 0, n, device), cache, meta, extra)
     return model.compute_logits(hidden)
 
 

@@ -96,7 +96,9 @@ def test_decode_graphs_for_every_family(served_family, served_model_dir, device)
                                                  **args).chat(chats, GREEDY, use_tqdm=False)]
     llm = LLM(str(served_model_dir), enable_decode_cuda_graphs=True, decode_graph_batch_sizes=(1, 2, 4),
               enable_encoder_cuda_graphs=True, encoder_graph_buckets=((1024, 8),), **args)
-    assert [o.outputs[0].token_ids for o in llm.chat(chats, GREEDY, use_tqdm=False)] == want
+    # a step with a sequence that cross-attends to images (mllama) runs eagerly: the image chat goes alone
+    parts = [chats] if llm.engine.spec.cross_attention is None else [chats[:1], chats[1:]]
+    assert [o.outputs[0].token_ids for part in parts for o in llm.chat(part, GREEDY, use_tqdm=False)] == want
     graphs = llm.engine.inspect().graphs
     assert graphs.decode.num_replays > 0
     has_layout = served_family in ("qwen2_vl", "qwen2_5_vl")  # the towers with a graph layout

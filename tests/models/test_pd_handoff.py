@@ -44,6 +44,10 @@ def _handed_off(prefill: Engine, decode: Engine, request_id: str, messages, para
         first = next((o for o in prefill.step() if o.request_id == request_id), None)
     if first.finished:  # its first token ended it: nothing to hand off
         return first, 0
+    if any(item.cross_attention is not None for item in prompt.items):
+        # images read by cross-attention: their K/V is not in the blocks, so the request decodes here
+        assert not first.kv_parked and prefill.get_stats()["requests_parked"] == 0
+        return _run(prefill, request_id), 0
     assert first.kv_parked and prefill.get_stats()["requests_parked"] == 1
     needed = decode.admit_transferred(request_id, prompt.without_payloads(), params, first.outputs[0])
     assert needed is not None

@@ -274,6 +274,9 @@ def test_prompt_logprobs_are_transformers_log_softmax(served_family, served_mode
             for position in range(1, len(ids)):
                 entry, token = out.prompt_logprobs[position], ids[position]
                 expected = ref[position - 1]
+                if token >= expected.shape[0]:  # a placeholder the head cannot produce (mllama's <|image|>)
+                    assert entry[token].logprob == float("-inf") and entry[token].rank == expected.shape[0] + 1
+                    continue
                 assert entry[token].logprob == pytest.approx(expected[token].item(), abs=1e-4)
                 near_ties = int(((expected - expected[token]).abs() < 1e-4).sum()) - 1
                 assert abs(entry[token].rank - 1 - int((expected > expected[token]).sum())) <= near_ties

@@ -33,15 +33,9 @@ class RunnerGraphs:
 
 
 def resolve_runner_graphs(config: EngineConfig, *, encoder_tokens_per_step: int, encoder_items_per_step: int,
-                          num_kv_blocks: int, max_model_len: int, num_position_rows: int,
-                          cross_attention: bool = False) -> RunnerGraphs:
-    """`num_kv_blocks`: the blocks the KV manager hands out; the scratch block is the one after them.
-    `cross_attention`: the family cross-attends to its images, whose per-request K/V and masks no captured
-    graph holds: its steps run eagerly."""
+                          num_kv_blocks: int, max_model_len: int, num_position_rows: int) -> RunnerGraphs:
+    """`num_kv_blocks`: the blocks the KV manager hands out; the scratch block is the one after them."""
     graphs, device_type = config.graphs, config.device.split(":")[0]
-    if cross_attention:
-        logger.info("graphs: off, the model cross-attends to its images (steps run eagerly)")
-        return RunnerGraphs(None, None)
     encoder = None
     if graphs.encoder_graphs_on(device_type):
         if config.encoder.encoder_workers:  # items are encoded in the workers, not in the engine's step

@@ -123,8 +123,7 @@ class Engine:
         graphs = resolve_runner_graphs(config, encoder_tokens_per_step=self.budget.max_encoder_tokens_per_step,
                                        encoder_items_per_step=self.budget.max_items_per_step,
                                        num_kv_blocks=num_blocks, max_model_len=self.max_model_len,
-                                       num_position_rows=spec.num_position_rows,
-                                       cross_attention=spec.cross_attention is not None)
+                                       num_position_rows=spec.num_position_rows)
         # decode graphs' padding rows write to a scratch block after the ones the KV manager hands out
         self.kv_storage = PagedKVStorage(spec.num_layers, num_blocks + graphs.num_scratch_blocks,
                                          config.cache.block_size, spec.num_kv_heads, spec.head_dim, self.kv_format,
@@ -212,7 +211,7 @@ class Engine:
             self.structured.compiled(params.structured_outputs)
         if params.n == 1:
             self._add_one(request_id, prompt, params, arrival_time, bad_words, trace_parent=trace_parent,
-                          hand_off=hand_off and params.structured_outputs is None)
+                          hand_off=hand_off and params.structured_outputs is None and not _cross_attends(prompt))
             return
         arrival_time = arrival_time or time.time()
         choices = self.choices.split(request_id, params, self.config.cache.enable_prefix_caching)
@@ -646,6 +645,12 @@ class Engine:
         assert ready <= stored, "a ready encoder entry has no tensor in the runner"
         # the runner holds only tensors the cache accounts for (or has freed and will hand over next step)
         assert stored <= ready | set(cache.pending_freed_keys), "the runner holds an encoder output the cache lost"
+
+
+def _cross_attends(prompt: ProcessedPrompt) -> bool:
+    """Does the prompt have images read by cross-attention? Such a request decodes where it prefilled: its
+    images' K/V is not in the KV blocks a hand-off moves, and no pixel moves."""
+    return any(item.cross_attention is not None for item in prompt.items)
 
 
 def _item_attributes(item: ItemSpec, by_workers: bool) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import torch
 from mmserve.inputs.items import ProcessedPrompt
 from mmserve.inputs.placeholders import embed_runs
 from mmserve.models.layers.attention import AttentionMetadata, ContiguousKVCache
+from mmserve.models.layers.cross_attention import CrossKV, step_inputs
 from mmserve.models.spec import FamilyModel, FamilySpec
 
 # Picks the next token from (vocab,) logits given the tokens generated so far.
@@ -33,7 +34,7 @@ def prefill_inputs(model: FamilyModel, prompt: ProcessedPrompt,
     embedding streams (streams - 1, num_tokens, hidden), zero at text rows, or None."""
     ids = torch.tensor(prompt.prompt_token_ids, dtype=torch.long, device=device)
     embeds = model.embed(ids)
-    if not prompt.items:
+    if not prompt.items or _cross_attends(prompt):  # cross-attended items fuse no rows
         return embeds, None
     rows = torch.cat(model.encode_items([i.payload for i in prompt.items]), dim=1)  # (streams, rows, hidden)
     positions = torch.from_numpy(np.flatnonzero(prompt.embed_mask)).to(device)  # built on the CPU
@@ -44,10 +45,33 @@ def prefill_inputs(model: FamilyModel, prompt: ProcessedPrompt,
     return embeds, extra.index_copy_(1, positions, rows[1:].to(embeds.dtype))
 
 
-def prefill_metadata(prompt: ProcessedPrompt, spec: FamilySpec) -> AttentionMetadata:
-    """Attention metadata of a whole prompt prefilled at once: its bidirectional spans, if the family has any."""
+def _cross_attends(prompt: ProcessedPrompt) -> bool:
+    return any(item.cross_attention is not None for item in prompt.items)
+
+
+def prompt_cross_kv(model: FamilyModel, prompt: ProcessedPrompt) -> CrossKV | None:
+    """The prompt's cross-attention K/V (its items encoded), or None when no item is cross-attended."""
+    if not _cross_attends(prompt):
+        return None
+    return CrossKV.build(model, model.encode_items([i.payload for i in prompt.items]),
+                         [i.cross_attention for i in prompt.items])
+
+
+def step_metadata(query_len: int, context_len: int, cross: CrossKV | None, device: torch.device,
+                  spans: tuple = ()) -> AttentionMetadata:
+    """One sequence's metadata for its tokens [context_len, context_len + query_len)."""
+    meta = AttentionMetadata([query_len], [context_len], [spans])
+    if cross is not None:
+        meta.cross = [step_inputs(cross, context_len, context_len + query_len, device)]
+    return meta
+
+
+def prefill_metadata(prompt: ProcessedPrompt, spec: FamilySpec, cross: CrossKV | None = None) -> AttentionMetadata:
+    """Attention metadata of a whole prompt prefilled at once: its bidirectional spans, if the family has any,
+    and its cross-attention inputs, if it has cross-attended items (`cross`: their K/V)."""
     spans = embed_runs(prompt.embed_mask) if spec.bidirectional_media and prompt.items else ()
-    return AttentionMetadata([prompt.num_tokens], [0], [spans])
+    device = cross.kv[0][0].device if cross is not None else torch.device("cpu")
+    return step_metadata(prompt.num_tokens, 0, cross, device, spans)
 
 
 def prompt_positions(prompt: ProcessedPrompt, start: int, end: int, device: torch.device) -> torch.Tensor:
@@ -65,7 +89,9 @@ def generate(model: FamilyModel, spec: FamilySpec, prompt: ProcessedPrompt, max_
     cache = ContiguousKVCache(spec.num_layers, 1, n + max_new_tokens, spec.num_kv_heads, spec.head_dim,
                               next(model.parameters()).dtype, device)
     embeds, extra = prefill_inputs(model, prompt, device)
-    hidden = model(embeds, prompt_positions(prompt, 0, n, device), cache, prefill_metadata(prompt, spec), extra)
+    cross = prompt_cross_kv(model, prompt)
+    hidden = model(embeds, prompt_positions(prompt, 0, n, device), cache, prefill_metadata(prompt, spec, cross),
+                   extra)
     logits = model.compute_logits(hidden[-1:])[0]
     generated: list[int] = []
     for step in range(max_new_tokens):
@@ -78,5 +104,5 @@ def generate(model: FamilyModel, spec: FamilySpec, prompt: ProcessedPrompt, max_
             return
         ids = torch.tensor([token], dtype=torch.long, device=device)
         pos = prompt_positions(prompt, n + step, n + step + 1, device)
-        hidden = model(model.embed(ids), pos, cache, AttentionMetadata([1], [n + step]))
+        hidden = model(model.embed(ids), pos, cache, step_metadata(1, n + step, cross, device))
         logits = model.compute_logits(hidden)[0]

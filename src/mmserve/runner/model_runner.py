@@ -29,10 +29,10 @@ import torch
 
 from mmserve.core.step import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
 from mmserve.faults import FaultPlan
+from mmserve.models.layers.cross_attention import CrossKV, step_inputs
 from mmserve.models.spec import FamilyModel, FamilySpec
 from mmserve.runner.attention import PagedAttentionBackend
 from mmserve.runner.batch import BatchBuilder, PromptLogprobRows
-from mmserve.runner.cross_attention import CrossKV, cross_items, step_inputs
 from mmserve.runner.encoder.async_dispatch import AsyncEncoder
 from mmserve.runner.encoder.pool import EncoderPool, ItemOutcome
 from mmserve.runner.encoder.runner import EncoderRunner, OutputShape
@@ -119,7 +119,7 @@ class ModelRunner:
         self._outcomes: list[ItemOutcome] = []  # what arrived from workers in the last step
         self.last_step = StepTiming()
         self.fault_token = faults.step_fault_token_id  # a step holding this token id raises (a test's fault)
-        self.cross_kv_builds = 0  # requests' cross-attention K/V built (once per request, again after a preemption)
+        self._cross_kv_builds = 0
 
     # ---- the engine's calls besides execute -----------------------------------------------------
     def wait_for_decode_graphs(self, timeout_s: float | None = None) -> bool:
@@ -174,6 +174,11 @@ class ModelRunner:
     def last_step_timing(self) -> StepTiming:
         """A copy of the last step's timing."""
         return replace(self.last_step)
+
+    @property
+    def cross_kv_builds(self) -> int:
+        """Requests' cross-attention K/V built: once per request, again after a preemption."""
+        return self._cross_kv_builds
 
     def cross_kv_holders(self) -> set[str]:
         """The requests whose cross-attention K/V the runner holds."""
@@ -252,11 +257,9 @@ class ModelRunner:
                 out.append(None)
                 continue
             if state.cross is None:
-                rows = state.prompt.item_rows
-                states = torch.cat([self.encoder.store[key][0] for key in state.prompt.item_keys])  # (rows, hidden)
-                state.cross = CrossKV(self.model.cross_attention_kv(states),
-                                      cross_items(state.prompt.cross_spans, rows), sum(rows))
-                self.cross_kv_builds += 1
+                state.cross = CrossKV.build(self.model, [self.encoder.store[key] for key in state.prompt.item_keys],
+                                            state.prompt.cross_spans)
+                self._cross_kv_builds += 1
             start = state.num_computed_tokens
             out.append(step_inputs(state.cross, start, start + num, self.device))
         return out if any(c is not None for c in out) else []
@@ -269,9 +272,11 @@ class ModelRunner:
             outputs = {p.item_index: self.encoder.store[state.prompt.item_keys[p.item_index]] for p in pieces}
             builder.add(state, num, pieces, outputs)
         forward_started = time.perf_counter()
-        logits = None if self.decode_graphs is None else self._decode_graph_logits(builder)
+        # a captured decode step holds no cross-attention: a step with a sequence that cross-attends runs eagerly
+        cross = self._cross_inputs(scheduled)
+        logits = None if self.decode_graphs is None or cross else self._decode_graph_logits(builder)
         if logits is None:
-            logits, forward_started, result.prompt_logprobs = self._eager_logits(builder, self._cross_inputs(scheduled))
+            logits, forward_started, result.prompt_logprobs = self._eager_logits(builder, cross)
         if builder.sample_rows:
             rows = builder.sample_rows
             meta = sampling_metadata([self._sampled_row(r, logits.shape[1], token_bitmasks.get(r.request_id))
@@ -334,8 +339,13 @@ class ModelRunner:
                 num = min(PROMPT_LOGPROB_ROWS, rows.num - first)
                 logits = self.model.compute_logits(hidden[rows.offset + first:rows.offset + first + num])
                 start = rows.start + first
-                targets = to_device(state.token_ids[start + 1:start + 1 + num], hidden.device)
-                entries += _token_logprobs(sampled_logprobs(logits, targets, [k] * num), [k] * num)
+                ids = state.token_ids[start + 1:start + 1 + num]
+                vocab = logits.shape[1]
+                # a prompt token the head cannot produce (Llama 3.2 Vision's <|image|>, an embedding row past
+                # the logits): probability 0, ranked after every token the head scores
+                targets = to_device([t if t < vocab else 0 for t in ids], hidden.device)
+                entries += [e if t < vocab else replace(e, logprob=float("-inf"), rank=vocab + 1) for t, e in
+                            zip(ids, _token_logprobs(sampled_logprobs(logits, targets, [k] * num), [k] * num))]
             out[state.request_id] = (rows.start, tuple(entries))
         return out
 

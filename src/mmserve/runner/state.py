@@ -22,7 +22,7 @@ from mmserve.runner.fusion import MultimodalRuntimeData
 from mmserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from mmserve.runner.cross_attention import CrossKV
+    from mmserve.models.layers.cross_attention import CrossKV
     from mmserve.runner.sampling_state import RequestSampling
 
 

@@ -1,9 +1,9 @@
-"""Cross-attention state of the runner: a request's image K/V, built once, and each step's masks.
+"""A sequence's cross-attention state: its images' K/V, built once, and each step's masks.
 
 Role: for a family whose language model reads items through cross-attention (`FamilySpec.cross_attention`),
-`CrossKV` holds one request's keys and values of every cross-attention layer, computed from its items'
-encoder outputs (joined in item order) the first time a chunk of the request runs — and again after a
-preemption dropped the request's runner state. `step_inputs` builds a sequence's
+`CrossKV` holds one sequence's keys and values of every cross-attention layer, computed from its items'
+encoder outputs joined in item order (`build`: the runner does it the first time a chunk of a request
+runs, and again after a preemption dropped the request's runner state). `step_inputs` builds a sequence's
 `CrossAttentionInputs` for the queries at positions [start, end): the bias that hides the rows a
 query does not see, and the row gate. The mask is transformers' (`_prepare_cross_attention_mask`):
 a query sees the attended rows of every item whose span covers it; a query that sees no row at all
@@ -11,13 +11,14 @@ gets no mask (it attends to every row, padding included) and a row gate of 0. Ma
 CPU with numpy and shipped with non_blocking copies.
 
 What it does not know: scheduling and budgets (core/ counts the bytes), what a family does with the
-inputs, which family it serves.
+inputs (models/layers/attention.py's `CrossAttentionInputs` is the contract), which family it serves.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,6 +46,14 @@ class CrossKV:
     @property
     def num_bytes(self) -> int:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv)
+
+    @classmethod
+    def build(cls, model: Any, outputs: Sequence[torch.Tensor], spans: Sequence[CrossAttentionSpan]) -> CrossKV:
+        """From the items' encoder outputs (each (streams, rows, hidden), in item order) through the model's
+        `cross_attention_kv((rows, hidden)) -> [(keys, values)] per cross-attention layer`."""
+        rows = [o.shape[1] for o in outputs]
+        states = torch.cat([o[0] for o in outputs])  # (rows, hidden)
+        return cls(model.cross_attention_kv(states), cross_items(spans, rows), sum(rows))
 
 
 def cross_items(spans: Sequence[CrossAttentionSpan], rows: Sequence[int]) -> tuple[CrossItem, ...]:
