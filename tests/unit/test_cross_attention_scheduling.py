@@ -10,7 +10,14 @@ import dataclasses
 from mmserve.core.cross_kv import CrossKVBook
 from mmserve.core.kv_cache import block_extra_keys, hash_block
 from mmserve.core.request import ItemSpec, RequestStatus
-from tests.unit.core_factories import FakeRunner, image, make_items, make_request, make_scheduler, run_to_completion
+from tests.unit.core_factories import (
+    FakeRunner,
+    image,
+    make_items,
+    make_request,
+    make_scheduler,
+    run_to_completion,
+)
 
 ROWS = 6  # an image's cross-attention rows (its span is one token)
 
