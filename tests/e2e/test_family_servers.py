@@ -27,7 +27,7 @@ NUM_TOKENS = 6
 KV_CACHE_DTYPE = {"gemma3": "int8", "mistral3": "fp8_e4m3"}
 
 
-@pytest.fixture(scope="module", params=["qwen3_vl", "llava_onevision", "gemma3", "mistral3"])
+@pytest.fixture(scope="module", params=["qwen3_vl", "llava_onevision", "gemma3", "mistral3", "mllama"])
 def served(request, all_checkpoints, tmp_path_factory):
     model = str(all_checkpoints[request.param])
     kv_cache_dtype = KV_CACHE_DTYPE.get(request.param, "auto")

@@ -189,4 +189,4 @@ class ChatTemplate:
             return self._compiled.render(messages=template_messages(messages),
                                          add_generation_prompt=add_generation_prompt, **context)
         except jinja2.exceptions.TemplateError as exc:
-            raise InvalidInputError(f"chat template rejected the messages: {exc}") from exc
+            raise InvalidInputError(f"chat template rejected the messages: {exc}", param="messages") from exc
