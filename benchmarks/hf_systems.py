@@ -58,6 +58,10 @@ def run_hf_single(model: torch.nn.Module, inputs: list[dict[str, torch.Tensor]],
     return SystemResult("hf_single", wall_s, sum(len(t) for t in tokens), tokens, extra)
 
 
+# media inputs with one row per prompt token (Llama 3.2 Vision's cross-attention mask)
+TOKEN_ALIGNED = frozenset({"cross_attention_mask"})
+
+
 def _stack_padded(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Concatenate along dim 0, zero-padding the other dims to the largest (as processors pad tiles)."""
     shape = [max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim())]
@@ -85,6 +89,8 @@ def left_pad(batch: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, tor
     media = sorted({k for one in batch for k in one} - set(out))
     for key in media:
         present = [one[key] for one in batch if key in one]
+        if key in TOKEN_ALIGNED:  # (1, tokens, ...): left-padded along the tokens, as the ids are
+            present = [torch.nn.functional.pad(t, [0, 0] * (t.dim() - 2) + [width - t.shape[1], 0]) for t in present]
         out[key] = _stack_padded(present)
     return out
 

@@ -2,7 +2,7 @@
 
 Role: on the same random-weight checkpoints (the tiny Qwen2-VL test model, a ~100M Qwen2-VL built
 from `benchmarks/configs/bench_100m_qwen2_vl.json`, and the tiny test model of every other served
-family: `--model qwen2_5_vl|qwen3_vl|llava_onevision`; all written under `.bench/` on first use, no
+family: `--model qwen2_5_vl|qwen3_vl|llava_onevision|gemma3|mistral3|mllama`; all written under `.bench/` on first use, no
 downloads), run one fixed multimodal workload (`benchmarks/workload.py`) through
 - mmserve: every conversation submitted at once to a fresh `LLM` (continuous batching, prefix
   caching, encoder reuse);
@@ -299,9 +299,10 @@ def main(argv: list[str] | None = None) -> None:
     subset = args.hf_subset or (QUICK_SUBSET if args.quick else None)
     if subset is not None and subset >= args.num_requests:
         subset = None
-    workload = build_workload(args.num_requests, seed=args.seed)
-    summary = workload.summary()
     names = ["tiny", "100m"] if args.model == "both" else [args.model]
+    system_with_images = all(FAMILIES[n].system_with_images for n in names if n in FAMILIES)
+    workload = build_workload(args.num_requests, seed=args.seed, system_with_images=system_with_images)
+    summary = workload.summary()
     models = {name: bench_model(name, ensure_checkpoint(name), workload, args.output_tokens, subset,
                                 args.repeats or DEFAULT_REPEATS.get(name, 3)) for name in names}
     from transformers import AutoTokenizer

@@ -142,21 +142,31 @@ def _pick_images(rng: np.random.Generator, counts: list[int], repeat_fraction: f
     return out, len(pool), total - len(pool)
 
 
-def _conversation(images: list[Image.Image], question: str, system: str | None) -> Conversation:
+def _conversation(images: list[Image.Image], question: str, system: str | None,
+                  system_with_images: bool = True) -> Conversation:
+    """`system_with_images` False (a template that refuses a system message beside images): the system
+    text leads the user's message instead."""
     parts: list[dict[str, Any]] = [{"type": "image_pil", "image_pil": im} for im in images]
     parts.append({"type": "text", "text": question})
+    shared = system == LONG_SYSTEM_PROMPT
+    if system is not None and not system_with_images:
+        parts.insert(0, {"type": "text", "text": system})
+        system = None
     ref_parts = [{"type": "image"} if p["type"] == "image_pil" else p for p in parts]
     messages = [{"role": "user", "content": parts}]
     reference = [{"role": "user", "content": ref_parts}]
     if system is not None:
         messages.insert(0, {"role": "system", "content": system})
         reference.insert(0, {"role": "system", "content": system})
-    return Conversation(messages, reference, tuple(images), system == LONG_SYSTEM_PROMPT)
+    return Conversation(messages, reference, tuple(images), shared)
 
 
 def build_workload(num_requests: int = 64, seed: int = 0, repeat_fraction: float = 0.3,
-                   shared_prefix_fraction: float = 0.2, min_side: int = 112, max_side: int = 448) -> Workload:
-    """The fixed-seed workload: same arguments, same conversations (pixels included)."""
+                   shared_prefix_fraction: float = 0.2, min_side: int = 112, max_side: int = 448,
+                   system_with_images: bool = True) -> Workload:
+    """The fixed-seed workload: same arguments, same conversations (pixels included). `system_with_images`
+    False: the shared system prompt leads the user's message (Llama 3.2 Vision's template refuses a
+    system message beside images); the pixels and questions stay the same."""
     if num_requests <= 0:
         raise ValueError(f"num_requests must be positive, got {num_requests}")
     rng = np.random.default_rng(seed)
@@ -170,5 +180,6 @@ def build_workload(num_requests: int = 64, seed: int = 0, repeat_fraction: float
         question = pool[int(rng.integers(len(pool)))]
         if rng.random() < 0.3:
             question += " Be brief."
-        conversations.append(_conversation(imgs, question, LONG_SYSTEM_PROMPT if i in shared else None))
+        conversations.append(_conversation(imgs, question, LONG_SYSTEM_PROMPT if i in shared else None,
+                                           system_with_images))
     return Workload(conversations, seed, num_distinct, num_repeated)

@@ -57,11 +57,14 @@ class CrossAttention(nn.Module):
         v = self.v_proj(states).view(rows, self.num_kv_heads, self.head_dim)
         return k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
 
-    def forward(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
-        """x (q_len, hidden) of one sequence -> (q_len, hidden)."""
-        q = self.q_norm(self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim))
-        return self.o_proj(cross_attention(q, keys, values, bias, self.scale))
+    def query(self, x: torch.Tensor) -> torch.Tensor:
+        """x (tokens, hidden) -> normed queries (tokens, heads, head_dim)."""
+        return self.q_norm(self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim))
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        """One sequence's queries (q_len, heads, head_dim) -> (q_len, heads * head_dim), before o_proj."""
+        return cross_attention(q, keys, values, bias, self.scale)
 
 
 class CrossAttentionDecoderLayer(nn.Module):
@@ -76,23 +79,35 @@ class CrossAttentionDecoderLayer(nn.Module):
         self.cross_attn_mlp_gate = nn.Parameter(torch.zeros(1))
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """x (num_tokens, hidden) of the whole step: only the sequences with cross-attention inputs change."""
-        if not any(c is not None for c in meta.cross):
-            return x
-        pieces, start = [], 0
+        """x (num_tokens, hidden) of the whole step: only the sequences with cross-attention inputs change.
+        Their tokens go through the norms, projections and MLP together; only the attention itself runs per
+        sequence, over that sequence's image keys and values."""
+        segments, start = [], 0  # (first token, tokens, inputs) of each sequence that cross-attends
         for i, q_len in enumerate(meta.query_lens):
-            piece, cross = x[start:start + q_len], meta.cross_of(i)
+            if meta.cross_of(i) is not None:
+                segments.append((start, q_len, meta.cross_of(i)))
             start += q_len
-            if cross is not None:
-                keys, values = cross.kv[self.cross_index]
-                attn = self.cross_attn(self.input_layernorm(piece), keys, values, cross.bias)
-                piece = piece + self.cross_attn_attn_gate.tanh() * attn
-                mlp = self.mlp(self.post_attention_layernorm(piece))
-                if cross.row_gate is not None:
-                    mlp = cross.row_gate.to(mlp.dtype) * mlp
-                piece = piece + self.cross_attn_mlp_gate.tanh() * mlp
-            pieces.append(piece)
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        if not segments:
+            return x
+        every = sum(q_len for _, q_len, _ in segments) == x.shape[0]
+        index = None if every else torch.cat([torch.arange(s, s + n) for s, n, _ in segments]).to(
+            x.device, non_blocking=True)  # built on the CPU
+        rows = x if index is None else x.index_select(0, index)  # (cross tokens, hidden)
+        q = self.cross_attn.query(self.input_layernorm(rows))
+        attn, offset = [], 0
+        for _, q_len, cross in segments:
+            keys, values = cross.kv[self.cross_index]
+            attn.append(self.cross_attn.attend(q[offset:offset + q_len], keys, values, cross.bias))
+            offset += q_len
+        rows = rows + self.cross_attn_attn_gate.tanh() * self.cross_attn.o_proj(torch.cat(attn) if len(attn) > 1
+                                                                                else attn[0])
+        mlp = self.mlp(self.post_attention_layernorm(rows))
+        if any(cross.row_gate is not None for _, _, cross in segments):
+            gates = [cross.row_gate if cross.row_gate is not None else mlp.new_ones(q_len, 1)
+                     for _, q_len, cross in segments]
+            mlp = torch.cat(gates).to(mlp.dtype) * mlp
+        rows = rows + self.cross_attn_mlp_gate.tanh() * mlp
+        return rows if index is None else x.index_copy(0, index, rows)
 
 
 class MllamaTextModel(nn.Module):
