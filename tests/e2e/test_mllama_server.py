@@ -15,7 +15,7 @@ from PIL import Image
 
 from mmserve import LLM, SamplingParams
 from tests.e2e.conftest import start_server, stop_server, wait_healthy
-from tests.e2e.test_server import data_uri
+from tests.e2e.test_server import data_uri, metric_samples
 from tests.fixtures.conversations import random_image
 
 NUM_TOKENS = 8
@@ -66,6 +66,7 @@ def test_two_images_answer_as_offline_and_stream_the_same(served):
     stats = httpx.get(server.url + "/v1/stats", timeout=30).json()
     assert stats["cross_kv_builds"] >= 2 and stats["cross_kv_bytes_used"] == 0
     assert stats["cross_kv_bytes_total"] > 0
+    assert metric_samples(server)[("mmserve_cross_kv_builds_total", ())] == stats["cross_kv_builds"]
 
 
 def test_a_system_message_beside_an_image_is_a_400_and_it_keeps_serving(served):

@@ -27,6 +27,7 @@ MONOTONIC_STATS = frozenset({
     "prefix_cache_hit_tokens", "generation_tokens", "num_preemptions", "kv_cache_evictions",
     "encoder_items_encoded", "encoder_tokens_encoded", "encoder_cache_hits", "encoder_cache_misses",
     "encoder_cache_evictions", "encoder_worker_restarts", "encoder_items_redispatched", "replica_restarts",
+    "cross_kv_builds",
 })
 LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                      10.0, 20.0, 40.0, 80.0)

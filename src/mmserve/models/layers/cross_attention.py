@@ -42,6 +42,15 @@ class CrossKV:
     kv: list[tuple[torch.Tensor, torch.Tensor]]
     items: tuple[CrossItem, ...]
     num_rows: int
+    # one query's inputs at any position past every span's start and end (what each decode step reads;
+    # the same for all of them), made at the first such step
+    steady: CrossAttentionInputs | None = None
+
+    @property
+    def steady_from(self) -> int:
+        """The first position from which which rows a query sees no longer changes."""
+        ends = [i.span.visible_until or 0 for i in self.items]
+        return max([i.span.visible_from for i in self.items] + ends)
 
     @property
     def num_bytes(self) -> int:
@@ -76,6 +85,14 @@ def visibility(items: Sequence[CrossItem], num_rows: int, start: int, end: int) 
 
 def step_inputs(cross: CrossKV, start: int, end: int, device: torch.device) -> CrossAttentionInputs:
     """The sequence's cross-attention inputs for its queries at positions [start, end)."""
+    if end == start + 1 and start >= cross.steady_from:  # a decode step: built once per request
+        if cross.steady is None:
+            cross.steady = _inputs(cross, start, end, device)
+        return cross.steady
+    return _inputs(cross, start, end, device)
+
+
+def _inputs(cross: CrossKV, start: int, end: int, device: torch.device) -> CrossAttentionInputs:
     seen = visibility(cross.items, cross.num_rows, start, end)
     sees_any = seen.any(axis=1)
     if seen.all():

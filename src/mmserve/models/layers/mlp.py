@@ -1,4 +1,5 @@
-"""Feed-forward blocks: the gated SwiGLU MLP with a fused gate/up projection."""
+"""Feed-forward blocks: the gated SwiGLU MLP with a fused gate/up projection, and the plain two-layer MLP of
+vision towers (`fc1`, activation, `fc2`, with biases)."""
 
 from __future__ import annotations
 
@@ -24,3 +25,16 @@ class GatedMLP(nn.Module):
         if not (hidden.requires_grad and torch.is_grad_enabled()):  # inference: no extra temporary
             return self.down_proj(hidden.mul_(up))
         return self.down_proj(hidden * up)
+
+
+class FeedForward(nn.Module):
+    """fc2(act(fc1(x))), both with biases: a vision tower's MLP (SigLIP's, Llama 3.2 Vision's)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(hidden_size, intermediate_size)
+        self.fc2 = nn.Linear(intermediate_size, hidden_size)
+        self.act = get_activation(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))

@@ -82,6 +82,8 @@ class CrossAttentionDecoderLayer(nn.Module):
         """x (num_tokens, hidden) of the whole step: only the sequences with cross-attention inputs change.
         Their tokens go through the norms, projections and MLP together; only the attention itself runs per
         sequence, over that sequence's image keys and values."""
+        if not meta.cross:  # no sequence of the step cross-attends (a captured or compiled step's case)
+            return x
         segments, start = [], 0  # (first token, tokens, inputs) of each sequence that cross-attends
         for i, q_len in enumerate(meta.query_lens):
             if meta.cross_of(i) is not None:

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmserve.models.layers.activations import get_activation
+from mmserve.models.layers.mlp import FeedForward
 from mmserve.models.mllama.config import MllamaConfig, MllamaVisionConfig
 
 # checkpoint prefix -> this module's; first match wins
@@ -128,17 +128,6 @@ class VisionAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(n, length, -1))
 
 
-class VisionMLP(nn.Module):
-    def __init__(self, cfg: MllamaVisionConfig) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
-        self.act = get_activation(cfg.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class VisionEncoderLayer(nn.Module):
     """A pre-LN block; a gated one (the global transformer's) scales both branches by tanh of its gates."""
 
@@ -146,7 +135,7 @@ class VisionEncoderLayer(nn.Module):
         super().__init__()
         self.gated = gated
         self.self_attn = VisionAttention(cfg)
-        self.mlp = VisionMLP(cfg)
+        self.mlp = FeedForward(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
         self.input_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.post_attention_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
         if gated:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmserve.models.layers.activations import get_activation
+from mmserve.models.layers.mlp import FeedForward
 from mmserve.models.vision.siglip_config import SiglipVisionConfig
 
 
@@ -36,24 +36,13 @@ class SiglipAttention(nn.Module):
         return self.out_proj(out.transpose(1, 2).reshape(b, n, d))
 
 
-class SiglipMLP(nn.Module):
-    def __init__(self, cfg: SiglipVisionConfig) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
-        self.act = get_activation(cfg.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class SiglipEncoderLayer(nn.Module):
     def __init__(self, cfg: SiglipVisionConfig) -> None:
         super().__init__()
         self.layer_norm1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.self_attn = SiglipAttention(cfg)
         self.layer_norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.mlp = SiglipMLP(cfg)
+        self.mlp = FeedForward(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x))
