@@ -151,12 +151,15 @@ def cross_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, b
                     scale: float) -> torch.Tensor:
     """q (q_len, H, D) over one sequence's cross-attention keys/values (KVH, rows, D) under `bias`
     (q_len, rows) or None. Returns (q_len, H * D)."""
-    q_len, group = q.shape[0], q.shape[1] // keys.shape[0]
-    mask = None
-    if bias is not None:  # one row per folded query row: a view for one query, else a copy
-        bias = bias.to(q.dtype)
-        mask = bias.expand(group, -1) if q_len == 1 else bias.repeat(group, 1)
-    out = F.scaled_dot_product_attention(fold_gqa(q, keys.shape[0])[None], keys[None], values[None],
+    q_len, kv_heads = q.shape[0], keys.shape[0]
+    mask = None if bias is None else bias.to(q.dtype)
+    if q_len == 1:  # a decode step: the query heads sharing a kv head are already its rows, one mask row
+        out = F.scaled_dot_product_attention(q.view(1, kv_heads, -1, q.shape[2]), keys[None], values[None],
+                                             attn_mask=mask, scale=scale)
+        return out.view(1, -1)
+    if mask is not None:  # one mask row per folded query row
+        mask = mask.repeat(q.shape[1] // kv_heads, 1)
+    out = F.scaled_dot_product_attention(fold_gqa(q, kv_heads)[None], keys[None], values[None],
                                          attn_mask=mask, scale=scale)
     return unfold_gqa(out[0], q_len)
 
