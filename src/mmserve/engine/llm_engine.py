@@ -439,7 +439,7 @@ class Engine:
         media = [item for item in request.items if item.output_rows > 0]
         children = timeline.finish(metrics.first_scheduled_time, metrics.finish_time,
                                    {item.index: _item_attributes(item, False) for item in media},
-                                   {item.index for item in media if item.end <= cached})
+                                   {item.index for item in media if not item.needed_after(cached)})
         attributes: dict[str, Any] = {
             "gen_ai.request.id": request.request_id,
             "gen_ai.usage.prompt_tokens": request.num_prompt_tokens,

@@ -6,7 +6,7 @@ step), build the flattened ragged batch (token ids, positions, KV slots, fusion 
 CPU, ship it with non_blocking copies, run the model and the sampler. One host sync per step: the
 sampled token ids. Reports which encoder keys it committed and which failed. For a family that
 cross-attends to its images, a request's cross-attention K/V is built from its items' encoder outputs
-the first time one of its chunks runs (runner/cross_attention.py), and each step's sequences carry
+the first time one of its chunks runs (models/layers/cross_attention.py), and each step's sequences carry
 their cross-attention inputs in the attention metadata. With captured graphs
 (runner/graphs/) the encoder replays a bucket's graph and a decode-only step replays a (batch,
 width) graph; anything no graph holds runs eagerly. The engine talks to it through its methods only:
@@ -29,6 +29,7 @@ import torch
 
 from mmserve.core.step import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
 from mmserve.faults import FaultPlan
+from mmserve.models.layers.attention import CrossAttentionInputs
 from mmserve.models.layers.cross_attention import CrossKV, step_inputs
 from mmserve.models.spec import FamilyModel, FamilySpec
 from mmserve.runner.attention import PagedAttentionBackend
@@ -247,7 +248,7 @@ class ModelRunner:
             return all(key in self.encoder.store for key in keys)
         return all(keys[p.item_index] in self.encoder.store for p in pieces)
 
-    def _cross_inputs(self, scheduled: dict[str, int]) -> list:
+    def _cross_inputs(self, scheduled: dict[str, int]) -> list[CrossAttentionInputs | None]:
         """Each scheduled sequence's cross-attention inputs (None: it has no images), building the K/V of a
         request that has none yet from its items' encoder outputs; [] when no sequence cross-attends."""
         out = []
@@ -304,8 +305,8 @@ class ModelRunner:
             return None  # the eager path raises the test fault
         return self.decode_graphs.run(builder)
 
-    def _eager_logits(self, builder: BatchBuilder, cross: list) -> tuple[torch.Tensor | None, float,
-                                                                         dict[str, tuple[int, tuple[TokenLogprobs, ...]]]]:
+    def _eager_logits(self, builder: BatchBuilder, cross: list[CrossAttentionInputs | None]
+                      ) -> tuple[torch.Tensor | None, float, dict[str, tuple[int, tuple[TokenLogprobs, ...]]]]:
         """(num_sampled, vocab) logits of the step's sampled rows (None when none is sampled), when the
         model forward began (after the batch is built and fused), and the prompt logprobs of the requests
         that asked for them. `cross`: the sequences' cross-attention inputs ([]: none cross-attends)."""
