@@ -295,3 +295,17 @@ def test_reference_processor_agrees_on_a_raw_prompt(model_dir, family):
     want = reference_processor(model_dir)(text=raw, images=[[SMALL]], add_special_tokens=False, return_tensors="pt")
     assert ours.prompt_token_ids == want["input_ids"][0].tolist()
     np.testing.assert_array_equal(_dense_mask(ours), want["cross_attention_mask"][0].numpy())
+
+
+def test_bfloat16_logits_stay_near_transformers_bfloat16(model_dir):
+    """In bfloat16 (how the 11B model is served) the logits stay within bfloat16's rounding of transformers'
+    own bfloat16 run, images and tokens before them included."""
+    model, processor, spec = load_family(model_dir, dtype="bfloat16")
+    reference = MllamaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    messages = CONVERSATIONS["two_images"]
+    inputs = mllama_reference_inputs(model_dir, messages, date_string=DATE)
+    inputs["pixel_values"] = inputs["pixel_values"].to(torch.bfloat16)
+    with torch.no_grad():
+        want = reference(**inputs).logits[0].float()
+    got = full_logits(model, _ours(processor, messages), spec).float()
+    assert (got - want).abs().max().item() <= 5e-2
