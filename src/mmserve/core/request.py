@@ -79,9 +79,10 @@ class ItemSpec:
 
 def item_specs(items: Sequence[Any]) -> tuple[ItemSpec, ...]:
     """`ItemSpec`s of a processed prompt's items (anything with their offset, length, content hash,
-    encoder tokens and output rows): what the engine hands its scheduler and the router hashes."""
+    encoder tokens, output rows and cross-attention span or None): what the engine hands its scheduler
+    and the router hashes."""
     return tuple(ItemSpec(i, it.offset, it.length, it.content_hash, it.encoder_tokens, it.output_rows,
-                          getattr(it, "cross_attention", None) is not None)
+                          it.cross_attention is not None)
                  for i, it in enumerate(items))
 
 

@@ -4,7 +4,8 @@ Role: accept a text prompt (one placeholder per item, e.g. `<|image_pad|>`) or t
 placeholder id per item, or a run already expanded to the item's span), load the media under the
 limits, key every item by content, ask the family how each item expands, splice the spans in, and
 build the placeholder masks, the embed cumsum and the positions. Invariant 1 is checked here:
-each span holds exactly as many placeholder ids as the encoder will produce rows.
+each span holds exactly as many placeholder ids as the encoder will produce rows (a family that reads
+items through cross-attention, `fuses_rows = False`: each span is one placeholder token).
 
 A family subclasses `MultimodalProcessor` and supplies four hooks: `processing_key` (validates
 mm_processor_kwargs and says what shapes the pixels: part of the content key), `expand_image`,

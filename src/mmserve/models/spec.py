@@ -118,7 +118,9 @@ class FamilySpec:
 
 
 class FamilyModel(Protocol):
-    """The calls the runner makes. Tensors are on the model's device; indices were built on the CPU."""
+    """The calls the runner makes. Tensors are on the model's device; indices were built on the CPU.
+    A family with `FamilySpec.cross_attention` also has `cross_attention_kv(states (rows, hidden)) ->
+    [(keys, values)]`, each (num_kv_heads, rows, head_dim), one pair per cross-attention layer."""
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(num_tokens,) -> (num_tokens, hidden) text embeddings (with any scaling the family applies)."""

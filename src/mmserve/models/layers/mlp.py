@@ -28,7 +28,7 @@ class GatedMLP(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """fc2(act(fc1(x))), both with biases: a vision tower's MLP (SigLIP's, Llama 3.2 Vision's)."""
+    """fc2(act(fc1(x))), both with biases: a vision tower's MLP (Qwen2-VL's, SigLIP's, Llama 3.2 Vision's)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str) -> None:
         super().__init__()

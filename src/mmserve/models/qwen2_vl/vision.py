@@ -17,8 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmserve.models.layers.activations import get_activation
-from mmserve.models.layers.mlp import GatedMLP
+from mmserve.models.layers.mlp import FeedForward, GatedMLP
 from mmserve.models.layers.norms import RMSNorm
 from mmserve.models.layers.rotary import VisionRotaryEmbedding
 from mmserve.models.qwen2_vl.config import VisionConfig
@@ -57,17 +56,6 @@ def window_order(grids: Sequence[GridTHW], merge: int, window_patches: int) -> t
     return np.concatenate(order), segments
 
 
-class VisionMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden)
-        self.fc2 = nn.Linear(hidden, dim)
-        self.act = get_activation(act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class VisionBlock(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
@@ -77,7 +65,7 @@ class VisionBlock(nn.Module):
             self.mlp = GatedMLP(d, cfg.mlp_hidden_size, cfg.hidden_act, bias=True)
         else:
             self.norm1, self.norm2 = nn.LayerNorm(d, eps=1e-6), nn.LayerNorm(d, eps=1e-6)
-            self.mlp = VisionMLP(d, cfg.mlp_hidden_size, cfg.hidden_act)
+            self.mlp = FeedForward(d, cfg.mlp_hidden_size, cfg.hidden_act)
         self.attn = VisionAttention(d, cfg.num_heads)
 
     def forward(self, x, cos, sin, segments: SegmentPlan) -> torch.Tensor:
