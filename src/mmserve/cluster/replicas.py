@@ -2,7 +2,7 @@
 
 Role: `ReplicaSet` is what the server talks to in place of one `AsyncEngine` (the same methods:
 process, process_chat, generate, stats, abort_all, start, shutdown). It holds a `Frontend` (the
-processor and spec, no weights) as `.engine`, so prompts are processed, hashed and routed here,
+processor and spec, no weights) as `.frontend`, so prompts are processed, hashed and routed here,
 then sent to a replica process (cluster/replica_worker.py) over the messages of
 cluster/protocol.py. A replica is a local process (`mp`, the default) or a Ray actor (`ray`,
 cluster/ray_replicas.py). Each has its own torch threads (the cores divided between replicas) and
@@ -56,6 +56,7 @@ from mmserve.cluster.replica_worker import replica_main
 from mmserve.cluster.router import RouteDecision, RouteKeys, Router, RouterConfig
 from mmserve.config import EngineConfig
 from mmserve.engine.async_engine import EngineDeadError
+from mmserve.engine.client import EncodedObserver, OutputObserver
 from mmserve.engine.frontend import Frontend
 from mmserve.errors import InvalidInputError
 from mmserve.inputs.items import ProcessedPrompt
@@ -126,7 +127,7 @@ class ReplicaSet:
             raise ValueError(f"unknown replica backend {backend!r}; use one of {', '.join(REPLICA_BACKENDS)}")
         self.config = config
         self.backend = backend
-        self.engine = Frontend(config)  # named as AsyncEngine's engine: the server reads its processor and spec
+        self.frontend = Frontend(config)  # the server reads its processor and spec (EngineClient)
         self.router = Router(num_replicas, router)
         self.num_prefill = num_replicas
         self.decode_router = Router(decode_replicas, router) if decode_replicas else None
@@ -170,7 +171,7 @@ class ReplicaSet:
                 self.shutdown()
                 raise RuntimeError(f"replica {slot.index} could not start: {message.error}")
             self._ready(slot, message)
-        self.engine.max_model_len = self._slots[0].stats["_max_model_len"]
+        self.frontend.max_model_len = self._slots[0].stats["_max_model_len"]
         layouts = {(s.stats["_block_size"], s.stats["kv_cache_dtype"], s.stats["kv_bytes_per_token"]) for s in self._slots}
         if len(layouts) > 1:  # a hand-off moves blocks as stored: both sides must store them alike
             self.shutdown()
@@ -205,7 +206,7 @@ class ReplicaSet:
             slot.alive = False
             self._launcher.abandon(slot.inbox, slot.outbox)
         self._launcher.close()
-        self.engine.close()
+        self.frontend.close()
         if self.tracing is not None:
             self.tracing.shutdown()
 
@@ -230,14 +231,18 @@ class ReplicaSet:
         """Each replica's process id (None while it restarts): for tests and logs."""
         return {s.index: s.pid if s.alive else None for s in self._slots}
 
+    def observe(self, on_output: OutputObserver | None = None, on_encoded: EncodedObserver | None = None) -> None:
+        """The server's metrics see every finished output (a replica's encoder workers report in its own stats)."""
+        self.on_output = on_output
+
     # ---- the caller's side ------------------------------------------------------------------------
     async def process_chat(self, messages: list[dict[str, Any]], mm_processor_kwargs: dict[str, Any] | None = None,
                            **template_kwargs: Any) -> ProcessedPrompt:
-        return await self.engine.process_chat_off_loop(messages, mm_processor_kwargs, **template_kwargs)
+        return await self.frontend.process_chat_off_loop(messages, mm_processor_kwargs, **template_kwargs)
 
     async def process(self, raw_prompt: Any, mm_processor_kwargs: dict[str, Any] | None = None,
                       item_params: dict[str, list[str]] | None = None) -> ProcessedPrompt:
-        return await self.engine.process_off_loop(raw_prompt, mm_processor_kwargs, item_params)
+        return await self.frontend.process_off_loop(raw_prompt, mm_processor_kwargs, item_params)
 
     async def generate(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                        arrival_time: float | None = None, restartable: bool = False,

@@ -23,6 +23,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mmserve.engine.client import EncodedObserver, OutputObserver
+from mmserve.engine.frontend import Frontend
 from mmserve.engine.llm_engine import Engine
 from mmserve.errors import InvalidInputError
 from mmserve.inputs.items import ProcessedPrompt
@@ -117,6 +119,19 @@ class AsyncEngine:
         self._fail_all(error)
         self._commands.put(_Abort(request_ids))
         return len(request_ids)
+
+    @property
+    def frontend(self) -> Frontend:
+        """The engine's processor, spec, stop ids, grammar compiler and max_model_len (EngineClient)."""
+        return self.engine.frontend
+
+    def observe(self, on_output: OutputObserver | None = None, on_encoded: EncodedObserver | None = None) -> None:
+        """Install the server's metrics observers (before `start`; EngineClient)."""
+        self._on_output, self._on_encoded = on_output, on_encoded
+
+    async def check_integrity(self) -> None:
+        """The engine's `check_integrity()`, run between steps on its thread."""
+        await self.call(lambda engine: engine.check_integrity())
 
     @property
     def tracing(self) -> Any:

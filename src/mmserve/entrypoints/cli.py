@@ -361,7 +361,7 @@ def _serve(args: argparse.Namespace) -> int:
                             RouterConfig(policy=args.routing), backend=args.data_parallel_backend,
                             ray_address=config.encoder.ray_address, decode_replicas=args.decode_replicas)
         engine.launch()
-        frontend, stats = engine.engine, engine.stats()
+        frontend, stats = engine.frontend, engine.stats()
     else:
         engine = Engine(config)
         frontend, stats = engine.frontend, engine.get_stats()

@@ -150,7 +150,7 @@ def _v1_router(serving: OpenAIServing, engine: AsyncEngine | ReplicaSet, api_key
 
     @router.get("/models")
     async def models() -> ModelList:
-        root = engine.engine.config.model
+        root = engine.frontend.config.model
         return ModelList(data=[ModelCard(id=serving.config.served_model_name, root=root,
                                          max_model_len=serving.max_model_len)])
 
@@ -185,7 +185,7 @@ def _tokens_router(serving: OpenAIServing, api_key: str | None) -> APIRouter:
     if serving.config.tokenizer_info:
         @router.get("/tokenizer_info")
         async def tokenizer_info() -> dict[str, Any]:
-            return serving.engine.engine.processor.tokenizer.info()
+            return serving.engine.frontend.processor.tokenizer.info()
 
     return router
 

@@ -327,7 +327,7 @@ class OpenAIServing:
     def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
-        self.max_model_len = engine.engine.max_model_len
+        self.max_model_len = engine.frontend.max_model_len
         self.tracing = engine.tracing  # None: no spans (trace_middleware.py opens the request's)
 
     def _names(self, entries: list) -> list:
@@ -381,7 +381,7 @@ class OpenAIServing:
         prompt.cache_salt = check_cache_salt(body.cache_salt)
         if params.structured_outputs is not None:  # compiled off the engine's loop; refused as a 400
             try:
-                await asyncio.wrap_future(self.engine.engine.structured.compile(params.structured_outputs))
+                await asyncio.wrap_future(self.engine.frontend.structured.compile(params.structured_outputs))
             except InvalidInputError as exc:
                 field_name = "tools" if tool_grammar is not None else body.structured()[1]
                 raise RequestError(str(exc).replace("structured_outputs", field_name, 1), param=field_name) from exc
@@ -410,7 +410,7 @@ class OpenAIServing:
             raise RequestError(str(exc), param=exc.param) from exc
         if tools is None:
             return None
-        fmt = tool_format(self.engine.engine.processor.tokenizer.chat_template)
+        fmt = tool_format(self.engine.frontend.processor.tokenizer.chat_template)
         if fmt is None:
             raise RequestError("this model's chat template renders no tools, so it cannot call them", param="tools",
                                code="unsupported_parameter")
@@ -421,7 +421,7 @@ class OpenAIServing:
 
     def _in_thought(self, output: RequestOutput) -> bool | None:
         """For a thinking template: does the answer start inside a thought (None: the template does not think)?"""
-        tokenizer = self.engine.engine.processor.tokenizer
+        tokenizer = self.engine.frontend.processor.tokenizer
         if not thinks(tokenizer.chat_template):
             return None
         return opens_thought(tokenizer.decode(list(output.prompt_token_ids[-8:]), skip_special_tokens=False))
@@ -619,7 +619,7 @@ class OpenAIServing:
 
     def _echo(self, num_logprobs: int | None) -> Callable[[RequestOutput], tuple[str, CompletionLogprobs | None]]:
         """The prompt's text as echoed, and its logprobs in the legacy shape (with logprobs)."""
-        tokenizer = self.engine.engine.processor.tokenizer
+        tokenizer = self.engine.frontend.processor.tokenizer
 
         def echo(output: RequestOutput) -> tuple[str, CompletionLogprobs | None]:
             ids = output.prompt_token_ids
@@ -684,8 +684,8 @@ class OpenAIServing:
 
     def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
         self._check_model(body.model)
-        tokenizer = self.engine.engine.processor.tokenizer
-        vocab_size = self.engine.engine.spec.vocab_size
+        tokenizer = self.engine.frontend.processor.tokenizer
+        vocab_size = self.engine.frontend.spec.vocab_size
         outside = [t for t in body.tokens if not 0 <= t < vocab_size]
         if outside:
             raise RequestError(f"tokens holds {outside[0]}, outside the vocabulary (ids 0..{vocab_size - 1})",
