@@ -117,12 +117,13 @@ def test_the_server_answers_400_naming_the_field(checkpoint_dirs):
     from fastapi.testclient import TestClient
 
     from mmserve import LLM
+    from mmserve.engine.async_engine import AsyncEngine
     from mmserve.entrypoints.openai.media import MediaRules
     from mmserve.entrypoints.openai.server import build_app
     from mmserve.entrypoints.openai.serving import ServerConfig
 
     llm = LLM(str(checkpoint_dirs["qwen2_vl"]))
-    app = build_app(llm.engine, ServerConfig("m", MediaRules(llm.engine.config.media)))
+    app = build_app(AsyncEngine(llm.engine), ServerConfig("m", MediaRules(llm.engine.config.media)))
     with TestClient(app) as client:
         surrogate = '{"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "a \\ud800"}]}'
         reply = client.post("/v1/chat/completions", content=surrogate, headers={"content-type": "application/json"})

@@ -156,13 +156,14 @@ def test_ray_workers_answer_like_transformers_and_dedup(all_checkpoints, expecte
 def test_health_says_degraded_without_workers_and_text_is_still_served(all_checkpoints):
     from fastapi.testclient import TestClient
 
+    from mmserve.engine.async_engine import AsyncEngine
     from mmserve.entrypoints.openai.media import MediaRules
     from mmserve.entrypoints.openai.server import build_app
     from mmserve.entrypoints.openai.serving import ServerConfig
 
     llm = LLM(str(all_checkpoints["qwen2_vl"]), encoder_workers=1, encoder_timeout_s=0.5,
               faults=FaultPlan(encoder_pool=lambda: _NoWorkers(since_s=1.0)))
-    app = build_app(llm.engine, ServerConfig("m", MediaRules(llm.engine.config.media)))
+    app = build_app(AsyncEngine(llm.engine), ServerConfig("m", MediaRules(llm.engine.config.media)))
     with TestClient(app) as client:
         client.get("/v1/models")  # the engine thread has taken a stats snapshot by now
         deadline = time.monotonic() + 5

@@ -51,12 +51,13 @@ def test_a_faulted_step_fails_its_requests_and_the_engine_serves_on(faulty_llm):
 
 
 def test_the_server_answers_500_and_serves_on(faulty_llm):
+    from mmserve.engine.async_engine import AsyncEngine
     from mmserve.entrypoints.openai.media import MediaRules
     from mmserve.entrypoints.openai.server import build_app
     from mmserve.entrypoints.openai.serving import ServerConfig
 
     llm, _ = faulty_llm
-    app = build_app(llm.engine, ServerConfig("m", MediaRules(llm.engine.config.media)))
+    app = build_app(AsyncEngine(llm.engine), ServerConfig("m", MediaRules(llm.engine.config.media)))
     with TestClient(app) as client:
         body = {"model": "m", "max_tokens": 3, "temperature": 0, "messages": [{"role": "user", "content": "zebra"}]}
         response = client.post("/v1/chat/completions", json=body)

@@ -95,6 +95,7 @@ def test_an_engine_request_has_the_spans_of_its_queue_encode_prefill_chunks_and_
 
 
 def test_without_tracing_nothing_is_recorded(checkpoint_dirs):
+    from mmserve.engine.async_engine import AsyncEngine
     from mmserve.entrypoints.openai.server import build_app
     from mmserve.entrypoints.openai.trace_middleware import TraceMiddleware
 
@@ -104,18 +105,19 @@ def test_without_tracing_nothing_is_recorded(checkpoint_dirs):
     assert engine.tracked["a"].timeline is None  # no records kept, whatever the caller sent
     engine.abort_request(["a"])
     engine.check_integrity()
-    app = build_app(engine, ServerConfig("m", MediaRules(engine.config.media)))
+    app = build_app(AsyncEngine(engine), ServerConfig("m", MediaRules(engine.config.media)))
     assert not any(m.cls is TraceMiddleware for m in app.user_middleware)
     engine.shutdown()
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_server_span_continues_the_clients_trace_and_holds_the_engines(checkpoint_dirs, stream):
+    from mmserve.engine.async_engine import AsyncEngine
     from mmserve.entrypoints.openai.server import build_app
 
     exporter = InMemorySpanExporter()
     engine = _engine(checkpoint_dirs["qwen2_vl"], exporter)
-    app = build_app(engine, ServerConfig("m", MediaRules(engine.config.media)))
+    app = build_app(AsyncEngine(engine), ServerConfig("m", MediaRules(engine.config.media)))
     body = {"model": "m", "max_tokens": NUM_TOKENS, "temperature": 0, "stream": stream,
             "messages": [{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": data_uri(png_bytes((200, 30, 30), size=(64, 48)))}},

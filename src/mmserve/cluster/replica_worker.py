@@ -86,8 +86,9 @@ class _Replica:
         loop = asyncio.get_running_loop()
         self.stopped = asyncio.Event()
         self.engine.start()
-        inner = self.engine.engine
-        self.outbox.put(Ready(os.getpid(), inner.max_model_len, inner.config.cache.block_size, self.engine.stats()))
+        frontend = self.engine.frontend
+        self.outbox.put(Ready(os.getpid(), frontend.max_model_len, frontend.config.cache.block_size,
+                              self.engine.stats()))
         reader = threading.Thread(target=self._read, args=(loop,), name="mmserve-replica-inbox", daemon=True)
         reader.start()
         ticker = asyncio.create_task(self._tick())

@@ -21,26 +21,20 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mmserve.engine.client import EncodedObserver, OutputObserver
+from mmserve.engine.client import EncodedObserver, EngineDeadError, OutputObserver
 from mmserve.engine.frontend import Frontend
-from mmserve.engine.llm_engine import Engine
 from mmserve.errors import InvalidInputError
 from mmserve.inputs.items import ProcessedPrompt
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from mmserve.engine.llm_engine import Engine
+
 logger = logging.getLogger("mmserve.async_engine")
 IDLE_WAIT_S = 0.5  # how long the idle engine thread blocks on the command queue before rechecking
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped (a step raised or the engine was shut down)."""
-
-
-class ShuttingDownError(EngineDeadError):
-    """The server is shutting down and cut this request off at its shutdown timeout."""
 
 
 @dataclass(frozen=True)
@@ -83,11 +77,13 @@ class _Stream:
 
 
 class AsyncEngine:
-    """One engine thread; any number of asyncio callers. Start it with `start()` on a running loop."""
+    """One engine thread; any number of asyncio callers (an `EngineClient`). Start it with `start()` on a
+    running loop. The `Engine` is private to its thread: callers reach it only through `call(fn)` and
+    `adopt(...)`, which run `fn(engine)` there between steps."""
 
     def __init__(self, engine: Engine, on_output: Callable[[RequestOutput], None] | None = None,
                  on_encoded: Callable[[int, float], None] | None = None) -> None:
-        self.engine = engine
+        self._engine = engine
         self._on_output = on_output  # called on the engine thread for every finished output (metrics)
         self._on_encoded = on_encoded  # (worker, latency_s) of every item an encoder worker returned
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -109,7 +105,7 @@ class AsyncEngine:
         self._commands.put(None)  # wake the thread if idle
         if self._thread is not None:
             self._thread.join(timeout_s)
-        self.engine.shutdown()  # its encoder workers, if any
+        self._engine.shutdown()  # its encoder workers, if any
 
     def abort_all(self, error: BaseException) -> int:
         """Fail every request in flight with `error` and abort them in the engine (thread-safe; the
@@ -123,7 +119,7 @@ class AsyncEngine:
     @property
     def frontend(self) -> Frontend:
         """The engine's processor, spec, stop ids, grammar compiler and max_model_len (EngineClient)."""
-        return self.engine.frontend
+        return self._engine.frontend
 
     def observe(self, on_output: OutputObserver | None = None, on_encoded: EncodedObserver | None = None) -> None:
         """Install the server's metrics observers (before `start`; EngineClient)."""
@@ -136,7 +132,7 @@ class AsyncEngine:
     @property
     def tracing(self) -> Any:
         """The engine's `Tracing` (None: no tracing)."""
-        return self.engine.tracing
+        return self._engine.tracing
 
     @property
     def is_running(self) -> bool:
@@ -146,11 +142,11 @@ class AsyncEngine:
     async def process_chat(self, messages: list[dict[str, Any]], mm_processor_kwargs: dict[str, Any] | None = None,
                            **template_kwargs: Any) -> ProcessedPrompt:
         """Render and process a chat off the event loop; raises InvalidInputError on bad input."""
-        return await self.engine.frontend.process_chat_off_loop(messages, mm_processor_kwargs, **template_kwargs)
+        return await self._engine.frontend.process_chat_off_loop(messages, mm_processor_kwargs, **template_kwargs)
 
     async def process(self, raw_prompt: Any, mm_processor_kwargs: dict[str, Any] | None = None,
                       item_params: dict[str, list[str]] | None = None) -> ProcessedPrompt:
-        return await self.engine.frontend.process_off_loop(raw_prompt, mm_processor_kwargs, item_params)
+        return await self._engine.frontend.process_off_loop(raw_prompt, mm_processor_kwargs, item_params)
 
     async def generate(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                        arrival_time: float | None = None, restartable: bool = False,
@@ -217,13 +213,13 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stopped.is_set():
-                self._apply_commands(block=not self.engine.has_unfinished_requests())
-                if self.engine.has_unfinished_requests():
-                    self._deliver(self.engine.step())
+                self._apply_commands(block=not self._engine.has_unfinished_requests())
+                if self._engine.has_unfinished_requests():
+                    self._deliver(self._engine.step())
                     if self._on_encoded is not None:
-                        for outcome in self.engine.take_encoder_outcomes():
+                        for outcome in self._engine.take_encoder_outcomes():
                             self._on_encoded(outcome.worker, outcome.latency_s)
-                self._stats = self.engine.get_stats()
+                self._stats = self._engine.get_stats()
         except BaseException as exc:  # a step that raises leaves the engine unusable: fail everyone
             logger.exception("the engine thread died")
             self._error = exc
@@ -243,22 +239,22 @@ class AsyncEngine:
     def _apply(self, command: _Add | _Adopt | _Abort | _Call) -> None:
         if isinstance(command, _Add):
             try:
-                self.engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time,
+                self._engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time,
                                         command.trace_parent, command.hand_off)
             except InvalidInputError as exc:
                 self._send(command.request_id, exc)
         elif isinstance(command, _Adopt):
             try:
-                command.fn(self.engine)
+                command.fn(self._engine)
             except Exception as exc:  # noqa: BLE001 - the KV did not arrive: this request fails, the engine runs on
                 logger.warning("request %s: %s", command.request_id, exc)
-                self.engine.abort_request([command.request_id])
+                self._engine.abort_request([command.request_id])
                 self._send(command.request_id, exc)
         elif isinstance(command, _Abort):
-            self._deliver(self.engine.abort_request(list(command.request_ids)))
+            self._deliver(self._engine.abort_request(list(command.request_ids)))
         else:
             try:
-                result: Any = command.fn(self.engine)
+                result: Any = command.fn(self._engine)
                 setter = command.future.set_result
             except Exception as exc:  # handed back to the caller, who re-raises it
                 result, setter = exc, command.future.set_exception

@@ -19,6 +19,14 @@ if TYPE_CHECKING:
     from mmserve.outputs import RequestOutput
     from mmserve.sampling_params import SamplingParams
 
+class EngineDeadError(RuntimeError):
+    """The engine stopped under a request (a step raised, or the engine or its replicas were shut down)."""
+
+
+class ShuttingDownError(EngineDeadError):
+    """The server is shutting down and cut this request off at its shutdown timeout."""
+
+
 #: called on an engine's thread (or a replica reader's) for every finished output: the server's metrics
 OutputObserver = Callable[["RequestOutput"], None]
 #: (encoder worker, latency_s) of every item an encoder worker returned: the server's metrics

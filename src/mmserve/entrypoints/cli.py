@@ -33,6 +33,7 @@ from mmserve.config import (
     SchedulerConfig,
     resolve_model,
 )
+from mmserve.engine.client import EngineClient
 from mmserve.errors import InvalidInputError, ModelLoadError
 from mmserve.inputs.media import MediaLimits
 from mmserve.tracing import otlp_exporter
@@ -323,6 +324,7 @@ def _serve(args: argparse.Namespace) -> int:
     from mmserve.cluster.replicas import ReplicaSet
     from mmserve.cluster.router import RouterConfig
     from mmserve.config import EngineConfig
+    from mmserve.engine.async_engine import AsyncEngine
     from mmserve.engine.llm_engine import Engine
     from mmserve.entrypoints.openai.media import MediaRules
     from mmserve.entrypoints.openai.server import serve
@@ -355,16 +357,16 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     print(f"loading {model} ...", file=sys.stderr, flush=True)
-    engine: Engine | ReplicaSet
+    client: EngineClient
     if args.data_parallel_size > 1 or disaggregated:
-        engine = ReplicaSet(config, args.prefill_replicas if disaggregated else args.data_parallel_size,
-                            RouterConfig(policy=args.routing), backend=args.data_parallel_backend,
-                            ray_address=config.encoder.ray_address, decode_replicas=args.decode_replicas)
-        engine.launch()
-        frontend, stats = engine.frontend, engine.stats()
+        replicas = ReplicaSet(config, args.prefill_replicas if disaggregated else args.data_parallel_size,
+                              RouterConfig(policy=args.routing), backend=args.data_parallel_backend,
+                              ray_address=config.encoder.ray_address, decode_replicas=args.decode_replicas)
+        replicas.launch()
+        client = replicas
     else:
-        engine = Engine(config)
-        frontend, stats = engine.frontend, engine.get_stats()
+        client = AsyncEngine(Engine(config))
+    frontend = client.frontend
     rules = MediaRules(config.media, fetch, args.max_video_bytes, limits, frontend.spec.default_video_fps)
     server_config = ServerConfig(name, rules, args.api_key, extra_model_names=(model,) if name != model else (),
                                  max_request_bytes=args.max_request_bytes, web_ui=args.web_ui,
@@ -372,8 +374,8 @@ def _serve(args: argparse.Namespace) -> int:
                                  return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                                  request_id_headers=args.enable_request_id_headers, root_path=args.root_path,
                                  tokenizer_info=args.enable_tokenizer_info_endpoint)
-    summary = startup_summary(frontend, stats, name, f"http://{args.host}:{args.port}", web_ui=args.web_ui)
-    serve(engine, server_config, args.host, args.port, args.log_level, args.shutdown_timeout,
+    summary = startup_summary(client, name, f"http://{args.host}:{args.port}", web_ui=args.web_ui)
+    serve(client, server_config, args.host, args.port, args.log_level, args.shutdown_timeout,
           on_ready=lambda: print(summary, file=sys.stderr, flush=True))
     return 0
 
@@ -387,9 +389,10 @@ def _log_to_stderr(level: str) -> None:
     root.setLevel(level.upper())
 
 
-def startup_summary(frontend: Any, stats: dict[str, Any], served_name: str, base_url: str, *, web_ui: bool) -> str:
+def startup_summary(client: EngineClient, served_name: str, base_url: str, *, web_ui: bool) -> str:
     """What `mmserve serve` prints once its port answers: the model, where its memory went (summed over
     replicas), and the addresses to use."""
+    frontend, stats = client.frontend, client.stats()
     config = frontend.config
     workers = config.encoder.encoder_workers
     encoder = (f"{workers} {config.encoder.encoder_backend} worker(s)" if workers else "in the engine's step")

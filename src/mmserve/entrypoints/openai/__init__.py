@@ -1,4 +1,6 @@
-"""The OpenAI-compatible HTTP server: `server.py` (app, routes, errors), `serving.py` (chat and text
-completions), `protocol.py` (wire models), `media.py` (content parts under the server's media
+"""The OpenAI-compatible HTTP server: `server.py` (the app's assembly, `serve`), one module per endpoint
+family (`chat.py`, `completions.py`, `tokens.py`, `models.py`, `health.py`) over `serving.py` (prompt
+processing and submission) and `streaming.py` (usage, SSE streams), `protocol.py` (the wire models they
+share), `http_errors.py` (OpenAI's error shape), `media.py` (content parts under the server's media
 rules), `metrics.py` (Prometheus). Importing this package imports none of them (FastAPI loads
 only when a server is built)."""

@@ -1,22 +1,23 @@
-"""OpenAI-compatible request and response bodies (pydantic models).
+"""The wire format every OpenAI endpoint shares (pydantic models).
 
-Role: the wire format of `/v1/chat/completions`, `/v1/completions`, `/v1/models` and errors, and
-the one mapping from a request's sampling fields to `SamplingParams`. Unknown request fields are
-accepted and ignored (clients send fields such as `user` that change nothing), except the OpenAI
-features mmserve does not implement (`UNSUPPORTED_FIELDS`: tools, audio, ...): set to anything
-but their neutral value, they are refused with a 400 that names them.
-What it does not know: the engine, media, HTTP routing.
+Role: errors (`RequestError` and OpenAI's error body), `GenerationRequest` — the sampling fields chat and
+text completions share, and the one mapping from them to `SamplingParams` — and the response parts both
+answer with (usage, logprobs). Each endpoint's own request and response bodies live in its module
+(chat.py, completions.py, tokens.py, models.py). Unknown request fields are accepted and ignored (clients
+send fields such as `user` that change nothing), except the OpenAI features mmserve does not implement
+(`UNSUPPORTED_FIELDS`: audio, ...): set to anything but their neutral value, they are refused with a 400
+that names them.
+What it does not know: the engine, media, HTTP routing, any one endpoint.
 """
 
 from __future__ import annotations
 
-import time
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from mmserve.errors import InvalidInputError
-from mmserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from mmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class RequestError(Exception):
@@ -63,7 +64,7 @@ INT64_RANGE = (-(2**63), 2**63)  # OpenAI's seed
 UNSUPPORTED_HINTS = {"best_of": ": ask for n choices instead (vLLM removed best_of too)"}
 
 
-class _GenerationRequest(BaseModel):
+class GenerationRequest(BaseModel):
     """Fields shared by chat and text completions (vLLM's extensions included)."""
 
     model_config = ConfigDict(extra="allow")
@@ -221,83 +222,6 @@ class _GenerationRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
-class ChatCompletionRequest(_GenerationRequest):
-    messages: list[dict[str, Any]]
-    max_completion_tokens: int | None = None
-    tools: list[Any] | None = None  # OpenAI's: [{"type": "function", "function": {name, parameters, strict}}]
-    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
-    parallel_tool_calls: bool | None = None
-    # vLLM's: end the prompt with the assistant's turn opened (the default), or continue the last message
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    def requested_logprobs(self) -> int | None:
-        if not self.logprobs:
-            if self.top_logprobs not in (None, 0):
-                raise RequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
-            return None
-        top = self.top_logprobs or 0
-        if not 0 <= top <= MAX_LOGPROBS:
-            raise RequestError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top}",
-                               param="top_logprobs")
-        return top
-
-
-class CompletionRequest(_GenerationRequest):
-    route_unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,)}  # chat only
-    prompt: str | list[str] | list[int] | list[list[int]]  # one prompt, or several (one choice each, x n)
-    # extension: media for the prompt's placeholders, as chat content parts (image_url / video_url)
-    media: list[dict[str, Any]] | None = None
-    echo: bool = False
-    suffix: str | None = None
-    logprobs: int | None = None  # top logprobs per token; 0: the sampled token's only
-
-    def requested_logprobs(self) -> int | None:
-        return self.logprobs
-
-    def requested_prompt_logprobs(self) -> int | None:
-        """echo with logprobs: the prompt's tokens get theirs too."""
-        self._check_prompt_logprobs()
-        if self.echo and self.logprobs is not None:
-            return max(self.logprobs, self.prompt_logprobs or 0)
-        return self.prompt_logprobs
-
-
-class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize: a completion prompt, or chat messages (their pictures expanded to placeholder rows)."""
-
-    model_config = ConfigDict(extra="forbid")
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    add_special_tokens: bool | None = None  # only what the generation routes do (None: that)
-    mm_processor_kwargs: dict[str, Any] | None = None
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-
-
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    model: str | None = None
-    tokens: list[int]
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
-
-
 # ---- responses ------------------------------------------------------------------------------------
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens served from the KV prefix cache
@@ -317,31 +241,6 @@ class Usage(BaseModel):
     # the generated tokens after the first over the time after it (None where there is nothing to measure)
     time_to_first_token_ms: float | None = None
     decode_tokens_per_s: float | None = None
-
-
-class FunctionCall(BaseModel):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class ToolCallModel(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class DeltaToolCall(BaseModel):
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: FunctionCall
-
-
-class ChatMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    reasoning_content: str | None = None  # a thinking model's thought (vLLM's field)
-    tool_calls: list[ToolCallModel] = Field(default_factory=list)
 
 
 class TopLogprob(BaseModel):
@@ -375,82 +274,3 @@ class PromptLogprob(BaseModel):
 
 
 PromptLogprobs = list[dict[int, PromptLogprob] | None]
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: ChatMessage
-    finish_reason: str | None
-    logprobs: ChatLogprobs | None = None
-    token_ids: list[int] | None = None  # with return_token_ids
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    prompt_logprobs: PromptLogprobs | None = None  # with the request's prompt_logprobs (vLLM's field)
-    prompt_token_ids: list[int] | None = None  # with return_token_ids
-
-
-class DeltaMessage(BaseModel):
-    role: str | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: DeltaMessage
-    finish_reason: str | None = None
-    logprobs: ChatLogprobs | None = None
-    token_ids: list[int] | None = None  # with return_token_ids: the tokens new in this chunk
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    prompt_token_ids: list[int] | None = None  # with return_token_ids, in each choice's first chunk
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    finish_reason: str | None = None
-    logprobs: CompletionLogprobs | None = None
-    prompt_logprobs: PromptLogprobs | None = None  # with the request's prompt_logprobs (vLLM's field)
-    token_ids: list[int] | None = None  # with return_token_ids (streamed: the tokens new in this chunk)
-    prompt_token_ids: list[int] | None = None  # with return_token_ids (streamed: in the choice's first chunk)
-
-
-class CompletionResponse(BaseModel):
-    """Both the whole response and, with `stream`, each chunk (OpenAI uses one shape for both)."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "mmserve"
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

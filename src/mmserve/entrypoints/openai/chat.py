@@ -1,0 +1,309 @@
+"""Chat completions: POST /v1/chat/completions, its request and response bodies, and how it is served.
+
+Role: the chat request (messages, tools, logprobs as chat asks for them) and its answer and stream
+chunks; `ChatServing` resolves the messages' media (on a worker thread), renders the chat template (the
+request's tools included), submits the prompt through the shared core (serving.py), and answers with the
+message — its thought apart as `reasoning_content` where the template thinks, its tool calls parsed out
+where the request has tools — or a stream of deltas (the role first, then content, calls whole once their
+end arrives, then the finish reason).
+What it does not know: the engine behind the client, routing beyond its own route, authentication.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field
+
+from mmserve.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs
+from mmserve.entrypoints.openai.media import resolve_messages
+from mmserve.entrypoints.openai.protocol import (
+    ChatLogprobs,
+    GenerationRequest,
+    PromptLogprobs,
+    RequestError,
+    Usage,
+)
+from mmserve.entrypoints.openai.reasoning import opens_thought, split
+from mmserve.entrypoints.openai.serving import OpenAIServing
+from mmserve.entrypoints.openai.streaming import StreamCursor, usage_of
+from mmserve.entrypoints.openai.tools import ToolFormat, ToolRequest, parse_tools, tool_format
+from mmserve.errors import InvalidInputError
+from mmserve.inputs.chat_template import thinks
+from mmserve.inputs.items import ProcessedPrompt
+from mmserve.outputs import CompletionOutput, RequestOutput
+from mmserve.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
+
+
+# ---- the wire format -------------------------------------------------------------------------------
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+    tools: list[Any] | None = None  # OpenAI's: [{"type": "function", "function": {name, parameters, strict}}]
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
+    parallel_tool_calls: bool | None = None
+    # vLLM's: end the prompt with the assistant's turn opened (the default), or continue the last message
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs not in (None, 0):
+                raise RequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
+            return None
+        top = self.top_logprobs or 0
+        if not 0 <= top <= MAX_LOGPROBS:
+            raise RequestError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top}",
+                               param="top_logprobs")
+        return top
+
+
+class FunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallModel(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    reasoning_content: str | None = None  # a thinking model's thought (vLLM's field)
+    tool_calls: list[ToolCallModel] = Field(default_factory=list)
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessage
+    finish_reason: str | None
+    logprobs: ChatLogprobs | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # with the request's prompt_logprobs (vLLM's field)
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    finish_reason: str | None = None
+    logprobs: ChatLogprobs | None = None
+    token_ids: list[int] | None = None  # with return_token_ids: the tokens new in this chunk
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids, in each choice's first chunk
+
+
+# ---- serving ---------------------------------------------------------------------------------------
+def _parsed_tool_arguments(messages: Any) -> Any:
+    """The messages with assistant tool calls' `arguments` as objects, as templates render them (OpenAI
+    sends them as JSON text; vLLM parses them the same way); text that is not JSON is left as it is."""
+    if not isinstance(messages, list):
+        return messages
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if isinstance(calls, list):
+            parsed = []
+            for call in calls:
+                function = call.get("function") if isinstance(call, dict) else None
+                if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                    try:
+                        call = {**call, "function": {**function, "arguments": json.loads(function["arguments"])}}
+                    except ValueError:
+                        pass
+                parsed.append(call)
+            message = {**message, "tool_calls": parsed}
+        out.append(message)
+    return out
+
+
+class ChatServing:
+    """POST /v1/chat/completions over the shared core."""
+
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+
+    async def _chat_prompt(self, body: ChatCompletionRequest, tools: ToolRequest | None = None) -> ProcessedPrompt:
+        messages = await self.serving.in_worker(resolve_messages, _parsed_tool_arguments(body.messages),
+                                                self.serving.config.media, body.mm_processor_kwargs)
+        template_kwargs = {} if tools is None else {"tools": list(tools.template_tools)}
+        return await self.serving.client.process_chat(messages, body.mm_processor_kwargs,
+                                                      add_generation_prompt=body.add_generation_prompt,
+                                                      continue_final_message=body.continue_final_message,
+                                                      **template_kwargs)
+
+    def _tools(self, body: ChatCompletionRequest) -> tuple[ToolRequest, ToolFormat] | None:
+        """The request's tools and the model's call syntax (None: no tools), or a 400 naming the field."""
+        try:
+            tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+        except InvalidInputError as exc:
+            raise RequestError(str(exc), param=exc.param) from exc
+        if tools is None:
+            return None
+        fmt = tool_format(self.serving.client.frontend.processor.tokenizer.chat_template)
+        if fmt is None:
+            raise RequestError("this model's chat template renders no tools, so it cannot call them", param="tools",
+                               code="unsupported_parameter")
+        if tools.forced and body.structured()[0] is not None:
+            raise RequestError("tool_choice required or a named function is a grammar of its own: it cannot be "
+                               "combined with response_format or structured_outputs", param="tool_choice")
+        return tools, fmt
+
+    def _in_thought(self, output: RequestOutput) -> bool | None:
+        """For a thinking template: does the answer start inside a thought (None: the template does not think)?"""
+        tokenizer = self.serving.client.frontend.processor.tokenizer
+        if not thinks(tokenizer.chat_template):
+            return None
+        return opens_thought(tokenizer.decode(list(output.prompt_token_ids[-8:]), skip_special_tokens=False))
+
+    @staticmethod
+    def _message(completion: CompletionOutput, tools: tuple[ToolRequest, ToolFormat] | None,
+                 in_thought: bool | None = None) -> tuple[ChatMessage, str | None]:
+        """The choice's message (its thought apart, its calls parsed out, where the request has tools) and
+        finish reason."""
+        reasoning, text = (None, completion.text) if in_thought is None else split(completion.text, in_thought)
+        if tools is None or tools[0].choice == "none":
+            return ChatMessage(content=text, reasoning_content=reasoning), completion.finish_reason
+        content, calls = tools[1].parse(text, tools[0])
+        if not calls:
+            return ChatMessage(content=text, reasoning_content=reasoning), completion.finish_reason
+        message = ChatMessage(content=content, reasoning_content=reasoning, tool_calls=[
+            ToolCallModel(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls])
+        return message, "tool_calls" if completion.finish_reason == "stop" else completion.finish_reason
+
+    async def create(self, body: ChatCompletionRequest, raw: Request) -> Any:
+        """Answer one chat request: a JSON response, or a stream of chunks with `stream`."""
+        arrival_time = time.time()
+        model = self.serving.check_model(body.model)
+        request_id = raw.state.request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        # the media and the processed prompt live in no frame of this request past submission: once
+        # encoded, the engine releases the pixels and nothing else holds them
+        tools = self._tools(body)
+        grammar = None
+        if tools is not None and tools[0].forced:
+            grammar = StructuredOutputsParams(structural_tag=tools[1].structural_tag(tools[0]))
+        # fetching and decoding the media, the template, the processor
+        with self.serving.traced("media_load", raw):
+            prompt = await self._chat_prompt(body, tools and tools[0])
+        first, outputs = await self.serving.start(request_id, prompt, body, raw, arrival_time, grammar)
+
+        num_logprobs = body.requested_logprobs()
+        in_thought = self._in_thought(first)
+
+        def whole(final: RequestOutput) -> BaseModel:
+            choices = []
+            for c in final.outputs:
+                message, finish_reason = self._message(c, tools, in_thought)
+                choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason,
+                                          logprobs=None if num_logprobs is None else chat_logprobs(
+                                              c.token_ids, self.serving.names(c.logprobs), num_logprobs),
+                                          token_ids=list(c.token_ids) if body.return_token_ids else None))
+            return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage_of(final),
+                                          prompt_logprobs=None if body.prompt_logprobs is None
+                                          else prompt_logprobs(self.serving.names(final.prompt_logprobs)),
+                                          prompt_token_ids=list(final.prompt_token_ids) if body.return_token_ids
+                                          else None)
+
+        return await self.serving.respond(request_id, model, body, raw, first, outputs, self._chunks, whole,
+                                          tools=tools if tools is not None and tools[0].choice != "none" else None,
+                                          in_thought=in_thought)
+
+    @staticmethod
+    def _chunks(request_id: str, model: str, include_usage: bool, cursor: StreamCursor,
+                output: RequestOutput) -> list[BaseModel]:
+        """The chunks of the choice this output moved (`delta_index`): its role first, as OpenAI's
+        stream has it, then its text and logprobs, then its finish reason; the usage after the last."""
+        completion = output.outputs[output.delta_index]
+        index = completion.index
+        choices = []
+        first = cursor.first_chunk(index)
+        if first:
+            choices.append(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""),
+                                           token_ids=[] if cursor.return_token_ids else None))
+        token_ids, entries = cursor.take(completion)
+        new_ids = cursor.take_ids(completion)
+        text, calls, finish_reason = output.delta_text, [], completion.finish_reason
+        finished, thought, answer = completion.finish_reason is not None, "", completion.text
+        if cursor.in_thought is not None:  # the thought as reasoning, then the answer
+            reasoning = cursor.reasoning_stream(index)
+            thought, answer = reasoning.update(completion.text, finished)
+            text = reasoning.take_content(answer)
+        if cursor.tools is not None:  # content until a call may begin; each call whole once its end arrives
+            stream = cursor.tool_stream(index)
+            text, calls = stream.update(answer, finished)
+            if stream.calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        if text or thought or entries or new_ids:
+            logprobs = chat_logprobs(token_ids, entries, cursor.num_logprobs) if entries else None
+            delta = DeltaMessage(content=text, reasoning_content=thought or None)
+            choices.append(ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, token_ids=new_ids))
+        for i, call in calls:  # id and name first, then the arguments, as OpenAI streams them
+            for delta in (DeltaToolCall(index=i, id=call.id, type="function",
+                                        function=FunctionCall(name=call.name, arguments="")),
+                          DeltaToolCall(index=i, function=FunctionCall(arguments=call.arguments))):
+                choices.append(ChatChunkChoice(index=index, delta=DeltaMessage(tool_calls=[delta])))
+        if cursor.finishes(completion):
+            choices.append(ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason=finish_reason,
+                                           token_ids=[] if cursor.return_token_ids else None))
+        usage = usage_of(output) if cursor.continuous_usage else None
+        out = [ChatCompletionChunk(id=request_id, model=model, choices=[c], usage=usage,
+                                   prompt_token_ids=cursor.prompt_ids(output, first and i == 0))
+               for i, c in enumerate(choices)]
+        if output.finished and include_usage:
+            out.append(ChatCompletionChunk(id=request_id, model=model, choices=[], usage=usage_of(output)))
+        return out
+
+
+def chat_router(serving: OpenAIServing) -> APIRouter:
+    """The chat route (the app mounts it under /v1, behind the API key)."""
+    endpoint = ChatServing(serving)
+    router = APIRouter()
+
+    @router.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
+        return await endpoint.create(body, raw)
+
+    return router
