@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from mmserve.config import EngineConfig
-from mmserve.entrypoints import cli
+from mmserve.entrypoints import cli, cli_args
 from mmserve.envs import COMPILE_CPU_DECODE
 from mmserve.errors import InvalidInputError
 
 
 def _parse(*argv: str) -> dict:
     parser = argparse.ArgumentParser()
-    cli._add_engine_args(parser)
-    return cli._engine_kwargs(parser.parse_args(list(argv)))
+    cli_args.add_engine_args(parser)
+    return cli_args.engine_kwargs(parser.parse_args(list(argv)))
 
 
 def test_unset_flags_keep_the_config_defaults_and_the_device_is_cuda_where_there_is_one():
@@ -63,13 +63,13 @@ def test_malformed_values_are_refused_by_the_parser(flag, value, says, capsys):
 
 @pytest.mark.parametrize("command", ["serve", "generate", "chat"])
 def test_every_command_takes_the_model_as_positional_or_flag(command, tmp_path):
-    parser = cli._build_parser()
+    parser = cli_args.build_parser()
     extra = ["--prompt", "hi"] if command == "generate" else []
     for argv in ([command, str(tmp_path), *extra], [command, "--model", str(tmp_path), *extra]):
         args = parser.parse_args(argv)
-        assert cli._model(args) == str(tmp_path)
+        assert cli_args.resolved_model(args) == str(tmp_path)
     with pytest.raises(InvalidInputError, match="two models given"):
-        cli._model(parser.parse_args([command, str(tmp_path), "--model", "other", *extra]))
+        cli_args.resolved_model(parser.parse_args([command, str(tmp_path), "--model", "other", *extra]))
 
 
 def test_bare_mmserve_prints_help_and_version_is_known(capsys):
@@ -90,7 +90,7 @@ def test_serve_help_gives_every_flag_a_line_with_its_choices_and_real_default(ca
     assert "(default: 256MiB)" in text  # --kv-cache-bytes: the size it takes, not "automatic"
     assert "default: cuda where it is available, else cpu" in text
     assert text.rstrip().endswith("curl http://127.0.0.1:8000/v1/models")  # ends with the examples
-    parser = cli._build_parser()
+    parser = cli_args.build_parser()
     serve = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith("serve"))
     for action in serve._actions:
         if action.option_strings and action.dest != "help":
