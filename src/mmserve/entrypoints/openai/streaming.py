@@ -120,12 +120,12 @@ def failed(output: RequestOutput) -> bool:
     return any(c.finish_reason == "error" for c in output.outputs)
 
 
-def sse(payload: BaseModel) -> str:
+def _sse(payload: BaseModel) -> str:
     return f"data: {payload.model_dump_json()}\n\n"
 
 
 async def stream_events(first: RequestOutput, outputs: AsyncIterator[RequestOutput],
-                         render: Callable[[RequestOutput], list[BaseModel]]) -> AsyncIterator[str]:
+                        render: Callable[[RequestOutput], list[BaseModel]]) -> AsyncIterator[str]:
     """SSE lines for each output (`render(output)` makes its chunks), an error event if the request fails
     mid-stream, then `[DONE]`. Closing this iterator closes `outputs`, which aborts the request."""
     async with contextlib.aclosing(outputs):
@@ -134,13 +134,13 @@ async def stream_events(first: RequestOutput, outputs: AsyncIterator[RequestOutp
             while True:
                 if failed(output):
                     error = ErrorInfo(message=output.error or "the request failed", type="server_error")
-                    yield sse(ErrorResponse(error=error))
+                    yield _sse(ErrorResponse(error=error))
                     break
                 for chunk in render(output):
-                    yield sse(chunk)
+                    yield _sse(chunk)
                 if output.finished:
                     break
                 output = await anext(outputs)
         except EngineDeadError as exc:
-            yield sse(ErrorResponse(error=engine_error(exc)))
+            yield _sse(ErrorResponse(error=engine_error(exc)))
         yield "data: [DONE]\n\n"
