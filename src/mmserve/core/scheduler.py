@@ -38,6 +38,7 @@ from mmserve.core.step import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from mmserve.core.stops import per_token, stop_status
 
 
 @dataclass(frozen=True)
@@ -128,9 +129,16 @@ class Scheduler:
         """The KV blocks a live request holds, in order."""
         return tuple(self.kv.block_ids(request_id))
 
-    def encoder_entry(self, request_id: str, key: str) -> tuple[EntryState | None, bool]:
-        """An item's encoder-cache entry: (its state, None if absent; whether `request_id` holds it)."""
-        return self.encoder_cache.state(key), self.encoder_cache.holds(request_id, key)
+    def encoder_entry_state(self, key: str) -> EntryState | None:
+        """The state of an item's encoder-cache entry (None: no entry)."""
+        return self.encoder_cache.state(key)
+
+    def holds_encoder_entry(self, request_id: str, key: str) -> bool:
+        return self.encoder_cache.holds(request_id, key)
+
+    def is_parked(self, request_id: str) -> bool:
+        """Is the request parked for a hand-off (its KV held for a decode replica)?"""
+        return request_id in self.handoff.parked
 
     def take_evictions(self) -> tuple[tuple[str, ...], tuple[bytes, ...]]:
         """(encoder content keys, KV prefix-block hashes) evicted since the last call."""
@@ -153,9 +161,6 @@ class Scheduler:
     def hand_off_sent(self, request_id: str, num_blocks: int) -> None:
         """A parked request's `num_blocks` blocks were sent to a decode replica: it finishes here, its blocks
         staying in the prefix cache."""
-        request = self.handoff.parked.get(request_id)
-        if request is None:
-            raise ValueError(f"request {request_id!r} is not parked for a hand-off")
         self.handoff.handed_off(request_id, num_blocks)
         self.finish_requests([request_id], RequestStatus.FINISHED_STOPPED)
 
@@ -334,9 +339,9 @@ class Scheduler:
                 outputs.append(self._fail(request, result.failed[rid]))
                 continue
             self.kv.cache_full_blocks(request)
-            tokens = _as_tuple(result.sampled_token_ids.get(rid))
+            tokens = per_token(result.sampled_token_ids.get(rid))
             if tokens:
-                outputs.append(self._take_tokens(request, tokens, _as_tuple(result.sampled_logprobs.get(rid))))
+                outputs.append(self._take_tokens(request, tokens, per_token(result.sampled_logprobs.get(rid))))
         for rid, error in result.failed.items():  # failed without tokens this step (a faulted step's waiting requests)
             if rid not in sched.num_scheduled_tokens and rid in self.requests:
                 outputs.append(self._fail(self.requests[rid], error))
@@ -359,7 +364,7 @@ class Scheduler:
         for token in tokens:
             request.output_token_ids.append(token)
             num_taken += 1
-            status = self._check_stop(request, token)
+            status = stop_status(request, token, self.limits.max_model_len)
             if status is not None:
                 break
         self.stats.generation_tokens += num_taken
@@ -378,23 +383,8 @@ class Scheduler:
                                 tokens[num_taken - 1] if status == RequestStatus.FINISHED_STOPPED else None,
                                 new_logprobs=logprobs[:num_taken], parked=parked)
 
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
-        num_out = len(request.output_token_ids)
-        if token in request.stop_token_ids and num_out >= params.min_tokens:
-            return RequestStatus.FINISHED_STOPPED
-        if num_out >= params.max_tokens or request.num_tokens >= self.limits.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
     # ---- invariants -----------------------------------------------------------------------------
     def check_integrity(self) -> None:
         check_scheduler_books(self.kv, self.encoder_cache, self.cross_kv, self.handoff, self.running,
                               set(self.requests))
 
-
-def _as_tuple(value: object) -> tuple:
-    """A runner's per-request result: one value (a token id, its logprobs), or k of them in a tuple."""
-    if value is None:
-        return ()
-    return value if isinstance(value, tuple) else (value,)
