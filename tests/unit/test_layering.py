@@ -175,6 +175,13 @@ def test_workers_hold_no_request_state(path):
     assert not bad, f"{_ids(path)} imports {sorted(bad)}"
 
 
+def test_tracing_is_a_leaf():
+    """The engine, the server and the replicas all write spans through it: it imports nothing of mmserve
+    (engine/timeline.py takes `SpanRecord` from it, not the other way round)."""
+    bad = {name for name in _imports(SRC / "tracing.py") if name.split(".")[0] == "mmserve"}
+    assert not bad, f"tracing.py imports {sorted(bad)}"
+
+
 @pytest.mark.parametrize("path", _paths("entrypoints"), ids=_ids)
 def test_entrypoints_reach_the_engine_never_the_runner(path):
     bad = _reaching(_imports(path), *FORBIDDEN["entrypoints"])
