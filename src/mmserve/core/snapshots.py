@@ -1,9 +1,10 @@
 """Read-only views of the scheduler's state, as frozen records: what the engine reads of core/.
 
-Role: `SchedulerStats` are the scheduler's own counters. The engine's stats and integrity checks read the scheduler through `SchedulerSnapshot` (counts
-of requests, tokens, KV blocks, encoder-cache bytes, hand-offs, cross-attention KV) and never through
-its attributes, so the scheduler's books (queues, block lists, cache entries) can change shape
-without the engine noticing. A snapshot is taken by `Scheduler.snapshot()` and is never updated.
+Role: the engine's stats and integrity checks read the scheduler through `SchedulerSnapshot` (counts
+of requests, tokens, KV blocks, encoder-cache bytes, hand-offs, cross-attention KV; live request ids,
+ready encoder keys) and never through its attributes, so the scheduler's books (queues, block lists,
+cache entries) can change shape without the engine noticing. A snapshot is taken by
+`Scheduler.snapshot()` and is never updated. `SchedulerStats` are the scheduler's own running counters.
 What it does not know: tensors, the runner, how the engine names its stats.
 """
 
