@@ -16,13 +16,22 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from mmserve.engine.timeline import SpanRecord
-
 OTLP_TRACES_PATH = "/v1/traces"  # OTLP/HTTP's path, added to an endpoint given without one
 PROTOCOL_ENV = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"  # http/protobuf (default) or grpc, as OpenTelemetry names it
+
+
+@dataclass(frozen=True)
+class SpanRecord:
+    """One child span of a request as a plain record (engine/timeline.py writes them while the request runs)."""
+
+    name: str
+    start_s: float  # time.time()
+    end_s: float
+    attributes: dict[str, Any] = field(default_factory=dict)
 
 
 def _ns(seconds: float) -> int:

@@ -109,9 +109,9 @@ def test_quantized_kv_moves_as_stored_codes_and_scales(checkpoint_dirs, kv_cache
     def receive_and_read_back(request_id, parts):
         read["received"] = [p.clone() for p in parts]
         receive(request_id, parts)
-        owned = decode.scheduler.kv.block_ids(request_id)
+        owned = decode.scheduler.block_ids(request_id)
         stored = [torch.empty_like(p) for p in parts]
-        decode.kv_storage.read_blocks([owned[i] for i in decode.tracked[request_id].transfer_indices], stored)
+        decode.kv_storage.read_blocks([owned[i] for i in decode.inputs.transfer_indices(request_id)], stored)
         read["stored"] = stored
 
     decode.receive_kv = receive_and_read_back

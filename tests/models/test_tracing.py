@@ -102,7 +102,7 @@ def test_without_tracing_nothing_is_recorded(checkpoint_dirs):
     engine = _engine(checkpoint_dirs["qwen2_vl"], None)
     assert engine.tracing is None
     engine.add_request("a", engine.process({"prompt": "hello"}), GREEDY, trace_parent=CALLER)
-    assert engine.tracked["a"].timeline is None  # no records kept, whatever the caller sent
+    assert engine.output_processor.get("a").timeline is None  # no records kept, whatever the caller sent
     engine.abort_request(["a"])
     engine.check_integrity()
     app = build_app(AsyncEngine(engine), ServerConfig("m", MediaRules(engine.config.media)))

@@ -32,7 +32,7 @@ def test_the_prefill_side_parks_after_the_first_token_and_holds_its_blocks():
     sched.add_request(a)
     _, outputs = _step(sched, runner)
     assert [(o.new_token_ids, o.parked, o.finish_reason) for o in outputs] == [((7,), True, None)]
-    assert a.status == RequestStatus.PARKED and sched.num_schedulable == 0
+    assert a.status == RequestStatus.PARKED and sched.num_schedulable() == 0
     held = sched.kv.block_ids(a.request_id)
     assert len(held) == 3  # 10 prompt tokens in blocks of 4
     out, _ = _step(sched, runner)
@@ -72,7 +72,7 @@ def test_the_decode_side_takes_its_cached_blocks_and_receives_the_rest():
     sched, runner = make_scheduler(), FakeRunner()
     first = _transferred(prompt)
     assert sched.admit_transferred(first) == [0, 1, 2, 3]  # nothing cached: every prompt block moves
-    assert first.status == RequestStatus.RECEIVING and sched.num_schedulable == 0
+    assert first.status == RequestStatus.RECEIVING and sched.num_schedulable() == 0
     out, _ = _step(sched, runner)
     assert out.is_empty  # waits for its KV
     sched.transfer_done(first.request_id, 4)

@@ -175,6 +175,13 @@ def test_workers_hold_no_request_state(path):
     assert not bad, f"{_ids(path)} imports {sorted(bad)}"
 
 
+def test_tracing_is_a_leaf():
+    """The engine, the server and the replicas all write spans through it: it imports nothing of mmserve
+    (engine/timeline.py takes `SpanRecord` from it, not the other way round)."""
+    bad = {name for name in _imports(SRC / "tracing.py") if name.split(".")[0] == "mmserve"}
+    assert not bad, f"tracing.py imports {sorted(bad)}"
+
+
 @pytest.mark.parametrize("path", _paths("entrypoints"), ids=_ids)
 def test_entrypoints_reach_the_engine_never_the_runner(path):
     bad = _reaching(_imports(path), *FORBIDDEN["entrypoints"])
@@ -354,3 +361,53 @@ def test_the_seam_check_catches_an_attribute():
     assert {"execute", "release", "take_outcomes"} <= _runner_methods()
     assert _runner_uses("self.runner.encoder.store.clear()\nself.runner.release('r')\n") - _runner_methods() \
         == {"encoder"}
+
+
+# ---- the engine talks to the scheduler through its methods ---------------------------------------
+def _scheduler_methods() -> set[str]:
+    """The scheduler's public methods; a property is read like an attribute and does not count."""
+    tree = ast.parse((SRC / "core" / "scheduler.py").read_text())
+    scheduler = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Scheduler")
+    return {n.name for n in scheduler.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")
+            and not any(isinstance(d, ast.Name) and d.id == "property" for d in n.decorator_list)}
+
+
+def _scheduler_uses(source: str) -> set[str]:
+    """The names taken off `self.scheduler` or a variable `scheduler` in `source` (not `config.scheduler`:
+    the scheduler's settings)."""
+    def is_scheduler(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Name) and node.id == "scheduler") or (
+            isinstance(node, ast.Attribute) and node.attr == "scheduler" and isinstance(node.value, ast.Name)
+            and node.value.id == "self")
+    return {node.attr for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Attribute)
+            and is_scheduler(node.value)}
+
+
+def _scheduler_calls(source: str) -> set[str]:
+    """The names taken off the scheduler that are called there and then, or handed on as bound methods."""
+    tree = ast.parse(source)
+    called = {node.func.attr for node in ast.walk(tree) if isinstance(node, ast.Call)
+              and isinstance(node.func, ast.Attribute)}
+    passed = {arg.attr for node in ast.walk(tree) if isinstance(node, ast.Call) for arg in node.args
+              if isinstance(arg, ast.Attribute)}
+    return called | passed
+
+
+@pytest.mark.parametrize("path", _paths("engine", "entrypoints"), ids=_ids)
+def test_the_engine_uses_only_the_schedulers_methods(path):
+    """Never its attributes (`scheduler.kv.block_ids`, `scheduler.running`, `scheduler.encoder_cache.entries`,
+    ...): what the engine reads of core/ comes through methods and frozen snapshots (core/snapshots.py)."""
+    source = path.read_text()
+    uses = _scheduler_uses(source)
+    bad = (uses - _scheduler_methods()) | (uses - _scheduler_calls(source))
+    assert not bad, f"{_ids(path)} reaches into the scheduler for {sorted(bad)}"
+
+
+def test_the_scheduler_seam_check_catches_an_attribute():
+    assert {"schedule", "update", "snapshot", "finish_requests"} <= _scheduler_methods()
+    assert "num_unfinished" not in _scheduler_methods()  # a property
+    source = "self.scheduler.kv.block_ids('r')\nn = len(self.scheduler.running)\nself.scheduler.schedule()\n" \
+             "x = self.scheduler.num_unfinished\nconfig.scheduler.max_num_seqs\n"
+    uses = _scheduler_uses(source)
+    assert uses == {"kv", "running", "schedule", "num_unfinished"}
+    assert (uses - _scheduler_methods()) | (uses - _scheduler_calls(source)) == {"kv", "running", "num_unfinished"}

@@ -5,14 +5,13 @@ Role: each step, move every running request's `num_computed_tokens` toward its p
 length under `max_num_batched_tokens` and `max_num_seqs`, then admit waiting requests (with their
 prefix-cache hits) while budget and KV blocks last. When KV blocks run out, the newest running
 request goes back to waiting and will recompute. A chunk boundary may fall anywhere, also inside
-an image's placeholder span, unless the family's `ChunkBoundaryPolicy` makes item spans
-indivisible.
-
+an image's placeholder span, unless the family's `ChunkBoundaryPolicy` makes item spans indivisible.
 Encoder work is the second surface: at admission a request's items are reserved in the encoder
 cache (`ItemScheduler`), and each prefill chunk runs only up to the first placeholder row whose
-item is neither ready nor encodable this step.
-
-What it does not know: tensors, pixels, text, stop strings (the engine finishes those).
+item is neither ready nor encodable this step. `update` takes any number of sampled tokens per
+request: stop ids and `max_tokens` are checked token by token, the surplus dropped. The engine
+reads the scheduler only through methods and frozen snapshots (core/snapshots.py).
+What it does not know: tensors, pixels, text, stop strings (engine/output_processor.py finishes those).
 """
 
 from __future__ import annotations
@@ -24,17 +23,22 @@ from dataclasses import dataclass, field
 from mmserve.core.chunk_policy import ChunkBoundaryPolicy
 from mmserve.core.cross_kv import CrossKVBook
 from mmserve.core.encoder_cache import EntryState
+from mmserve.core.encoder_results import apply_encoder_results
 from mmserve.core.handoff import HandOffBook
+from mmserve.core.invariants import check_scheduler_books
 from mmserve.core.item_scheduler import EncoderStep, ItemScheduler
 from mmserve.core.kv_cache import KVBlock, KVCacheManager
 from mmserve.core.request import Request, RequestStatus
+from mmserve.core.snapshots import SchedulerSnapshot, SchedulerStats, scheduler_snapshot
 from mmserve.core.step import (
     CachedRequestData,
     EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    TokenLogprobs,
 )
+from mmserve.core.stops import per_token, stop_status
 
 
 @dataclass(frozen=True)
@@ -43,18 +47,6 @@ class SchedulerLimits:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     max_model_len: int = 32768
-
-
-@dataclass
-class SchedulerStats:
-    num_preemptions: int = 0
-    requests_finished: int = 0
-    prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission only)
-    prompt_tokens_computed: int = 0  # prompt tokens actually run through the model
-    generation_tokens: int = 0
-    encoder_items_scheduled: int = 0
-    encoder_tokens_scheduled: int = 0
-    requests_rejected: int = 0
 
 
 @dataclass
@@ -114,8 +106,7 @@ class Scheduler:
         request.status = status
         request.error = error
         self.handoff.forget(request.request_id)
-        self.kv.free(request)
-        self._free_cross_kv(request)
+        self._free_kv(request)
         self.encoder_cache.release(request.request_id)
         del self.requests[request.request_id]
         self._finished_since_step.add(request.request_id)
@@ -125,10 +116,33 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.requests)
 
-    @property
     def num_schedulable(self) -> int:
         """Requests a step may compute: not parked for a hand-off, not waiting for their KV."""
         return len(self.requests) - len(self.handoff.parked) - len(self.handoff.receiving)
+
+    # ---- read-only views (the engine reads the scheduler only through these) ----------------------
+    def snapshot(self) -> SchedulerSnapshot:
+        return scheduler_snapshot(set(self.requests), len(self.running), len(self.waiting), self.stats, self.kv,
+                                  self.encoder_cache, self.handoff, self.cross_kv)
+
+    def block_ids(self, request_id: str) -> tuple[int, ...]:
+        """The KV blocks a live request holds, in order."""
+        return tuple(self.kv.block_ids(request_id))
+
+    def encoder_entry_state(self, key: str) -> EntryState | None:
+        """The state of an item's encoder-cache entry (None: no entry)."""
+        return self.encoder_cache.state(key)
+
+    def holds_encoder_entry(self, request_id: str, key: str) -> bool:
+        return self.encoder_cache.holds(request_id, key)
+
+    def is_parked(self, request_id: str) -> bool:
+        """Is the request parked for a hand-off (its KV held for a decode replica)?"""
+        return request_id in self.handoff.parked
+
+    def take_evictions(self) -> tuple[tuple[str, ...], tuple[bytes, ...]]:
+        """(encoder content keys, KV prefix-block hashes) evicted since the last call."""
+        return self.encoder_cache.take_evicted(), self.kv.take_evicted()
 
     # ---- hand-offs (core/handoff.py) --------------------------------------------------------------
     def admit_transferred(self, request: Request) -> list[int] | None:
@@ -143,6 +157,12 @@ class Scheduler:
         if needed is not None:  # its prompt was counted where it was computed
             self.requests[request.request_id] = request
         return needed
+
+    def hand_off_sent(self, request_id: str, num_blocks: int) -> None:
+        """A parked request's `num_blocks` blocks were sent to a decode replica: it finishes here, its blocks
+        staying in the prefix cache."""
+        self.handoff.handed_off(request_id, num_blocks)
+        self.finish_requests([request_id], RequestStatus.FINISHED_STOPPED)
 
     def transfer_done(self, request_id: str, num_blocks: int) -> None:
         """Its KV is in its blocks: it runs from its first token on."""
@@ -197,13 +217,15 @@ class Scheduler:
             i += 1
         return budget
 
-    def _free_cross_kv(self, request: Request) -> None:
+    def _free_kv(self, request: Request, blocks: bool = True) -> None:
+        """Free a request's cross-attention KV bytes, and its KV blocks unless `blocks` is False."""
+        if blocks:
+            self.kv.free(request)
         if self.cross_kv is not None:
             self.cross_kv.free(request.request_id)
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
-        self.kv.free(request)
-        self._free_cross_kv(request)  # the runner drops the tensors with the request's state; rebuilt on resume
+        self._free_kv(request)  # the runner drops the tensors with the request's state; rebuilt on resume
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -258,7 +280,7 @@ class Scheduler:
         if self.cross_kv is not None and not self.cross_kv.try_take(request):
             return 0, False
         if self.kv.allocate_slots(request, num_new, hits) is None:
-            self._free_cross_kv(request)
+            self._free_kv(request, blocks=False)
             return 0, False
         held = {k for k in self.encoder_cache.entries if self.encoder_cache.holds(request.request_id, k)}
         # counted before reserving (once, at the first admission): an entry found ready, or being encoded for
@@ -268,8 +290,7 @@ class Scheduler:
             and self.encoder_cache.state(item.content_hash) in (EntryState.READY, EntryState.PENDING))
         # every item is referenced, also those inside the prefix hit: a preempted request may need them
         if not self.items.try_reserve(request, 0):
-            self.kv.free(request)
-            self._free_cross_kv(request)
+            self._free_kv(request)
             return 0, False
         end = self.items.plan_chunk(request, num_hit, num_hit + num_new, plan.encoder)
         if end <= num_hit and not self.items.waits_for_output(request, num_hit):
@@ -277,8 +298,7 @@ class Scheduler:
             plan.encoder.items.pop(request.request_id, None)
             new_refs = {k for k in self.encoder_cache.entries if self.encoder_cache.holds(request.request_id, k)}
             self.encoder_cache.release(request.request_id, new_refs - held)
-            self.kv.free(request)
-            self._free_cross_kv(request)
+            self._free_kv(request)
             return 0, False
         request.num_computed_tokens = num_hit
         request.status = RequestStatus.RUNNING
@@ -306,7 +326,7 @@ class Scheduler:
     # ---- update ---------------------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs, self._failed_in_schedule = self._failed_in_schedule, []
-        outputs += self._apply_encoder_results(sched, result)
+        outputs += apply_encoder_results(self.encoder_cache, self.requests, sched, result, self._fail)
         for rid, num in sched.num_scheduled_tokens.items():
             request = self.requests.get(rid)
             if request is None or request.status != RequestStatus.RUNNING or rid in result.skipped:
@@ -319,26 +339,9 @@ class Scheduler:
                 outputs.append(self._fail(request, result.failed[rid]))
                 continue
             self.kv.cache_full_blocks(request)
-            token = result.sampled_token_ids.get(rid)
-            if token is None:
-                continue
-            request.output_token_ids.append(token)
-            self.stats.generation_tokens += 1
-            self.kv.cache_full_blocks(request)
-            status = self._check_stop(request, token)
-            parked = status is None and request.hand_off and len(request.output_token_ids) == 1
-            if status is not None:
-                self.running.remove(request)
-                self._finish(request, status)
-            elif parked:  # its KV waits for a decode replica; its encoder references are no longer needed
-                self.running.remove(request)
-                self.encoder_cache.release(rid)
-                self._free_cross_kv(request)
-                self.handoff.park(request)
-            logprobs = result.sampled_logprobs.get(rid)
-            outputs.append(EngineCoreOutput(rid, (token,), status.finish_reason if status else None,
-                                            token if status == RequestStatus.FINISHED_STOPPED else None,
-                                            new_logprobs=() if logprobs is None else (logprobs,), parked=parked))
+            tokens = per_token(result.sampled_token_ids.get(rid))
+            if tokens:
+                outputs.append(self._take_tokens(request, tokens, per_token(result.sampled_logprobs.get(rid))))
         for rid, error in result.failed.items():  # failed without tokens this step (a faulted step's waiting requests)
             if rid not in sched.num_scheduled_tokens and rid in self.requests:
                 outputs.append(self._fail(self.requests[rid], error))
@@ -352,60 +355,36 @@ class Scheduler:
         self._finish(request, RequestStatus.FINISHED_ERROR, error)
         return EngineCoreOutput(request.request_id, (), "error", error=error)
 
-    def _apply_encoder_results(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Commit what the runner reports committed; fail exactly who a failure belongs to. A key this step
-        produced that the runner reports neither committed nor failed goes back to MISSING: a later step
-        produces it again."""
-        outputs = []
-        produced = {}  # key -> producer request id
-        for rid, indices in sched.encoder_items.items():
-            request = self.requests.get(rid)
-            for i in indices:
-                if request is not None:
-                    produced[request.items[i].content_hash] = rid
-        # commits first: a producer failed below for another key must not take a committed output with it.
-        # With encoder workers an output arrives in a later step than its production: any PENDING key counts
-        committed = set(result.encoder_committed_keys)
-        for key in committed:
-            self.encoder_cache.commit(key)
-        for key in produced:
-            if key not in committed and key not in result.encoder_failed_keys \
-                    and key not in result.encoder_in_flight_keys:
-                self.encoder_cache.fail(key)
-        for key, reason in result.encoder_failed_keys.items():  # pinned to one key: all its users fail
-            if key not in produced and self.encoder_cache.state(key) == EntryState.PENDING:
-                self.encoder_cache.fail(key)  # produced in an earlier step (a worker's outcome)
-            for rid in sorted(self.encoder_cache.users(key)):
-                outputs.append(self._fail(self.requests[rid], reason))
-        if result.encoder_batch_error is not None:  # only the producers fail; consumers keep waiting
-            for rid in sorted(set(produced.values())):
-                if rid in self.requests:
-                    outputs.append(self._fail(self.requests[rid], result.encoder_batch_error))
-        return outputs
-
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
-        num_out = len(request.output_token_ids)
-        if token in request.stop_token_ids and num_out >= params.min_tokens:
-            return RequestStatus.FINISHED_STOPPED
-        if num_out >= params.max_tokens or request.num_tokens >= self.limits.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+    def _take_tokens(self, request: Request, tokens: tuple[int, ...],
+                     logprobs: tuple[TokenLogprobs, ...]) -> EngineCoreOutput:
+        """Append a step's new tokens (one today; k with speculative decoding) one by one, checking stop ids,
+        `min_tokens`/`max_tokens` and the context length after each: the tokens after the one that finishes
+        the request are dropped. Stop strings are the engine's (engine/output_processor.py)."""
+        status, num_taken = None, 0
+        for token in tokens:
+            request.output_token_ids.append(token)
+            num_taken += 1
+            status = stop_status(request, token, self.limits.max_model_len)
+            if status is not None:
+                break
+        self.stats.generation_tokens += num_taken
+        self.kv.cache_full_blocks(request)
+        # its first tokens: a request to hand off parks, its KV waiting for a decode replica
+        parked = status is None and request.hand_off and len(request.output_token_ids) == num_taken
+        if status is not None:
+            self.running.remove(request)
+            self._finish(request, status)
+        elif parked:  # its encoder references are no longer needed
+            self.running.remove(request)
+            self.encoder_cache.release(request.request_id)
+            self._free_kv(request, blocks=False)
+            self.handoff.park(request)
+        return EngineCoreOutput(request.request_id, tokens[:num_taken], status.finish_reason if status else None,
+                                tokens[num_taken - 1] if status == RequestStatus.FINISHED_STOPPED else None,
+                                new_logprobs=logprobs[:num_taken], parked=parked)
 
     # ---- invariants -----------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        self.kv.check_integrity()
-        self.encoder_cache.check_integrity(set(self.requests))
-        if self.cross_kv is not None:
-            self.cross_kv.check_integrity({r.request_id for r in self.running})
-            if not self.requests:
-                assert not self.cross_kv.held, "idle engine holds cross-attention KV"
-        owners = set(self.kv.req_blocks)
-        holders = {r.request_id for r in self.running} | self.handoff.holders
-        assert owners <= holders, f"blocks held by requests neither running nor handing off: {owners - holders}"
-        assert self.handoff.holders <= set(self.requests), "a parked or receiving request is not live"
-        for r in self.running:
-            held = len(self.kv.req_blocks.get(r.request_id, []))
-            assert held * self.kv.block_size >= r.num_computed_tokens, f"{r.request_id} computed past its blocks"
-        if not self.requests:
-            assert self.kv.num_free_blocks == self.kv.num_blocks, "idle engine holds KV blocks"
+        check_scheduler_books(self.kv, self.encoder_cache, self.cross_kv, self.handoff, self.running,
+                              set(self.requests))
+

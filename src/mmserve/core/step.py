@@ -60,10 +60,11 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    # one sampled token per request whose scheduled tokens reached its end (decode or last prefill chunk)
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    # of those, the requests that asked for logprobs: the sampled token's and the top ones
-    sampled_logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # the sampled token of each request whose scheduled tokens reached its end (decode or last prefill chunk),
+    # or a tuple of k tokens (speculative decoding): the scheduler checks stops token by token
+    sampled_token_ids: dict[str, int | tuple[int, ...]] = field(default_factory=dict)
+    # of those, the requests that asked for logprobs: the sampled token's and the top ones (one per token)
+    sampled_logprobs: dict[str, TokenLogprobs | tuple[TokenLogprobs, ...]] = field(default_factory=dict)
     # requests that asked for prompt logprobs: (first prompt position, one entry per prompt token from
     # the one after it) for the prompt tokens this step's chunk predicts
     prompt_logprobs: dict[str, tuple[int, tuple[TokenLogprobs, ...]]] = field(default_factory=dict)

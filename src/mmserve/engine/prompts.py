@@ -4,7 +4,8 @@ Role: accept a str, `{"prompt": str, ...}` or `{"prompt_token_ids": [...], ...}`
 `multi_modal_data` ({"image": one or a list, "video": one video or a list: frames, a (F, H, W, C)
 array, or `VideoFrames` — frames with their fps}) and
 `mm_processor_kwargs` and `multi_modal_uuids` (shaped like multi_modal_data), and reject anything
-else with `InvalidInputError`; and cut a processed text prompt to its last tokens (truncate_prompt_tokens).
+else with `InvalidInputError`; cut a processed text prompt to its last tokens (truncate_prompt_tokens);
+check that a processed prompt fits the context and that the token ids a request names are in the vocabulary.
 What it does not know: tokenizers, models.
 """
 
@@ -20,7 +21,7 @@ from mmserve.errors import InvalidInputError
 from mmserve.inputs.chat import require_unicode
 from mmserve.inputs.items import ProcessedPrompt
 from mmserve.inputs.media import VideoFrames
-from mmserve.sampling_params import check_truncate_prompt_tokens
+from mmserve.sampling_params import SamplingParams, check_truncate_prompt_tokens
 
 _PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids",
                 "cache_salt"}
@@ -114,3 +115,22 @@ def truncated_token_ids(prompt: ProcessedPrompt, keep: int | None, max_model_len
         raise InvalidInputError(f"truncate_prompt_tokens={keep} would cut a prompt with images or video: only "
                                 "text prompts are truncated", param="truncate_prompt_tokens")
     return list(prompt.prompt_token_ids[-keep:])
+
+
+def check_prompt_fits(prompt: ProcessedPrompt, max_model_len: int) -> None:
+    """A prompt must have a token, and room for one output token in the context."""
+    if prompt.num_tokens == 0:
+        raise InvalidInputError("the prompt is empty", param="prompt")
+    if prompt.num_tokens + 1 > max_model_len:
+        raise InvalidInputError(f"the prompt has {prompt.num_tokens} tokens; the model's context is "
+                                f"{max_model_len} tokens", param="prompt")
+
+
+def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Token ids a request names must be in the model's vocabulary."""
+    for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or ()),
+                      ("stop_token_ids", params.stop_token_ids)):
+        outside = [t for t in ids if t >= vocab_size]
+        if outside:
+            raise InvalidInputError(f"{name} names token id {outside[0]}, outside the vocabulary "
+                                    f"(ids 0..{vocab_size - 1})", param=name)

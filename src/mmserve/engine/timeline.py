@@ -12,13 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-
-@dataclass(frozen=True)
-class SpanRecord:
-    name: str
-    start_s: float  # time.time()
-    end_s: float
-    attributes: dict[str, Any] = field(default_factory=dict)
+from mmserve.tracing import SpanRecord
 
 
 @dataclass

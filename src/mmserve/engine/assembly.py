@@ -1,0 +1,133 @@
+"""Building an engine's parts from its config: the model, the KV cache, the scheduler, the runner.
+
+Role: load the model (laid out for the CPU's kernels), make the frontend (processor, `FamilySpec`),
+size the KV cache, the context and the encoder budgets from the spec (engine/sizing.py), start the
+encoder workers if asked, and compose the scheduler (core/) and the model runner (runner/) over them.
+`assemble` returns the parts in one frozen `EngineParts`; the engine keeps them and runs the steps.
+What it does not know: requests, steps, outputs; any family (the registry builds the family's pieces).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mmserve.config import EngineConfig
+from mmserve.core.budget import EncoderBudget
+from mmserve.core.chunk_policy import ChunkBoundaryPolicy, resolve_token_budget
+from mmserve.core.cross_kv import CrossKVBook
+from mmserve.core.encoder_cache import EncoderCacheManager
+from mmserve.core.item_scheduler import ItemScheduler
+from mmserve.core.kv_cache import KVCacheManager
+from mmserve.core.scheduler import Scheduler, SchedulerLimits
+from mmserve.engine.frontend import Frontend
+from mmserve.engine.graph_settings import resolve_runner_graphs
+from mmserve.engine.sizing import (
+    resolve_cross_kv_bytes,
+    resolve_encoder_budget,
+    resolve_max_model_len,
+    resolve_num_kv_blocks,
+)
+from mmserve.faults import FaultPlan
+from mmserve.models.loader import checkpoint_quantization, load_model, parse_dtype
+from mmserve.models.quantization import weight_bytes
+from mmserve.models.spec import FamilySpec
+from mmserve.runner.attention import PagedAttentionBackend
+from mmserve.runner.cpu.layout import prepare_for_cpu
+from mmserve.runner.encoder.pool import EncoderPool
+from mmserve.runner.kv_quant import kv_format
+from mmserve.runner.kv_storage import PagedKVStorage
+from mmserve.runner.model_runner import ModelRunner
+from mmserve.workers.factory import make_pool
+from mmserve.workers.spec import WorkerSpec
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    model: torch.nn.Module
+    device: torch.device
+    dtype: torch.dtype
+    cpu_preparation: Any  # the layouts the CPU's kernels want (runner/cpu/layout.py)
+    quantization: str  # "none" when the weights are not quantized
+    weight_bytes: int  # as laid out for the kernels
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    model: ModelParts
+    frontend: Frontend
+    kv_format: Any
+    kv_bytes_per_token: int
+    max_model_len: int
+    budget: EncoderBudget
+    kv_storage: PagedKVStorage
+    encoder_pool: EncoderPool | None
+    cross_kv_bytes_per_row: int  # one item row's cross-attention K/V (0: the family does not cross-attend)
+    scheduler: Scheduler
+    runner: ModelRunner
+
+
+def load(config: EngineConfig) -> ModelParts:
+    device, dtype = torch.device(config.device), parse_dtype(config.dtype)
+    model = load_model(config.model, dtype, device, config.quantization)
+    cpu_preparation = prepare_for_cpu(model)
+    quantization = config.quantization or checkpoint_quantization(config.model) or "none"
+    return ModelParts(model, device, dtype, cpu_preparation, quantization, weight_bytes(model))
+
+
+def assemble(config: EngineConfig, faults: FaultPlan) -> EngineParts:
+    loaded = load(config)
+    frontend = Frontend(config, loaded.model.config)
+    spec = frontend.spec
+    fmt = kv_format(config.cache.kv_cache_dtype, loaded.dtype)
+    kv_bytes_per_token = PagedKVStorage.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, fmt)
+    num_blocks = resolve_num_kv_blocks(config.cache, kv_bytes_per_token)
+    max_model_len = resolve_max_model_len(config.scheduler.max_model_len, spec.max_position_embeddings,
+                                          num_blocks * config.cache.block_size)
+    frontend.max_model_len = max_model_len
+    budget = resolve_encoder_budget(config.encoder, spec, loaded.dtype)
+    graphs = resolve_runner_graphs(config, encoder_tokens_per_step=budget.max_encoder_tokens_per_step,
+                                   encoder_items_per_step=budget.max_items_per_step,
+                                   num_kv_blocks=num_blocks, max_model_len=max_model_len,
+                                   num_position_rows=spec.num_position_rows)
+    # decode graphs' padding rows write to a scratch block after the ones the KV manager hands out
+    kv_storage = PagedKVStorage(spec.num_layers, num_blocks + graphs.num_scratch_blocks, config.cache.block_size,
+                                spec.num_kv_heads, spec.head_dim, fmt, loaded.device)
+    encoder_pool = _start_encoder_pool(config, faults) if config.encoder.encoder_workers else None
+    scheduler = _scheduler(config, spec, loaded.dtype, num_blocks, max_model_len, budget, encoder_pool is not None)
+    runner = ModelRunner(loaded.model, spec, PagedAttentionBackend(kv_storage), loaded.device, encoder_pool,
+                         config.encoder.encoder_timeout_s, graphs.encoder, graphs.decode, faults,
+                         config.logprobs_mode)
+    # bytes of one item row's cross-attention K/V (the model dtype), for a family that cross-attends
+    cross_kv_bytes_per_row = 0 if spec.cross_attention is None else spec.cross_attention.bytes_per_row(
+        torch.empty((), dtype=loaded.dtype).element_size())
+    return EngineParts(loaded, frontend, fmt, kv_bytes_per_token, max_model_len, budget, kv_storage, encoder_pool,
+                       cross_kv_bytes_per_row, scheduler, runner)
+
+
+def _scheduler(config: EngineConfig, spec: FamilySpec, dtype: torch.dtype, num_blocks: int, max_model_len: int,
+               budget: EncoderBudget, encoder_workers: bool) -> Scheduler:
+    kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+    items = ItemScheduler(EncoderCacheManager(budget.cache_bytes, budget.output_budget_bytes), budget,
+                          outputs_arrive_later=encoder_workers)
+    sched = config.scheduler
+    chunking = ChunkBoundaryPolicy(indivisible_items=spec.bidirectional_media)
+    max_batched, _ = resolve_token_budget(sched.max_num_batched_tokens, spec.max_item_span,
+                                          chunking.indivisible_items)
+    cross_kv_bytes = resolve_cross_kv_bytes(config.cache, spec, dtype)
+    return Scheduler(SchedulerLimits(sched.max_num_seqs, max_batched, sched.enable_chunked_prefill, max_model_len),
+                     kv, items, chunking, None if cross_kv_bytes is None else CrossKVBook(cross_kv_bytes))
+
+
+def _start_encoder_pool(config: EngineConfig, faults: FaultPlan) -> EncoderPool:
+    """Encoder workers: the cores are split evenly between the workers and the engine's own step."""
+    enc = config.encoder
+    if faults.encoder_pool is not None:
+        return faults.encoder_pool()
+    cores = len(os.sched_getaffinity(0))
+    spec = WorkerSpec(config.model, config.dtype, config.device, threads=max(1, cores // (enc.encoder_workers + 1)),
+                      die_on_key=faults.encoder_worker_dies_on_key)
+    return make_pool(enc.encoder_backend, spec, enc.encoder_workers, enc.ray_address)
