@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # imported by a benchmark run as `python benchmarks/<name>.py`
     sys.path.insert(0, str(ROOT))
 
-from tests.fixtures.families import FAMILIES  # noqa: E402
-from tests.fixtures.tiny_checkpoints import QWEN_SPECIAL_TOKENS, build_checkpoint, build_tokenizer  # noqa: E402
+from testkit.families import FAMILIES  # noqa: E402
+from testkit.tiny_checkpoints import QWEN_SPECIAL_TOKENS, build_checkpoint, build_tokenizer  # noqa: E402
 
 BENCH_DIR = ROOT / ".bench"
 CONFIG_100M = ROOT / "benchmarks" / "configs" / "bench_100m_qwen2_vl.json"

@@ -40,9 +40,6 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python benchmarks/offline.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
-from tests.fixtures.families import FAMILIES  # noqa: E402
-from tests.fixtures.tiny_checkpoints import reference_inputs  # noqa: E402
-
 from benchmarks.checkpoints import (  # noqa: E402
     EAGER,
     MODEL_DIRS,
@@ -68,6 +65,8 @@ from benchmarks.offline_report import (  # noqa: E402
     print_table,
 )
 from benchmarks.workload import LONG_SYSTEM_PROMPT, Workload, build_workload  # noqa: E402
+from testkit.families import FAMILIES  # noqa: E402
+from testkit.tiny_checkpoints import reference_inputs  # noqa: E402
 
 QWEN2_VL_MODELS = ("tiny", "100m")  # transformers' own Qwen2-VL processor makes their reference inputs
 QUICK_SUBSET = 16

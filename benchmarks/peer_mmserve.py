@@ -143,8 +143,9 @@ def run_reference(args: argparse.Namespace) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
-    from tests.fixtures.tiny_checkpoints import reference_inputs
     from transformers import Qwen2VLForConditionalGeneration
+
+    from testkit.tiny_checkpoints import reference_inputs
 
     wl = load_workload(args.run_dir, args.reference)
     model = Qwen2VLForConditionalGeneration.from_pretrained(str(args.model_dir), dtype=torch.float32).eval()

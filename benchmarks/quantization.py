@@ -164,12 +164,11 @@ def _language_model_linear_bytes(model: torch.nn.Module) -> int:
 def measure_kl(model_dir: Path, prompts: tuple[str, ...],
                linear_bytes: dict[str, int] | None = None) -> dict[str, float]:
     """`linear_bytes`, when given, is filled with each method's `_language_model_linear_bytes`."""
-    from tests.models.helpers import full_logits, load_family
-
     from mmserve import LLM, SamplingParams
     from mmserve.inputs.items import ProcessedPrompt, PromptPositions
     from mmserve.models.loader import load_model
     from mmserve.runner.cpu.layout import prepare_for_cpu
+    from tests.models.helpers import full_logits, load_family
 
     llm = LLM(str(model_dir), max_model_len=1024, **EAGER)
     params = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, min_tokens=OUTPUT_TOKENS)

@@ -5,6 +5,7 @@ and simulated, and the simulated hit rates within the stated error of the measur
 from __future__ import annotations
 
 import pytest
+
 from benchmarks.routing_costs import ensure_costs
 from benchmarks.routing_validate import MAX_RATE_ERROR, validate
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 import pytest
+
 from benchmarks.soak import KINDS, SoakConfig, run_soak
 
 DURATION_S = float(os.environ.get("MMSERVE_SOAK_S", "60"))

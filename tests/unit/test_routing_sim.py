@@ -4,6 +4,7 @@ the ordering of the policies it simulates with mmserve's own router. No torch, n
 from __future__ import annotations
 
 import numpy as np
+
 from benchmarks.routing_sim import (
     Costs,
     ReplicaLimits,
