@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import shutil
-import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -41,6 +39,7 @@ import httpx
 import numpy as np
 import torch
 
+from benchmarks.procs import cmdline, machine_busy_s, proc_stat, process_tree, reap_leftovers
 from benchmarks.reports.disagg import (
     json_line,
     median_tree,
@@ -133,54 +132,6 @@ def image_jobs(settings: Settings, count: int, seed: int) -> list[Job]:
 
 
 # ---- CPU accounting from /proc -------------------------------------------------------------------------
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def _proc_stat(pid: int | str) -> tuple[str, int, float] | None:
-    """(comm, ppid, user+system CPU seconds) of a live process; None once it has exited."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    rest = raw[raw.rfind(")") + 2:].split()  # fields after "pid (comm)": state, ppid, ...
-    if rest[0] in ("Z", "X"):  # exited, not yet reaped
-        return None
-    return raw[raw.find("(") + 1:raw.rfind(")")], int(rest[1]), (int(rest[11]) + int(rest[12])) / CLOCK_TICKS
-
-
-def _cmdline(pid: int) -> str:
-    with contextlib.suppress(OSError):
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    return ""
-
-
-def process_tree(root: int) -> dict[int, tuple[str, float]]:
-    """pid -> (role, CPU seconds) for `root` and every descendant. Roles: engine (the server
-    process), encoder_worker (a process-pool worker or the Ray encoder actor), other (the rest: the
-    multiprocessing resource tracker, Ray's GCS, raylet, idle workers, agents)."""
-    stats = {int(p): s for p in os.listdir("/proc") if p.isdigit() and (s := _proc_stat(p)) is not None}
-    children: dict[int, list[int]] = {}
-    for pid, (_, ppid, _) in stats.items():
-        children.setdefault(ppid, []).append(pid)
-    out, todo = {}, [root]
-    while todo:
-        pid = todo.pop()
-        if pid not in stats:
-            continue
-        todo.extend(children.get(pid, []))
-        cmd = _cmdline(pid)
-        worker = "EncoderWorker" in cmd or ("multiprocessing" in cmd and "resource_tracker" not in cmd)
-        role = "engine" if pid == root else "encoder_worker" if worker else "other"
-        out[pid] = (role, stats[pid][2])
-    return out
-
-
-def machine_busy_s() -> float:
-    """Busy CPU seconds of the whole machine since boot, all cores (all but idle and iowait)."""
-    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (sum(values[:8]) - values[3] - values[4]) / CLOCK_TICKS  # user nice system idle iowait irq softirq steal
-
-
 @dataclass
 class CpuMeter:
     """CPU seconds spent between `start` and `stop` by role in the server's process tree, by this
@@ -194,7 +145,7 @@ class CpuMeter:
 
     def start(self) -> None:
         self.before = process_tree(self.server_pid)
-        self.machine_before, self.client_before = machine_busy_s(), _proc_stat(os.getpid())[2]
+        self.machine_before, self.client_before = machine_busy_s(), proc_stat(os.getpid())[2]
         self.wall_before = time.perf_counter()
 
     def stop(self) -> dict[str, Any]:
@@ -203,7 +154,7 @@ class CpuMeter:
         roles: dict[str, float] = {"engine": 0.0, "encoder_worker": 0.0, "other": 0.0}
         for pid, (role, cpu) in after.items():
             roles[role] += cpu - self.before.get(pid, (role, 0.0))[1]
-        client = _proc_stat(os.getpid())[2] - self.client_before
+        client = proc_stat(os.getpid())[2] - self.client_before
         busy = machine_busy_s() - self.machine_before
         cores = len(os.sched_getaffinity(0))
         tree = sum(roles.values())
@@ -285,26 +236,10 @@ def scrape(url: str) -> dict[str, Any]:
 def _server_pid() -> int:
     """The `mmserve serve` child that `local_server` started."""
     for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
-        stat = _proc_stat(pid)
-        if stat and stat[1] == os.getpid() and "mmserve.entrypoints.cli" in _cmdline(pid):
+        stat = proc_stat(pid)
+        if stat and stat[1] == os.getpid() and "mmserve.entrypoints.cli" in cmdline(pid):
             return pid
     raise RuntimeError("the server process was not found among this process's children")
-
-
-def _reap_leftovers(pids: set[int], grace_s: float = 10.0) -> list[str]:
-    """Processes of the server's tree still alive `grace_s` after it exited (Ray's daemons, say):
-    named, then ended by pid so they do not take CPU from the next mode."""
-    deadline = time.monotonic() + grace_s
-    while (alive := [p for p in pids if _proc_stat(p) is not None]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    left = []
-    for pid in alive:
-        stat = _proc_stat(pid)
-        if stat is not None:
-            left.append(f"{stat[0]}({pid})")
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGTERM)
-    return left
 
 
 def run_mode(mode: str, settings: Settings, model_dir: Path, bursts: list[list[Job]], round_index: int) -> dict:
@@ -325,7 +260,7 @@ def run_mode(mode: str, settings: Settings, model_dir: Path, bursts: list[list[J
             server = scrape(url)
             tree |= set(process_tree(pid)) - {pid}
     finally:
-        leftovers = _reap_leftovers(tree)
+        leftovers = reap_leftovers(tree)
     result = {"mode": mode, "encoder_workers": workers, "encoder_backend": backend if workers else None,
               "replicas": "1 prefill + 1 decode" if mode in PD_ARGS else None,
               "startup_s": round(startup_s, 1), **summarize(raw), "server": server}
@@ -398,8 +333,8 @@ def parse_args(argv: list[str] | None) -> Settings:
 def main(argv: list[str] | None = None) -> None:
     settings = parse_args(argv)
     run_started = time.perf_counter()
+    from benchmarks.card import machine_info
     from benchmarks.checkpoints import ensure_checkpoint, parameter_count
-    from benchmarks.reports.offline import machine_info
 
     source = ensure_checkpoint(settings.model) if settings.model in ("tiny", "100m") else Path(settings.model)
     model_dir = visible_checkpoint(source)

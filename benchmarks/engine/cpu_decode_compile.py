@@ -108,8 +108,8 @@ def main() -> None:
         print(json.dumps(measure(args.model, args.worker, args.batch, args.output_tokens)))
         return
 
+    from benchmarks.card import machine_info
     from benchmarks.checkpoints import ensure_model, parameter_count
-    from benchmarks.reports.offline import machine_info
 
     model_dir = ensure_model(args.model)
     cases = [("off", "warm"), ("startup", "warm"), ("default", "warm"), ("startup", "cold"), ("default", "cold")]

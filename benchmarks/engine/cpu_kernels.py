@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.card import ROOT
+from benchmarks.card import ROOT, machine_info, machine_line
 from benchmarks.checkpoints import EAGER, ensure_model
 from benchmarks.engine.quantization import (
     BATCH,
@@ -41,7 +41,6 @@ from benchmarks.engine.quantization import (
     _decode_tokens_per_s,
     _median_ms,
 )
-from benchmarks.reports.offline import machine_info
 from mmserve.config import QUANTIZATION_METHODS
 
 FORMATS = ("float32", "bfloat16", *QUANTIZATION_METHODS)
@@ -151,7 +150,7 @@ def main() -> None:
     rounds = 1 if args.quick else args.rounds
     machine = machine_info(threads)
     print("== mmserve CPU-kernel benchmark: AVX2 build against this CPU's ==")
-    print(f"machine   : {machine['usable_cpus']} usable CPUs ({machine['cpu_count']} total), {machine['platform']}")
+    print(f"machine   : {machine_line(machine)}")
     print(f"software  : torch {machine['torch']}, torch threads {threads}")
     print(f"this cpu  : {' '.join(native.isa_flags())}")
     print(f"model     : {args.model} ({model_dir.name}, random weights)")

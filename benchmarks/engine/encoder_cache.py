@@ -39,9 +39,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.card import ROOT
+from benchmarks.card import ROOT, machine_info, machine_line
 from benchmarks.checkpoints import EAGER, ensure_checkpoint, greedy, kv_cache_bytes
-from benchmarks.reports.offline import DTYPE, machine_info
+from benchmarks.reports.offline import DTYPE
 from benchmarks.workload import Workload, build_workload, synthetic_image
 
 TTFT_SIDE = 448
@@ -297,8 +297,7 @@ def run(model: str = "100m", quick: bool = False, seed: int = 0, rounds: int | N
 def print_card(machine: dict[str, Any], res: dict[str, Any]) -> None:
     w = res["workload"]
     print("== mmserve encoder-cache benchmark ==")
-    print(f"machine   : {machine['usable_cpus']} usable CPUs ({machine['cpu_count']} total), "
-          f"{machine['platform']}, torch {machine['torch']}, torch threads {machine['torch_threads']} "
+    print(f"machine   : {machine_line(machine)}, torch {machine['torch']}, torch threads {machine['torch_threads']} "
           "(shared, noisy: medians)")
     print(f"model     : {res['model']} ({res['model_dir']}), dtype {DTYPE}")
     print(f"(a) TTFT  : one {TTFT_SIDE}x{TTFT_SIDE} image + a short question, max_tokens=1, "

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.card import ROOT
+from benchmarks.card import ROOT, machine_info
 from benchmarks.checkpoints import ensure_checkpoint, greedy, kv_cache_bytes, parameter_count
 from benchmarks.engine.kv_scaling import (
     AGREEMENT_DTYPE,
@@ -60,7 +60,6 @@ from benchmarks.engine.kv_scaling import (
     measure_scaling,
 )
 from benchmarks.reports.kv_cache import print_card, print_tables
-from benchmarks.reports.offline import machine_info
 from benchmarks.workload import Workload, build_workload
 
 TARGETS = {"capacity_int8_over_auto_float32": 3.5, "capacity_int8_over_auto_bfloat16": 1.8,

@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.card import machine_info, machine_line
 from benchmarks.checkpoints import EAGER, ensure_model, parameter_count
-from benchmarks.reports.offline import machine_info
 from mmserve.config import QUANTIZATION_METHODS
 
 METHODS = (None, *QUANTIZATION_METHODS)
@@ -255,7 +255,7 @@ def main() -> None:
     params = parameter_count(model_dir)
 
     print("== mmserve quantized-weights benchmark ==")
-    print(f"machine   : {machine['usable_cpus']} usable CPUs ({machine['cpu_count']} total), {machine['platform']}")
+    print(f"machine   : {machine_line(machine)}")
     print(f"software  : torch {machine['torch']}, torch threads {threads}")
     print(f"model     : {args.model} ({params / 1e6:.0f}M parameters, random weights), float32 activations")
     print(f"workload  : text prompts, {OUTPUT_TOKENS} output tokens; one request at a time and a batch of {BATCH}; "

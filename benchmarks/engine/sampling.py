@@ -72,8 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--large-px", type=int, default=896)
     args = parser.parse_args(argv)
+    from benchmarks.card import machine_info
     from benchmarks.checkpoints import EAGER, ensure_model
-    from benchmarks.reports.offline import machine_info
     from mmserve import LLM, SamplingParams
 
     model_dir = ensure_model(args.model)

@@ -98,8 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compile-cpu-decode", action="store_true",
                         help="profile the compiled decode step (what benchmarks/peers/compare.py runs)")
     args = parser.parse_args(argv)
+    from benchmarks.card import machine_info
     from benchmarks.checkpoints import ensure_model
-    from benchmarks.reports.offline import machine_info
     from mmserve import LLM
 
     model_dir = ensure_model(args.model)

@@ -167,8 +167,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     run_started = time.perf_counter()
+    from benchmarks.card import machine_info
     from benchmarks.checkpoints import ensure_checkpoint, parameter_count
-    from benchmarks.reports.offline import machine_info
     from mmserve.demo.video import moving_shapes
 
     model_dir = ensure_checkpoint(args.model) if args.model in ("tiny", "100m") else Path(args.model)

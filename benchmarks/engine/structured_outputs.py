@@ -84,8 +84,8 @@ def _validity(batch: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     args = batch_parser(__doc__).parse_args(argv)
 
+    from benchmarks.card import machine_info
     from benchmarks.checkpoints import EAGER, ensure_model
-    from benchmarks.reports.offline import machine_info
     from mmserve import LLM, SamplingParams, StructuredOutputsParams
 
     model_dir = ensure_model(args.model)

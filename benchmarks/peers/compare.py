@@ -69,10 +69,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.card import ROOT
+from benchmarks.card import ROOT, machine_info
 from benchmarks.checkpoints import EAGER, ensure_model, parameter_count
 from benchmarks.peers.common import EXTRACTION_SCHEMA, GGUF_TYPES, WORKLOAD_FILE
-from benchmarks.reports.offline import machine_info
+from benchmarks.procs import machine_busy_s
 from benchmarks.reports.peers import json_line, print_card, print_table, print_targets, targets, write_plot
 
 PEERS_DIR = ROOT / ".peers"
@@ -190,16 +190,6 @@ def worker_env(system: str, threads: int) -> dict[str, str]:
     return env
 
 
-def _cpu_busy_s() -> float | None:
-    """Busy CPU seconds of the whole machine so far (/proc/stat), or None where there is none."""
-    try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    except OSError:
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
 def _children_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
@@ -211,7 +201,7 @@ def run_worker(system: str, args_list: list[str], out: Path, log: Path, threads:
     worker = f"benchmarks.peers.peer_{system}"  # a module run from ROOT: `benchmarks` imports in any venv
     cmd = [str(peer_python(system)), "-m", worker, *args_list, "--threads", str(threads), "--out", str(out)]
     out.unlink(missing_ok=True)
-    busy0, own0 = _cpu_busy_s(), _children_cpu_s()
+    busy0, own0 = machine_busy_s(), _children_cpu_s()
     started = time.perf_counter()
     with log.open("w") as fh:
         fh.write(" ".join(cmd) + "\n")
@@ -223,7 +213,7 @@ def run_worker(system: str, args_list: list[str], out: Path, log: Path, threads:
         except subprocess.TimeoutExpired:
             rc = None
     elapsed = time.perf_counter() - started
-    busy1, own1 = _cpu_busy_s(), _children_cpu_s()
+    busy1, own1 = machine_busy_s(), _children_cpu_s()
     # cores kept busy by other processes while this worker ran (the machine is shared): noise gauge
     others = None if busy0 is None or busy1 is None else round(max(0.0, (busy1 - busy0) - (own1 - own0)) / elapsed, 2)
     result: dict[str, Any] = json.loads(out.read_text()) if out.is_file() else {}

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.card import machine_line
 from benchmarks.server.serve import percentiles_ms
 
 ITL_P99_IN_BURSTS_MAX_RATIO = 0.5  # text ITL p99 during image bursts, vs inline
@@ -106,8 +107,7 @@ def core_split(machine: dict[str, Any], workers: int) -> dict[str, int]:
 def print_card(machine: dict[str, Any], model: dict[str, Any], settings: dict[str, Any],
                results: dict[str, dict[str, Any]]) -> None:
     print("== mmserve encoder disaggregation benchmark ==")
-    print(f"machine   : {machine['usable_cpus']} usable CPUs ({machine['cpu_count']} total), {machine['platform']}, "
-          f"python {machine['python']}, torch {machine['torch']}")
+    print(f"machine   : {machine_line(machine)}, torch {machine['torch']}")
     print(f"model     : {model['name']}: {model['dir']}, {model['params'] / 1e6:.1f}M params, float32; the bench "
           "checkpoint with the lm_head rows of ids that print nothing zeroed (every token streams; same shapes and FLOPs)")
     print("server    : engine defaults; a fresh `mmserve serve` per mode and round, warmed up (1 text request, "

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from benchmarks.card import machine_line
 from benchmarks.engine.kv_scaling import AGREEMENT_DTYPE, KV_DTYPES, MIB, MODEL_DTYPES
 
 
 def print_card(machine: dict[str, Any], res: dict[str, Any]) -> None:
     s, w = res["settings"], res["workload"]
     print("== mmserve KV-cache dtype benchmark ==")
-    print(f"machine   : {machine['usable_cpus']} usable CPUs ({machine['cpu_count']} total), {machine['platform']}, "
+    print(f"machine   : {machine_line(machine)}, "
           f"torch {machine['torch']}, torch threads {machine['torch_threads']} (shared, noisy: medians)")
     print(f"model     : 100m ({res['model_dir']}), {res['params'] / 1e6:.1f}M params, KV {res['kv_layout']}; "
           f"demo model ({res['demo_accuracy']['model']})")

@@ -6,12 +6,9 @@ Role: render what `offline.py` measured. What it does not know: how it was measu
 from __future__ import annotations
 
 import json
-import os
-import platform
 from typing import Any
 
-import torch
-
+from benchmarks.card import machine_line
 from benchmarks.engine.hf_systems import HF_BATCH_SIZE
 
 DTYPE = "float32"
@@ -21,19 +18,10 @@ SYSTEM_LABELS = {"mmserve": "mmserve (all at once)", "hf_single": "transformers 
                  "hf_batched": f"transformers batch {HF_BATCH_SIZE}"}
 
 
-def machine_info(threads: int) -> dict[str, Any]:
-    import transformers
-
-    return {"cpu_count": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
-            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "torch_threads": threads}
-
-
 def print_card(machine: dict[str, Any], workload: dict[str, Any], models: dict[str, dict[str, Any]],
                output_tokens: int, subset: int | None) -> None:
     print("== mmserve offline benchmark ==")
-    print(f"machine   : {machine['usable_cpus']} usable CPUs ({machine['cpu_count']} total), {machine['platform']}, "
-          f"python {machine['python']}")
+    print(f"machine   : {machine_line(machine)}")
     print(f"software  : torch {machine['torch']}, transformers {machine['transformers']}, "
           f"torch threads {machine['torch_threads']}")
     print(f"dtype     : {DTYPE} (all systems, same checkpoint per model)")

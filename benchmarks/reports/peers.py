@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from benchmarks.card import machine_line
 from benchmarks.reports import plots
 
 SPEEDUP_TARGET = 1.2  # mmserve / peer
@@ -128,7 +129,7 @@ def targets(entries: dict[str, dict[str, Any]], status: dict[str, str] | None = 
 def print_card(card: dict[str, Any], results: dict[str, Any]) -> None:
     m = card["machine"]
     print("== mmserve peer benchmark ==")
-    print(f"machine   : {m['usable_cpus']} usable CPUs ({m['cpu_count']} total), {m['platform']}, python {m['python']}")
+    print(f"machine   : {machine_line(m)}")
     print(f"software  : mmserve venv: torch {m['torch']}, transformers {m['transformers']} (the reference); "
           f"{card['threads']} threads per system (torch.set_num_threads / OMP_NUM_THREADS / n_threads)")
     for s, st in card["status"].items():

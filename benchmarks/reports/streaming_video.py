@@ -12,6 +12,8 @@ import json
 import statistics
 from typing import Any
 
+from benchmarks.card import machine_line
+
 TTFT_MAX_RATIO = 0.3  # last turn's TTFT, stream vs reencode
 
 
@@ -88,8 +90,7 @@ def print_card(machine: dict[str, Any], model: dict[str, Any], settings: dict[st
                summary: dict[str, Any]) -> None:
     s = settings
     print("== mmserve streaming video benchmark ==")
-    print(f"machine   : {machine['usable_cpus']} usable CPUs ({machine['cpu_count']} total), {machine['platform']}, "
-          f"python {machine['python']}")
+    print(f"machine   : {machine_line(machine)}")
     print(f"software  : torch {machine['torch']}, transformers {machine['transformers']}, "
           f"torch threads {machine['torch_threads']} (torch's default)")
     print(f"model     : {model['name']}: {model['dir']}, {model['params'] / 1e6:.1f}M params, {s['dtype']}")

@@ -31,7 +31,6 @@ import contextlib
 import io
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
@@ -43,7 +42,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from benchmarks.card import ROOT
+from benchmarks.card import ROOT, machine_info, machine_line
 from benchmarks.reports import plots
 from benchmarks.workload import Workload, build_workload
 
@@ -201,7 +200,11 @@ def local_server_process(model_dir: Path | None, extra_args: list[str], log_path
         yield LocalServer(url, process.pid)
     finally:
         process.terminate()
-        process.wait(timeout=30)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # a server stuck in shutdown is not left running
+            process.kill()
+            process.wait()
         log.close()
 
 
@@ -238,8 +241,7 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict[str, Any]:
 
 def print_card(card: dict[str, Any]) -> None:
     print("== mmserve serving benchmark ==")
-    print(f"machine   : {card['usable_cpus']} usable CPUs ({card['cpu_count']} total), {card['platform']}, "
-          f"python {card['python']}")
+    print(f"machine   : {machine_line(card)}")
     print(f"server    : {card['server']} model {card['model']}")
     w = card["workload"]
     if w["name"] == "shapes":
@@ -334,8 +336,7 @@ def main(argv: list[str] | None = None) -> None:
             results.append({"clients": clients, **summarize(records, wall)})
             dists.append({"ttft_ms": [r.ttft_s * 1000 for r in records],
                           "itl_ms": [x * 1000 for r in records for x in r.itl_s]})
-    card = {"cpu_count": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
-            "platform": platform.platform(), "python": platform.python_version(), "server": url, "model": model,
+    card = {**machine_info(software=False), "server": url, "model": model,
             "clients": client_counts, "output_tokens": args.output_tokens, "workload": workload}
     print_card(card)
     print_table(results)

@@ -33,8 +33,6 @@ import asyncio
 import base64
 import json
 import math
-import os
-import platform
 import random
 import time
 from collections import Counter
@@ -44,8 +42,8 @@ from typing import Any
 
 import httpx
 
-from benchmarks.card import ROOT, json_line
-from benchmarks.cluster.disagg import process_tree
+from benchmarks.card import ROOT, json_line, machine_info, machine_line
+from benchmarks.procs import rss_bytes
 from benchmarks.server.serve import Job, local_server_process, percentiles_ms, shapes_jobs
 
 KINDS = ("plain", "stream", "fresh", "disconnect", "bad_input")
@@ -209,20 +207,6 @@ async def one_request(client: httpx.AsyncClient, kind: str, body: dict[str, Any]
 
 
 # ---- server memory -----------------------------------------------------------------------------------
-def rss_bytes(pid: int) -> int:
-    """VmRSS of `pid` and every descendant (encoder worker processes, when there are any)."""
-    total = 0
-    for member in process_tree(pid):
-        try:
-            status = Path(f"/proc/{member}/status").read_text()
-        except OSError:  # exited since the tree was read
-            continue
-        for line in status.splitlines():
-            if line.startswith("VmRSS:"):
-                total += int(line.split()[1]) * 1024  # reported in kB
-    return total
-
-
 async def sample_rss(pid: int, interval_s: float, t0: float, samples: list[tuple[float, int]],
                      stop: asyncio.Event) -> None:
     while not stop.is_set():
@@ -378,8 +362,7 @@ def print_card(report: SoakReport) -> None:
     c = report.config
     w = c.kind_weights()
     print("== mmserve soak ==")
-    print(f"machine   : {len(os.sched_getaffinity(0))} usable CPUs ({os.cpu_count()} total), {platform.platform()}, "
-          f"python {platform.python_version()}")
+    print(f"machine   : {machine_line(machine_info(software=False))}")
     print(f"server    : mmserve serve (pid {report.server_pid}) {' '.join(c.server_args)}".rstrip()
           + f"; model {report.model}")
     print(f"workload  : {c.clients} clients for {c.duration_s:.0f} s, greedy, max_tokens {c.max_tokens}; "
