@@ -32,17 +32,19 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from benchmarks.card import BENCH_DIR, json_line, machine_info, machine_line, print_card
 from benchmarks.procs import cmdline, proc_stat, process_tree, reap_leftovers, rss_bytes
-from benchmarks.server.serve import Job, local_server_process, shapes_jobs
+from benchmarks.server.serve import Job, local_server_process, shapes_jobs, sse_chunks
 from benchmarks.server.soak import wait_idle
 
 OUTCOMES = ("ok", "wrong", "error_under_way", "error_before_start", "http_5xx", "http_other", "hung", "lost")
@@ -105,19 +107,16 @@ class ChaosRun:
     idle_after: bool = False
     idle_stats: dict[str, Any] = field(default_factory=dict)
     replicas_after: dict[str, Any] = field(default_factory=dict)
+    server_log: dict[str, int] = field(default_factory=dict)  # server_log_events of its log
 
 
 # ---- one streamed request ----------------------------------------------------------------------------
 async def _read_stream(response: httpx.Response) -> tuple[str, str, str]:
     """(outcome, text, detail) of a 200 stream read to its end."""
     pieces: list[str] = []
-    async for line in response.aiter_lines():
-        if not line.startswith("data: "):
-            continue
-        payload = line[len("data: "):]
-        if payload == "[DONE]":
+    async for chunk in sse_chunks(response):
+        if chunk is None:
             return "ok", "".join(pieces), ""
-        chunk = json.loads(payload)
         if "error" in chunk:
             kind = "error_under_way" if any(pieces) else "error_before_start"
             return kind, "".join(pieces), json.dumps(chunk["error"])[:200]
@@ -262,21 +261,36 @@ async def wait_replicas(client: httpx.AsyncClient, total: int, timeout_s: float)
         await asyncio.sleep(0.5)
 
 
-def run_chaos(config: ChaosConfig, log_path=None) -> ChaosRun:
+def run_chaos(config: ChaosConfig, log_path: Path | None = None) -> ChaosRun:
     """Start the server, run the chaos, stop the server and end whatever of its tree outlived it."""
     BENCH_DIR.mkdir(exist_ok=True)
     run = ChaosRun(config)
+    log_path = log_path or BENCH_DIR / "chaos-server.log"
     try:
-        with local_server_process(None, config.server_args(), log_path or BENCH_DIR / "chaos-server.log") as server:
+        with local_server_process(None, config.server_args(), log_path) as server:
             run.tree_pids.add(server.pid)
             asyncio.run(drive(run, server.url, server.pid))
     finally:
         reap_leftovers(run.tree_pids, sig=signal.SIGTERM)
         reap_leftovers(run.tree_pids, sig=signal.SIGKILL)
+    run.server_log = server_log_events(log_path.read_text(errors="replace"))
     return run
 
 
 # ---- the report --------------------------------------------------------------------------------------
+WORKER_DIED = re.compile(r"encoder worker \d+ \(generation \d+, pid \d+\) died .*?; (\d+) in-flight items")
+
+
+def server_log_events(text: str) -> dict[str, int]:
+    """What the server logged about the deaths: the summed /v1/stats forget a killed replica's counters
+    (its encoder workers' restarts among them), the log does not."""
+    moved = [int(n) for n in WORKER_DIED.findall(text)]
+    return {"replica_deaths": len(re.findall(r"replica \d+ died .*restarting it now", text)),
+            "requests_routed_again": text.count("routing it again"),
+            "encoder_worker_deaths": len(moved), "encoder_items_moved": sum(moved),
+            "encoder_workers_not_stopping_at_shutdown": text.count("did not stop; sending terminate")}
+
+
 def summarize(run: ChaosRun) -> dict[str, Any]:
     counts = Counter(o.kind for o in run.outcomes)
     rss = [value for _, value in run.rss]
@@ -289,7 +303,7 @@ def summarize(run: ChaosRun) -> dict[str, Any]:
             "lost": counts["lost"], "hung": counts["hung"], "wrong": counts["wrong"], "http_5xx": counts["http_5xx"],
             "error_before_start": counts["error_before_start"], "error_under_way": counts["error_under_way"],
             "targets_met": all(counts[k] == 0 for k in FAILURES),
-            "kills": [asdict(k) for k in run.kills], "replicas_after": run.replicas_after,
+            "kills": [asdict(k) for k in run.kills], "replicas_after": run.replicas_after, "server_log": run.server_log,
             "idle_after": run.idle_after, "idle_stats": run.idle_stats,
             "rss_mib_first": round(first, 1) if first else None, "rss_mib_last": round(last, 1) if last else None,
             "rss_growth_pct": round(100.0 * (last - first) / first, 2) if first else None,
@@ -319,6 +333,7 @@ def print_report(summary: dict[str, Any], machine: dict[str, Any]) -> None:
     print(f"RSS of the server's tree: first {summary['rss_mib_first']} MiB, last {summary['rss_mib_last']} MiB, "
           f"growth {summary['rss_growth_pct']}%; after: {summary['replicas_after']}; idle {summary['idle_after']}; "
           f"processes left {summary['processes_left'] or 'none'}")
+    print(f"server log: {summary['server_log']}")
     for example in summary["examples"]:
         print(f"  e.g. {example}")
     print(f"targets (0 lost, hung, wrong, 5xx, error before start): {'met' if summary['targets_met'] else 'MISSED'}")

@@ -35,6 +35,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,14 @@ class Job:
     max_tokens: int
     min_tokens: int = 0
     expected: str | None = None
+
+
+async def sse_chunks(response: httpx.Response) -> AsyncIterator[dict[str, Any] | None]:
+    """The parsed `data:` events of a streamed completion, in order; None for the closing [DONE]."""
+    async for line in response.aiter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            yield None if payload == "[DONE]" else json.loads(payload)
 
 
 def shapes_jobs(num_requests: int, seed: int, start: int = 0) -> tuple[list[Job], dict[str, Any]]:

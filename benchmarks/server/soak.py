@@ -44,7 +44,7 @@ import httpx
 
 from benchmarks.card import ROOT, json_line, machine_info, machine_line
 from benchmarks.procs import rss_bytes
-from benchmarks.server.serve import Job, local_server_process, percentiles_ms, shapes_jobs
+from benchmarks.server.serve import Job, local_server_process, percentiles_ms, shapes_jobs, sse_chunks
 
 KINDS = ("plain", "stream", "fresh", "disconnect", "bad_input")
 ANSWERED_KINDS = ("plain", "stream", "fresh")
@@ -185,16 +185,12 @@ async def one_request(client: httpx.AsyncClient, kind: str, body: dict[str, Any]
                 await response.aread()
                 return outcome(response.status_code, str(response.status_code), detail=response.text[:200])
             pieces: list[str] = []
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                payload = line[len("data: "):]
+            async for chunk in sse_chunks(response):
                 if kind == "disconnect":
                     return outcome(200)  # leaving the block closes the connection mid-stream
-                if payload == "[DONE]":
+                if chunk is None:
                     text = "".join(pieces)
                     return outcome(200, wrong=text != expected, detail=f"{text!r} != {expected!r}")
-                chunk = json.loads(payload)
                 if "error" in chunk:
                     return outcome(200, "stream_error", detail=json.dumps(chunk["error"])[:200])
                 if chunk["choices"]:
