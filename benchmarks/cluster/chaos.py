@@ -44,8 +44,7 @@ import httpx
 
 from benchmarks.card import BENCH_DIR, json_line, machine_info, machine_line, print_card
 from benchmarks.procs import cmdline, proc_stat, process_tree, reap_leftovers, rss_bytes
-from benchmarks.server.serve import Job, local_server_process, shapes_jobs, sse_chunks
-from benchmarks.server.soak import wait_idle
+from benchmarks.server.serve import Job, local_server_process, shapes_jobs, sse_chunks, wait_idle
 
 OUTCOMES = ("ok", "wrong", "error_under_way", "error_before_start", "http_5xx", "http_other", "hung", "lost")
 FAILURES = ("wrong", "error_before_start", "http_5xx", "hung", "lost")  # the targets: each must stay 0
@@ -141,6 +140,8 @@ async def stream_once(client: httpx.AsyncClient, body: dict[str, Any], timeout_s
         return "hung", "", type(exc).__name__
     except httpx.HTTPError as exc:
         return "lost", "", f"{type(exc).__name__}: {exc}"[:200]
+    except (ValueError, KeyError, IndexError, TypeError) as exc:  # a body that is not OpenAI's: no answer either
+        return "lost", "", f"malformed: {type(exc).__name__}: {exc}"[:200]
 
 
 def _body(model: str, job: Job, max_tokens: int) -> dict[str, Any]:
@@ -159,7 +160,10 @@ def encoder_worker_pids(replica_pids: list[int]) -> list[int]:
 
 
 async def kill_one(client: httpx.AsyncClient, victim: str, turn: int, at_s: float) -> Kill:
-    stats = (await client.get("/v1/stats")).json()
+    try:
+        stats = (await client.get("/v1/stats")).json()
+    except (httpx.HTTPError, ValueError) as exc:  # the chaos goes on; the miss is reported
+        return Kill(at_s, victim, None, f"no stats: {type(exc).__name__}")
     replica_pids = [r["pid"] for r in stats.get("replicas", []) if r.get("pid")]
     pids = replica_pids if victim == "replica" else encoder_worker_pids(replica_pids)
     if not pids:

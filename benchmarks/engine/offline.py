@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.card import ROOT
+from benchmarks.card import ROOT, machine_info
 from benchmarks.checkpoints import (
     EAGER,
     MODEL_DIRS,
@@ -56,7 +56,6 @@ from benchmarks.engine.hf_systems import (
 from benchmarks.reports.offline import (
     DTYPE,
     json_line,
-    machine_info,
     print_card,
     print_overhead,
     print_table,

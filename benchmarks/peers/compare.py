@@ -62,7 +62,6 @@ import hashlib
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import time
@@ -71,6 +70,7 @@ from typing import Any
 
 from benchmarks.card import ROOT, machine_info
 from benchmarks.checkpoints import EAGER, ensure_model, parameter_count
+from benchmarks.peers.aggregate import aggregate
 from benchmarks.peers.common import EXTRACTION_SCHEMA, GGUF_TYPES, WORKLOAD_FILE
 from benchmarks.procs import machine_busy_s
 from benchmarks.reports.peers import json_line, print_card, print_table, print_targets, targets, write_plot
@@ -244,80 +244,6 @@ def ensure_gguf(model_dir: Path, run_dir: Path, threads: int) -> tuple[Path | No
         return None, f"GGUF quantization failed: {quantized['error']} (log {quantized['log']})"
     return out_dir, f"converted in {res['process_s']:.0f}s, quantized to {', '.join(GGUF_TYPES)} in " \
                     f"{quantized['process_s']:.0f}s"
-
-
-# ---- aggregation --------------------------------------------------------------------------------------
-def _median(values: list[float | None]) -> float | None:
-    vals = [v for v in values if v is not None]
-    return round(statistics.median(vals), 2) if vals else None
-
-
-def validity(json_schema: dict, texts: list[str], finish_reasons: list[str | None]) -> dict[str, int]:
-    """How many outputs finished and parse as JSON valid against the schema, and how many max_tokens cut."""
-    import jsonschema
-
-    finished = valid = 0
-    for text, reason in zip(texts, finish_reasons):
-        if reason == "length":
-            continue
-        finished += 1
-        try:
-            jsonschema.validate(json.loads(text), json_schema)
-            valid += 1
-        except (ValueError, jsonschema.ValidationError):
-            pass
-    return {"outputs": len(texts), "finished": finished, "finished_valid": valid, "cut": len(texts) - finished}
-
-
-def aggregate(rounds: list[dict[str, Any]], reference: list[list[int]] | None,
-              json_schema: dict | None = None) -> dict[str, Any]:
-    ok = [r for r in rounds if "error" not in r]
-    entry: dict[str, Any] = {"rounds_ok": len(ok), "rounds": len(rounds)}
-    if not ok:
-        entry["error"] = rounds[-1]["error"] if rounds else "not run"
-        entry["log_tail"] = rounds[-1].get("log_tail") if rounds else None
-        return entry
-    entry.update({
-        "tokens_per_s": _median([r["tokens_per_s"] for r in ok]),
-        "ttft_ms": _median([r.get("ttft_ms_median") for r in ok]),
-        "decode_tokens_per_s": _median([r.get("decode_tokens_per_s") for r in ok]),
-        "cold_call_s": _median([r.get("cold_call_s") for r in ok]),
-        "load_s": _median([r.get("load_s") for r in ok]),
-        "per_round": [{k: r.get(k) for k in ("tokens_per_s", "ttft_ms_median", "decode_tokens_per_s", "wall_s",
-                                              "cold_call_s", "load_s", "process_s", "others_cores")} for r in ok],
-        "others_cores": _median([r.get("others_cores") for r in ok]),
-        "output_tokens": ok[0]["output_tokens"],
-        "versions": ok[0].get("versions"),
-        "ttft_dist_ms": [x for r in ok for x in r.get("ttft_ms", [])],
-        "itl_dist_ms": [x for r in ok for x in r.get("itl_ms", [])],
-        "itl_per_token": bool(ok[0].get("itl_per_token")),
-    })
-    floors = [r["floor"] for r in ok if r.get("floor")]
-    if floors:  # the round that measured the machine fastest gives the lowest (strictest) floor
-        entry["floor"] = min(floors, key=lambda f: f["floor_s"])
-    for key in ("image_backend", "prompt_tokens_note", "gguf", "ld_preload", "engine_args"):
-        if key in ok[0]:
-            entry[key] = ok[0][key]
-    if len(rounds) > len(ok):
-        entry["failed_rounds"] = [r["error"] for r in rounds if "error" in r]
-    lengths = {len(t) for r in ok for t in r["tokens"]}
-    entry["output_lengths"] = sorted(lengths)
-    # greedy outputs: the same in every round, and against transformers on the first requests
-    entry["rounds_agree"] = all(r["tokens"] == ok[0]["tokens"] for r in ok)
-    if json_schema is not None:
-        entry["first_round_tokens"] = ok[0]["tokens"]
-        entry["validity"] = validity(json_schema, ok[0].get("texts", []), ok[0].get("finish_reasons", []))
-    if reference:
-        n = min(len(reference), len(ok[0]["tokens"]))
-        same = [ok[0]["tokens"][i] == reference[i] for i in range(n)]
-        entry["identical"] = sum(same)
-        entry["compared"] = n
-        firsts = []
-        for i in range(n):
-            a, b = ok[0]["tokens"][i], reference[i]
-            firsts.append(next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None if a == b else min(len(a), len(b))))
-        entry["first_divergence"] = firsts
-    return entry
 
 
 # ---- main ---------------------------------------------------------------------------------------------

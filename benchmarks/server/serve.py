@@ -225,6 +225,30 @@ def local_server(model_dir: Path | None, extra_args: list[str]):
 
 
 # ---- report ----------------------------------------------------------------------------------------
+# ---- the server's state -----------------------------------------------------------------------------
+IDLE_KEYS = ("requests_running", "requests_waiting", "kv_blocks_total", "kv_blocks_free",
+             "encoder_cache_bytes_referenced", "encoder_cache_bytes_used", "encoder_cache_bytes_total",
+             "requests_finished", "prefix_cache_hit_tokens")
+
+
+
+def is_idle(stats: dict[str, Any]) -> bool:
+    """No request running or waiting, every KV block free, no encoder-cache bytes held by a request."""
+    return (stats.get("requests_running") == 0 and stats.get("requests_waiting") == 0
+            and stats.get("kv_blocks_free") == stats.get("kv_blocks_total")
+            and stats.get("encoder_cache_bytes_referenced") == 0)
+
+
+async def wait_idle(client: httpx.AsyncClient, timeout_s: float) -> tuple[bool, dict[str, Any]]:
+    """Poll /v1/stats until the engine is idle (or the timeout): (idle, the IDLE_KEYS figures then)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = (await client.get("/v1/stats")).json()
+        if is_idle(stats) or time.monotonic() > deadline:
+            return is_idle(stats), {k: stats.get(k) for k in IDLE_KEYS}
+        await asyncio.sleep(0.2)
+
+
 def percentiles_ms(values: list[float]) -> dict[str, float]:
     if not values:
         return {"p50": float("nan"), "p99": float("nan"), "mean": float("nan")}

@@ -44,7 +44,14 @@ import httpx
 
 from benchmarks.card import ROOT, json_line, machine_info, machine_line
 from benchmarks.procs import rss_bytes
-from benchmarks.server.serve import Job, local_server_process, percentiles_ms, shapes_jobs, sse_chunks
+from benchmarks.server.serve import (
+    Job,
+    local_server_process,
+    percentiles_ms,
+    shapes_jobs,
+    sse_chunks,
+    wait_idle,
+)
 
 KINDS = ("plain", "stream", "fresh", "disconnect", "bad_input")
 ANSWERED_KINDS = ("plain", "stream", "fresh")
@@ -214,32 +221,12 @@ async def sample_rss(pid: int, interval_s: float, t0: float, samples: list[tuple
 
 
 # ---- the soak ------------------------------------------------------------------------------------------
-IDLE_KEYS = ("requests_running", "requests_waiting", "kv_blocks_total", "kv_blocks_free",
-             "encoder_cache_bytes_referenced", "encoder_cache_bytes_used", "encoder_cache_bytes_total",
-             "requests_finished", "prefix_cache_hit_tokens")
-
-
 async def aborted_requests(client: httpx.AsyncClient) -> int:
     """The server's count of requests finished as aborted, from /metrics."""
     for line in (await client.get("/metrics")).text.splitlines():
         if line.startswith('mmserve_requests_total{finish_reason="abort"}'):
             return int(float(line.rsplit(" ", 1)[1]))
     return 0
-
-
-def is_idle(stats: dict[str, Any]) -> bool:
-    return (stats.get("requests_running") == 0 and stats.get("requests_waiting") == 0
-            and stats.get("kv_blocks_free") == stats.get("kv_blocks_total")
-            and stats.get("encoder_cache_bytes_referenced") == 0)
-
-
-async def wait_idle(client: httpx.AsyncClient, timeout_s: float) -> tuple[bool, dict[str, Any]]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = (await client.get("/v1/stats")).json()
-        if is_idle(stats) or time.monotonic() > deadline:
-            return is_idle(stats), {k: stats.get(k) for k in IDLE_KEYS}
-        await asyncio.sleep(0.2)
 
 
 async def keep_answered_right(client: httpx.AsyncClient, model: str, jobs: list[Job], max_tokens: int) -> list[Job]:
