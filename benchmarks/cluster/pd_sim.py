@@ -13,7 +13,6 @@ What it does not know: engines, HTTP; the simulation itself (it only measures, d
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.card import json_line
 from testkit.pd_sim import PDSimulation, PDWorkload, Transfer
 from testkit.routing_sim import load_costs
 
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     for ratio in ratios:
         print(f"  {ratio['replicas']:>3} {ratio['setup']:10} text ITL p99 in bursts {ratio['itl_p99_in_bursts_ratio']}x "
               f"colocated, throughput {ratio['throughput_ratio']}x")
-    print(json.dumps({**card, "results": results, "ratios": ratios}))
+    json_line({**card, "results": results, "ratios": ratios})
 
 
 if __name__ == "__main__":

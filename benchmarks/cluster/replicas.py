@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from benchmarks.card import ROOT
+from benchmarks.card import ROOT, json_line
 from benchmarks.checkpoints import ensure_model
 from benchmarks.server.serve import Job, RequestRecord, image_data_uri, local_server_process, summarize
 from benchmarks.workload import synthetic_image
@@ -173,8 +173,8 @@ def main(argv: list[str] | None = None) -> None:
                         > results["cache_aware"]["encoder_items_encoded"]})
     for t in targets:
         print(f"  [{'met' if t['met'] else 'MISSED'}] {t['name']}")
-    print(json.dumps({**card, "results": results, "targets": targets,
-                      "wall_s": round(time.perf_counter() - started, 1)}))
+    json_line({**card, "results": results, "targets": targets,
+                      "wall_s": round(time.perf_counter() - started, 1)})
 
 
 if __name__ == "__main__":

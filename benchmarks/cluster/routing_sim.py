@@ -14,14 +14,13 @@ What it does not know: engines, tensors; the simulation itself (it only drives a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.card import ROOT
+from benchmarks.card import ROOT, json_line
 from mmserve.cluster.router import ROUTING_POLICIES, RouterConfig
 from testkit.routing_sim import Simulation, Workload, load_costs
 
@@ -115,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  [{'met' if t['met'] else 'MISSED'}] {t['name']}")
     plot = write_plot(results, args.plot)
     print(f"plot: {plot}")
-    print(json.dumps({**card, "validation": validation, "results": results, "targets": targets, "plot": plot}))
+    json_line({**card, "validation": validation, "results": results, "targets": targets, "plot": plot})
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.card import ROOT
+from benchmarks.card import ROOT, json_line
 
 SETTINGS = {"off": False, "startup": True, "default": None}
 PROMPTS = ("Describe a sunny beach in detail.", "Write a short story about a robot.", "List ten colours.",
@@ -105,7 +105,7 @@ def main() -> None:
     parser.add_argument("--worker", choices=tuple(SETTINGS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(measure(args.model, args.worker, args.batch, args.output_tokens)))
+        json_line(measure(args.model, args.worker, args.batch, args.output_tokens))
         return
 
     from benchmarks.card import machine_info
@@ -147,9 +147,9 @@ def main() -> None:
         print(f"{name:16s} {cell(res['startup_s'], 10)} {cell(res['compiled_after_s'], 10)} "
               f"{cell(res['while_compiling_tokens_per_s'], 11)} {cell(res['batch_tokens_per_s'], 11)} "
               f"{cell(res['batch_over_off'], 6)} {cell(res['one_tokens_per_s'], 9)} {cell(res['one_over_off'], 6)}")
-    print(json.dumps({"bench": "cpu_decode_compile", "model": str(model_dir), "batch": args.batch,
+    json_line({"bench": "cpu_decode_compile", "model": str(model_dir), "batch": args.batch,
                       "output_tokens": args.output_tokens, "rounds": args.rounds, "machine": machine,
-                      "results": results}, separators=(",", ":")))
+                      "results": results}, compact=True)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.card import ROOT, machine_info, machine_line
+from benchmarks.card import ROOT, json_line, machine_info, machine_line
 from benchmarks.checkpoints import EAGER, ensure_model
 from benchmarks.engine.quantization import (
     BATCH,
@@ -142,7 +142,7 @@ def main() -> None:
     threads = len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
     if args.child:
-        print(json.dumps(child(Path(args.model), *args.child)))
+        json_line(child(Path(args.model), *args.child))
         return
     from mmserve.runner.cpu import native
 
@@ -173,10 +173,10 @@ def main() -> None:
         cells = [f"{by['avx2'][k]:>7.1f} -> {by['this cpu'][k]:>7.1f} (x{gains[fmt][k]:.2f})" for k in ("one", "batch")]
         print(f"{fmt:>9} {cells[0]:>28} {cells[1]:>28}")
     this_cpu = {fmt: by["this cpu"] for fmt, by in decode.items()}
-    print(json.dumps({"benchmark": "cpu_kernels", "model": args.model, "rounds": rounds, "isa": list(native.isa_flags()),
+    json_line({"benchmark": "cpu_kernels", "model": args.model, "rounds": rounds, "isa": list(native.isa_flags()),
                       "kernels_ms": kernels, "tokens_per_s": decode, "gain_over_avx2_build": gains,
                       "ratio_to_float32": {fmt: {k: round(v[k] / this_cpu["float32"][k], 3) for k in v}
-                                           for fmt, v in this_cpu.items()}}))
+                                           for fmt, v in this_cpu.items()}})
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.card import ROOT, machine_info, machine_line
+from benchmarks.card import ROOT, json_line, machine_info, machine_line
 from benchmarks.checkpoints import EAGER, ensure_checkpoint, greedy, kv_cache_bytes
 from benchmarks.reports.offline import DTYPE
 from benchmarks.workload import Workload, build_workload, synthetic_image
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> None:
     machine = machine_info(threads)
     print_card(machine, res)
     print_table(res)
-    print(json.dumps({"bench": "encoder_cache", "dtype": DTYPE, "machine": machine, **res}, separators=(",", ":")))
+    json_line({"bench": "encoder_cache", "dtype": DTYPE, "machine": machine, **res}, compact=True)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ the model's `encode_items`.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.card import json_line
 from benchmarks.checkpoints import ensure_checkpoint, greedy
 from benchmarks.workload import build_workload, synthetic_image
 
@@ -175,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         "encoder_capture_bytes": graphs.encoder.capture_bytes if graphs.encoder else 0,
         "decode_graphs_captured": len(graphs.decode.captured) if graphs.decode else 0}
     print_table(card, results)
-    print(json.dumps({"bench": "gpu_check", "card": card, "run_s": round(time.perf_counter() - started, 1),
-                      **results}))
+    json_line({"bench": "gpu_check", "card": card, "run_s": round(time.perf_counter() - started, 1),
+                      **results})
     if identical != len(eager_tokens):
         print(f"gpu_check: FAIL: graphs changed the tokens of {len(eager_tokens) - identical} requests",
               file=sys.stderr)

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.card import ROOT, machine_info
+from benchmarks.card import ROOT, json_line, machine_info
 from benchmarks.checkpoints import ensure_checkpoint, greedy, kv_cache_bytes, parameter_count
 from benchmarks.engine.kv_scaling import (
     AGREEMENT_DTYPE,
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> None:
     machine = machine_info(threads)
     print_card(machine, res)
     print_tables(res)
-    print(json.dumps({"bench": "kv_cache_dtype", "machine": machine, **res}, separators=(",", ":")))
+    json_line({"bench": "kv_cache_dtype", "machine": machine, **res}, compact=True)
 
 
 if __name__ == "__main__":

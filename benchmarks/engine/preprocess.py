@@ -11,7 +11,6 @@ Prints a machine card, a table, and one JSON line last.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -23,6 +22,7 @@ import PIL
 import torch
 from PIL import Image
 
+from benchmarks.card import json_line
 from mmserve.models.vision.qwen_image_processor import ImageProcessorConfig, Qwen2VLImageProcessor
 
 SIZES = [(1280, 720), (4000, 3000)]
@@ -127,7 +127,7 @@ def main() -> int:
               f"{r['speedup']:>7.2f}x {r['ref_min_ms']:>8.2f} {r['mmserve_min_ms']:>8.2f} "
               f"{r['max_abs_diff']:>10.3g} {str(r['grid_equal']):>5} {r['other_load_cores']!s:>7}")
     print("others: CPU cores used by other processes during the run (noise; ideally 0)")
-    print(json.dumps({"bench": "preprocess", "results": results}))
+    json_line({"bench": "preprocess", "results": results})
     ok = all(r["max_abs_diff"] == 0.0 and r["grid_equal"] for r in results)
     return 0 if ok else 1
 

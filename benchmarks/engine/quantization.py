@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.card import machine_info, machine_line
+from benchmarks.card import json_line, machine_info, machine_line
 from benchmarks.checkpoints import EAGER, ensure_model, parameter_count
 from mmserve.config import QUANTIZATION_METHODS
 
@@ -234,8 +234,8 @@ def main() -> None:
         demo = measure_demo(demo_n)
         print_demo(demo, demo_n)
         deltas = {m: round(max(abs(acc[t] - demo["float32"][t]) for t in acc), 4) for m, acc in demo.items()}
-        print(json.dumps({"benchmark": "quantization", "section": "demo", "n": demo_n, "accuracy": demo,
-                          "max_abs_delta_vs_float32": deltas}))
+        json_line({"benchmark": "quantization", "section": "demo", "n": demo_n, "accuracy": demo,
+                          "max_abs_delta_vs_float32": deltas})
         return
     model_dir = ensure_model(args.model)
     rounds = 1 if args.quick else args.rounds
@@ -247,9 +247,9 @@ def main() -> None:
         print(f"{'method':>8} {'KL':>9} {'linears MiB':>12} {'x float32':>10}")
         for method, b in linear_bytes.items():
             print(f"{method:>8} {kl.get(method, 0.0):>9.5f} {b / 2**20:>12.1f} {ratios[method]:>10.3f}")
-        print(json.dumps({"benchmark": "quantization", "section": "kl", "model": args.model,
+        json_line({"benchmark": "quantization", "section": "kl", "model": args.model,
                           "kl": {m: round(v, 6) for m, v in kl.items()}, "linear_bytes": linear_bytes,
-                          "linear_bytes_ratio": ratios, "targets": TARGETS}))
+                          "linear_bytes_ratio": ratios, "targets": TARGETS})
         return
     machine = machine_info(threads)
     params = parameter_count(model_dir)
@@ -293,7 +293,7 @@ def main() -> None:
         "kl": {m: round(v, 6) for m, v in kl.items()},
         "targets": TARGETS,
     }
-    print(json.dumps(result))
+    json_line(result)
 
 
 if __name__ == "__main__":

@@ -20,13 +20,13 @@ What it does not know: the peers; transformers.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from typing import Any
 
 import torch
 
+from benchmarks.card import json_line
 from benchmarks.engine.step_profile import _requests
 
 
@@ -127,13 +127,12 @@ def main(argv: list[str] | None = None) -> None:
               f"({prompt_tokens[shape]}-token prompt): {ratio:.2f}x (target >= 3); per n run: "
               f"{stats[-1]['encoder_items_encoded']} item(s) encoded, {stats[-1]['prompt_tokens_computed']} prompt "
               "tokens computed")
-    print(json.dumps({"bench": "sampling", "machine": machine, "model_dir": str(model_dir), "batch": args.batch,
+    json_line({"bench": "sampling", "machine": machine, "model_dir": str(model_dir), "batch": args.batch,
                       "tokens": args.tokens, "n": args.n, "rounds": args.rounds,
                       "tokens_per_s": {k: round(v, 2) for k, v in median.items()},
                       "logprobs_ratio": round(logprobs_ratio, 4), "penalties_ratio": round(penalties_ratio, 4),
                       "n_ratios": {k: round(v, 3) for k, v in n_ratios.items()}, "n_run_stats": dict(zip(n_ratios, n_stats.values())),
-                      "prompt_tokens": prompt_tokens},
-                     separators=(",", ":")))
+                      "prompt_tokens": prompt_tokens}, compact=True)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.card import json_line
+
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::matmul",
               "mmserve::panel_linear")
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
@@ -122,10 +124,9 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         print(f"batch {r['batch']}: top ops by self time (ms per step, calls per step): " + ", ".join(
             f"{t['op'].split('::')[-1]} {t['ms_per_step']:.2f} ({t['calls_per_step']})" for t in r["top_ops"][:8]))
-    import json
 
-    print(json.dumps({"bench": "step_profile", "machine": machine, "model_dir": str(model_dir), "dtype": args.dtype,
-                      "compile_cpu_decode": args.compile_cpu_decode, "rows": rows}, separators=(",", ":")))
+    json_line({"bench": "step_profile", "machine": machine, "model_dir": str(model_dir), "dtype": args.dtype,
+                      "compile_cpu_decode": args.compile_cpu_decode, "rows": rows}, compact=True)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.card import json_line
 from benchmarks.engine.sampling import batch_parser
 from benchmarks.engine.step_profile import _requests
 from benchmarks.peers.common import EXTRACTION_SCHEMA
@@ -125,12 +126,12 @@ def main(argv: list[str] | None = None) -> None:
           f"{first_compile_s * 1000:.1f} ms")
     print(f"validity (demo model, mixed kinds, greedy and sampled): {validity['valid']} of {validity['finished']} "
           f"finished outputs valid ({validity['requests']} requests; target: all)")
-    print(json.dumps({"bench": "structured_outputs", "machine": machine, "model_dir": str(model_dir),
+    json_line({"bench": "structured_outputs", "machine": machine, "model_dir": str(model_dir),
                       "batch": args.batch, "tokens": args.tokens, "rounds": args.rounds,
                       "tokens_per_s": {k: round(v, 2) for k, v in median.items()},
                       "rounds_tokens_per_s": {k: [round(v, 2) for v in vs] for k, vs in rates.items()},
                       "ratio": round(ratio, 4), "first_compile_ms": round(first_compile_s * 1000, 2),
-                      "validity": validity}, separators=(",", ":")))
+                      "validity": validity}, compact=True)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from benchmarks.card import ROOT, machine_info, machine_line
+from benchmarks.card import ROOT, json_line, machine_info, machine_line
 from benchmarks.reports import plots
 from benchmarks.workload import Workload, build_workload
 
@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
     print_table(results)
     if not args.no_plot:
         print(f"plot: {write_plot(results, dists, args.plot)}")
-    print(json.dumps({"benchmark": "serve", "model": model, "workload": workload, "results": results}))
+    json_line({"benchmark": "serve", "model": model, "workload": workload, "results": results})
 
 
 if __name__ == "__main__":
