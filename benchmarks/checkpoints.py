@@ -3,7 +3,7 @@
 Role: build (once, under `.bench/`) and find the random-weight checkpoints the benchmarks run: the
 tiny Qwen2-VL test model, the sized Qwen2-VL bench models of `benchmarks/configs/bench_<name>_qwen2_vl.json`
 (30m, 100m, and 1b: hidden 2048, 20 layers, the size where decode streams weights from memory), and the
-tiny test model of every other served family (`tests/fixtures/`); count their parameters; the greedy
+tiny test model of every other served family (`testkit/`); count their parameters; the greedy
 sampling and the KV cache size every benchmark uses.
 
 What it does not know: any benchmark's workload or measurements.
@@ -19,14 +19,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # imported by a benchmark run as `python benchmarks/<name>.py`
-    sys.path.insert(0, str(ROOT))
+from benchmarks.card import BENCH_DIR, ROOT
+from testkit.families import FAMILIES
+from testkit.tiny_checkpoints import QWEN_SPECIAL_TOKENS, build_checkpoint, build_tokenizer
 
-from tests.fixtures.families import FAMILIES  # noqa: E402
-from tests.fixtures.tiny_checkpoints import QWEN_SPECIAL_TOKENS, build_checkpoint, build_tokenizer  # noqa: E402
-
-BENCH_DIR = ROOT / ".bench"
 CONFIG_100M = ROOT / "benchmarks" / "configs" / "bench_100m_qwen2_vl.json"
 # the sized bench models (random Qwen2-VL weights): ~30M, ~109M and ~1.0B parameters
 BENCH_CONFIGS = {name: ROOT / "benchmarks" / "configs" / f"bench_{name}_qwen2_vl.json" for name in ("30m", "100m", "1b")}

@@ -23,10 +23,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
-from tests.fixtures.conversations import parity_workload  # noqa: E402
-from tests.fixtures.families import FAMILIES  # noqa: E402
 
 from mmserve import LLM, SamplingParams  # noqa: E402
+from testkit.conversations import parity_workload  # noqa: E402
+from testkit.families import FAMILIES  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, min_tokens=10)
 

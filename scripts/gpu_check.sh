@@ -3,10 +3,10 @@
 #   1. the CUDA parity suites: every device-parametrised parity test's [cuda] case and tests/models/test_cuda.py
 #      (no host sync in steady-state steps, encoder graphs vs the eager tower in float32/bfloat16, the
 #      engine in bfloat16 vs transformers);
-#   2. graphs on vs off giving identical tokens, and the speed table (benchmarks/gpu_check.py: encoder
+#   2. graphs on vs off giving identical tokens, and the speed table (`python -m benchmarks.engine.gpu_check`: encoder
 #      latency for 1/4/16 images, decode step at batch 1/8/32, end-to-end offline throughput).
 # Without a CUDA device it prints "no CUDA device: skipping" and exits 2. Extra arguments go to
-# benchmarks/gpu_check.py (e.g. --model tiny --dtype float32).
+# benchmarks.engine.gpu_check (e.g. --model tiny --dtype float32).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -19,4 +19,4 @@ timeout 300 "$PY" -m pytest -q -ra -k cuda -p no:cacheprovider \
     tests/models/test_model_parity.py tests/models/test_engine_parity.py tests/models/test_device_parity.py \
     tests/models/test_graph_engine.py \
     tests/models/test_cuda.py
-timeout 150 "$PY" benchmarks/gpu_check.py "$@"
+timeout 150 "$PY" -m benchmarks.engine.gpu_check "$@"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install the benchmark peers of `benchmarks/peers.py` into their own virtual environments under
+# Install the benchmark peers of `benchmarks/peers/compare.py` into their own virtual environments under
 # .peers/ -- never into mmserve's .venv, whose dependencies they would fight with.
 #
 #   scripts/setup_peers.sh            # both peers

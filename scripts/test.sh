@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 MMSERVE_EXTRAS=test,ray,otel source scripts/setup.sh
 if [ "${1:-}" = "--fast" ]; then
   shift
-  .venv/bin/python -m ruff check src tests benchmarks scripts
+  .venv/bin/python -m ruff check src tests testkit benchmarks scripts
   exec .venv/bin/python -m pytest tests/unit -m "not slow" -q "$@"
 fi
 # the web chat's browser test drives Debian's chromium (Playwright's own browser download cannot reach
@@ -17,5 +17,5 @@ if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
   apt-get update -qq && apt-get install -y -qq chromium >/dev/null \
     || echo "could not install chromium: the web UI browser tests will be skipped" >&2
 fi
-.venv/bin/python -m ruff check src tests benchmarks scripts
+.venv/bin/python -m ruff check src tests testkit benchmarks scripts
 exec .venv/bin/python -m pytest "$@"

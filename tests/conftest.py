@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from mmserve.envs import COMPILE_CPU_DECODE
-from tests.fixtures.families import FAMILIES as SERVED_FAMILIES
+from testkit.families import FAMILIES as SERVED_FAMILIES
 
 # the suite builds hundreds of short-lived engines (and servers, whose processes inherit this): none
 # compiles its CPU decode step in the background unless a test asks (tests/models/test_compiled_decode.py)

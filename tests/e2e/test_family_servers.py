@@ -15,9 +15,9 @@ from openai import OpenAI
 from mmserve import LLM, SamplingParams
 from mmserve.inputs.media import decode_image_bytes
 from mmserve.inputs.video import decode_video
+from testkit.families import FAMILIES
 from tests.e2e.conftest import start_server, stop_server, wait_healthy
 from tests.e2e.test_server import data_uri, metric_samples, mp4_bytes, png_bytes
-from tests.fixtures.families import FAMILIES
 
 MAX_FRAMES = 4
 NUM_TOKENS = 6

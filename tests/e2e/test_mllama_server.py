@@ -14,9 +14,9 @@ from openai import OpenAI
 from PIL import Image
 
 from mmserve import LLM, SamplingParams
+from testkit.conversations import random_image
 from tests.e2e.conftest import start_server, stop_server, wait_healthy
 from tests.e2e.test_server import data_uri, metric_samples
-from tests.fixtures.conversations import random_image
 
 NUM_TOKENS = 8
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.fixtures.conversations import NUM_TOKENS, parity_workload
-from tests.fixtures.families import FAMILIES as SERVED_FAMILIES
+from testkit.conversations import NUM_TOKENS, parity_workload
+from testkit.families import FAMILIES as SERVED_FAMILIES
 from tests.models.helpers import load_processor, to_device
 
 

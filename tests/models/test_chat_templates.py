@@ -17,8 +17,8 @@ from transformers import AutoTokenizer
 
 from mmserve import InvalidInputError, ModelLoadError
 from mmserve.inputs.tokenizer import TextTokenizer
-from tests.fixtures.conversations import random_image
-from tests.fixtures.families import FAMILIES
+from testkit.conversations import random_image
+from testkit.families import FAMILIES
 from tests.fixtures.hub_templates import TEMPLATES
 from tests.models.helpers import load_processor
 

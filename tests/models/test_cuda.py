@@ -17,7 +17,7 @@ from mmserve.models.qwen2_vl.vision_graph import Qwen2VisionGraphAdapter
 from mmserve.runner.graphs.buckets import EncoderBucket, default_encoder_buckets
 from mmserve.runner.graphs.encoder_graphs import EncoderGraphRunner
 from mmserve.runner.sampler import Sampler
-from tests.fixtures.families import FAMILIES as SERVED_FAMILIES
+from testkit.families import FAMILIES as SERVED_FAMILIES
 from tests.models.helpers import (
     NO_CUDA_REASON,
     image_part,

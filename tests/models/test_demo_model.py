@@ -28,7 +28,7 @@ def test_checkpoint_files():
 def _transformers_answers(samples: list[shapes.Sample]) -> list[str]:
     import transformers
 
-    from tests.fixtures.tiny_checkpoints import reference_inputs
+    from testkit.tiny_checkpoints import reference_inputs
 
     model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(MODEL_DIR).eval()
     tok = transformers.AutoTokenizer.from_pretrained(MODEL_DIR)

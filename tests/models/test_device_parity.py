@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.fixtures.families import FAMILIES as SERVED_FAMILIES
+from testkit.families import FAMILIES as SERVED_FAMILIES
 from tests.models.helpers import (
     devices,
     full_logits,

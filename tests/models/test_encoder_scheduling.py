@@ -13,7 +13,7 @@ import transformers
 from mmserve import LLM, SamplingParams
 from mmserve.faults import FaultPlan
 from mmserve.runner import batch as batch_module
-from tests.fixtures.tiny_checkpoints import reference_inputs
+from testkit.tiny_checkpoints import reference_inputs
 from tests.models.helpers import REFERENCE_IMAGE_PART, image_part, random_image, text_part, user
 
 N = 8

@@ -14,7 +14,7 @@ from mmserve import LLM, SamplingParams
 from mmserve.faults import FaultPlan
 from mmserve.runner.encoder.pool import PoolStats
 from mmserve.workers.spec import WorkerSpec, build_encoder
-from tests.fixtures.conversations import GREEDY, parity_workload
+from testkit.conversations import GREEDY, parity_workload
 from tests.models.helpers import image_part, random_image, text_part
 
 
@@ -182,7 +182,7 @@ import sys
 import numpy as np
 from mmserve import LLM, SamplingParams
 from mmserve.faults import FaultPlan
-from tests.fixtures.conversations import random_image
+from testkit.conversations import random_image
 
 def main(model_dir, kill):
     rng = np.random.default_rng(5)

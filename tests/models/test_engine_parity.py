@@ -6,7 +6,7 @@ each against transformers on the same device)."""
 import pytest
 
 from mmserve import LLM
-from tests.fixtures.conversations import GREEDY, parity_workload
+from testkit.conversations import GREEDY, parity_workload
 from tests.models.helpers import devices
 
 

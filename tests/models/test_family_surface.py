@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mmserve import LLM, SamplingParams
-from tests.fixtures.families import FAMILIES
+from testkit.families import FAMILIES
 from tests.models.helpers import image_part, load_processor, random_image, text_part, user
 
 N = 6

@@ -22,7 +22,7 @@ from mmserve.models.gemma3.model import Gemma3ForConditionalGeneration as OurGem
 from mmserve.models.gemma3.processor import Gemma3Processor
 from mmserve.models.generation import generate, prefill_inputs, prompt_positions
 from mmserve.models.layers.attention import AttentionMetadata, ContiguousKVCache
-from tests.fixtures.tiny_gemma3 import (
+from testkit.tiny_gemma3 import (
     MM_TOKENS_PER_IMAGE,
     SLIDING_WINDOW,
     build_checkpoint,

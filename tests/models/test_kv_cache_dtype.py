@@ -7,7 +7,7 @@ import pytest
 
 from mmserve import LLM
 from mmserve.demo.eval import evaluate
-from tests.fixtures.conversations import GREEDY, NUM_TOKENS, parity_workload
+from testkit.conversations import GREEDY, NUM_TOKENS, parity_workload
 
 # of the parity workload: text only, one image, a very wide one, two images, a shared image twice, the
 # video (or a third image question), multi-turn

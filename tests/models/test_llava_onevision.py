@@ -9,7 +9,7 @@ from transformers import LlavaOnevisionForConditionalGeneration
 from transformers.image_utils import SizeDict
 
 from mmserve.models.generation import generate
-from tests.fixtures.tiny_llava_onevision import build_checkpoint, reference_processor
+from testkit.tiny_llava_onevision import build_checkpoint, reference_processor
 from tests.models.helpers import (
     REFERENCE_IMAGE_PART,
     REFERENCE_VIDEO_PART,

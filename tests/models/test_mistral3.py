@@ -19,7 +19,7 @@ from mmserve.models.layers.attention import LayerAttention
 from mmserve.models.loader import iter_tensors, safetensors_files
 from mmserve.models.mistral3.config import parse_config
 from mmserve.models.mistral3.model import Mistral3ForConditionalGeneration
-from tests.fixtures.tiny_mistral3 import (
+from testkit.tiny_mistral3 import (
     LONGEST_EDGE,
     SLIDING_WINDOW,
     build_checkpoint,

@@ -21,8 +21,8 @@ import torch
 from transformers import MllamaForConditionalGeneration
 
 from mmserve import LLM, InvalidInputError, SamplingParams
-from tests.fixtures.conversations import random_image
-from tests.fixtures.tiny_mllama import (
+from testkit.conversations import random_image
+from testkit.tiny_mllama import (
     MAX_IMAGE_TILES,
     mllama_reference_inputs,
     mllama_reference_kwargs,

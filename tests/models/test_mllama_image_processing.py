@@ -19,7 +19,7 @@ from mmserve.models.mllama.tiling import (
     supported_aspect_ratios,
     tile_layout,
 )
-from tests.fixtures.conversations import random_image
+from testkit.conversations import random_image
 
 # Llama-3.2-11B-Vision's preprocessor_config.json, the tile size and tile count varied per test
 HUB_CONFIG = {

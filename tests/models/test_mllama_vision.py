@@ -23,7 +23,7 @@ from mmserve.models.mllama.image_processing import (
     stack_images,
 )
 from mmserve.models.mllama.vision import MllamaVisionEncoder, map_weight_name, padding_attention_bias
-from tests.fixtures.conversations import random_image
+from testkit.conversations import random_image
 
 MAX_TILES = 4
 TEXT = {"vocab_size": 128, "hidden_size": 48, "num_attention_heads": 4, "num_key_value_heads": 2,

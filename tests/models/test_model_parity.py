@@ -7,8 +7,8 @@ import torch
 import transformers
 
 from mmserve.models.generation import generate
-from tests.fixtures.families import whole_items
-from tests.fixtures.tiny_checkpoints import reference_inputs
+from testkit.families import whole_items
+from testkit.tiny_checkpoints import reference_inputs
 from tests.models.helpers import (
     REFERENCE_IMAGE_PART,
     REFERENCE_VIDEO_PART,

@@ -13,7 +13,7 @@ from mmserve import SamplingParams
 from mmserve.cluster.kv_connector import SharedMemoryConnector
 from mmserve.config import EngineConfig
 from mmserve.engine.llm_engine import Engine
-from tests.fixtures.conversations import LONG_SYSTEM, parity_workload
+from testkit.conversations import LONG_SYSTEM, parity_workload
 from tests.models.helpers import image_part, random_image, text_part
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)

@@ -20,7 +20,7 @@ from PIL import Image
 from transformers.image_utils import load_image as hf_load_image
 
 from mmserve import LLM, SamplingParams
-from tests.fixtures.families import FAMILIES
+from testkit.families import FAMILIES
 from tests.models.helpers import load_processor
 
 # modes an image may come in (as a PIL object); "P+t": a palette with a transparent entry

@@ -17,8 +17,8 @@ from mmserve.errors import ModelLoadError
 from mmserve.models.loader import load_model
 from mmserve.models.prequantized import AWQ_ORDER
 from mmserve.models.quantization import QuantizedLinear, WeightFormat, pack_int4, quantize_int4
-from tests.fixtures.conversations import GREEDY, parity_workload
-from tests.fixtures.tiny_checkpoints import build_checkpoint
+from testkit.conversations import GREEDY, parity_workload
+from testkit.tiny_checkpoints import build_checkpoint
 
 GROUP = 32
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

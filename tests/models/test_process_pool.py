@@ -34,7 +34,7 @@ from mmserve.workers.process_worker import (
     to_shared,
 )
 from mmserve.workers.spec import MAX_RESTARTS_PER_MINUTE, WorkerSpec
-from tests.fixtures.tiny_checkpoints import build_checkpoint
+from testkit.tiny_checkpoints import build_checkpoint
 from tests.models.helpers import image_part, load_processor, random_image, text_part, user
 from tests.models.pool_helpers import collect
 

@@ -5,7 +5,7 @@ import pytest
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from mmserve.models.vision.qwen_image_processor import ImageProcessorConfig, Qwen2VLImageProcessor
-from tests.fixtures.tiny_checkpoints import reference_inputs
+from testkit.tiny_checkpoints import reference_inputs
 from tests.models.helpers import (
     REFERENCE_IMAGE_PART,
     image_part,

@@ -12,7 +12,7 @@ answers' logprobs then differ by ~1e-2)."""
 import pytest
 
 from mmserve import LLM
-from tests.fixtures.conversations import GREEDY, parity_workload
+from testkit.conversations import GREEDY, parity_workload
 
 METHODS = ("int8", "int4", "w8a8", "w4a8")
 

@@ -27,8 +27,8 @@ from transformers.video_utils import VideoMetadata
 from mmserve.models.generation import generate, prefill_inputs, prompt_positions
 from mmserve.models.layers.attention import AttentionMetadata, ContiguousKVCache
 from mmserve.models.loader import generation_eos_ids
-from tests.fixtures.families import whole_items
-from tests.fixtures.tiny_qwen3_vl import build_qwen3_vl_checkpoint
+from testkit.families import whole_items
+from testkit.tiny_qwen3_vl import build_qwen3_vl_checkpoint
 from tests.models.helpers import full_logits, image_part, load_family, random_image, text_part, user
 
 VIDEO_FPS = 3.0  # not the family default (2), so the timestamps show it is used

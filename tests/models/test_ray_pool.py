@@ -24,7 +24,7 @@ from mmserve.runner.encoder.runner import EncodeJob
 from mmserve.workers import ray_pool
 from mmserve.workers.ray_pool import RayEncoderPool
 from mmserve.workers.spec import WorkerSpec
-from tests.fixtures.tiny_checkpoints import build_checkpoint
+from testkit.tiny_checkpoints import build_checkpoint
 from tests.models.helpers import image_part, load_processor, random_image, text_part, user
 from tests.models.pool_helpers import collect
 

@@ -10,8 +10,8 @@ import torch
 from PIL import Image
 
 from mmserve import LLM, InvalidInputError, SamplingParams
-from tests.fixtures.conversations import parity_workload
-from tests.fixtures.families import FAMILIES
+from testkit.conversations import parity_workload
+from testkit.families import FAMILIES
 from tests.models.helpers import load_processor
 
 NUM_TOKENS = 6

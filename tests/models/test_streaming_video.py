@@ -9,7 +9,7 @@ import torch
 
 from mmserve import LLM, SamplingParams
 from mmserve.demo.video import moving_shapes
-from tests.fixtures.families import FAMILIES
+from testkit.families import FAMILIES
 from tests.models.helpers import load_processor
 
 STREAMING = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")

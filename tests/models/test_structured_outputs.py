@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from mmserve import LLM, InvalidInputError, SamplingParams, StructuredOutputsParams
 from mmserve.demo import shapes
 from mmserve.demo.eval import default_model_dir
-from tests.fixtures.conversations import parity_workload
+from testkit.conversations import parity_workload
 
 SHAPE_SCHEMA = {"type": "object", "properties": {
     "color": {"enum": list(shapes.COLOR_NAMES)}, "shape": {"enum": list(shapes.KINDS)},
@@ -250,7 +250,7 @@ def test_bad_grammars_are_refused_naming_the_field(demo, bad):
 @pytest.fixture(scope="module")
 def thinking_llm(tmp_path_factory):
     """A tiny checkpoint whose template thinks and whose thought tags are single tokens."""
-    from tests.fixtures.tiny_checkpoints import build_checkpoint
+    from testkit.tiny_checkpoints import build_checkpoint
 
     llm = LLM(str(build_checkpoint(tmp_path_factory.mktemp("thinking"), thinking=True)), dtype="float32")
     tok = llm.engine.processor.tokenizer

@@ -1,4 +1,4 @@
-"""The tiny Llama 3.2 Vision checkpoint of tests/fixtures/tiny_mllama.py, against transformers alone.
+"""The tiny Llama 3.2 Vision checkpoint of testkit/tiny_mllama.py, against transformers alone.
 
 It documents the fixture for the mllama family to come: transformers loads it offline, its chat template
 renders as the hub's does, its processor tiles and masks as the model expects, and greedy `generate`
@@ -15,8 +15,8 @@ import torch
 from jinja2.exceptions import TemplateError
 from transformers import MllamaForConditionalGeneration, MllamaProcessor
 
-from tests.fixtures.conversations import random_image
-from tests.fixtures.tiny_mllama import (
+from testkit.conversations import random_image
+from testkit.tiny_mllama import (
     IMAGE_TOKEN,
     MAX_IMAGE_TILES,
     NAMED_SPECIAL,

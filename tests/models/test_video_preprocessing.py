@@ -30,8 +30,8 @@ from transformers.image_processing_backends import PilBackend
 from transformers.image_utils import SizeDict
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
 
-from tests.fixtures.families import whole_items
-from tests.fixtures.tiny_checkpoints import reference_inputs, spatial_merge_size
+from testkit.families import whole_items
+from testkit.tiny_checkpoints import reference_inputs, spatial_merge_size
 from tests.models.helpers import load_processor, random_image, text_part, user
 
 TOLERANCE = 1e-5

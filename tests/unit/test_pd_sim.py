@@ -1,11 +1,11 @@
-"""The P/D simulation (benchmarks/pd_sim.py) on a small workload: every request is answered with all its
+"""The P/D simulation (testkit/pd_sim.py) on a small workload: every request is answered with all its
 tokens in both setups; image bursts stall a colocated replica's decodes and not a decode replica's;
 without images nothing is gained, and the transfers are what the prompts hold. No torch, no processes."""
 
 from __future__ import annotations
 
-from benchmarks.pd_sim import PDSimulation, PDWorkload, Transfer
-from benchmarks.routing_sim import Costs
+from testkit.pd_sim import PDSimulation, PDWorkload, Transfer
+from testkit.routing_sim import Costs
 
 COSTS = Costs(encode_s=0.07, prefill_s_per_token=1.5e-4, decode_s=((1, 0.013), (32, 0.022)), step_overhead_s=0.01)
 TRANSFER = Transfer(kv_bytes_per_token=3072, read_bytes_per_s=2e9, write_bytes_per_s=2e9)

@@ -1,10 +1,11 @@
-"""The routing simulation (benchmarks/routing_sim.py) on a small workload: its baseline, its caches and
+"""The routing simulation (testkit/routing_sim.py) on a small workload: its baseline, its caches and
 the ordering of the policies it simulates with mmserve's own router. No torch, no processes."""
 
 from __future__ import annotations
 
 import numpy as np
-from benchmarks.routing_sim import (
+
+from testkit.routing_sim import (
     Costs,
     ReplicaLimits,
     Shape,
