@@ -7,7 +7,9 @@ it (`MMSERVE_COMPILE_CPU_DECODE=0` for the session and the server processes it s
 Tiers: a test is marked by its folder, `unit` (tests/unit: no weights, fake runner outputs), `models`
 (tests/models: tiny checkpoints against transformers, engines in process, encoder workers) or `e2e`
 (tests/e2e: the real server as a subprocess, the `openai` client, the browser); `slow` is marked by
-hand on what runs long or is timed. `bash scripts/test.sh --fast` runs `unit and not slow`.
+hand on what runs long or is timed, `kernels` on what builds or loads mmserve's C++ CPU kernels.
+`bash scripts/test.sh --fast` runs `unit and not slow and not kernels`: a unit test not marked `kernels`
+that tries to build a kernel fails (`_unit_tests_build_no_kernels`), so the fast tier never compiles C++.
 """
 
 from __future__ import annotations
@@ -35,6 +37,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if folder not in TIERS:
             raise pytest.UsageError(f"{item.nodeid}: tests live in one of tests/{{{','.join(TIERS)}}}/")
         item.add_marker(folder)
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_build_no_kernels(request, monkeypatch):
+    """Building a kernel takes seconds of a compiler per source: the fast tier leaves it to the tests
+    marked `kernels`. A library already loaded in this process (by such a test) is still used."""
+    if request.node.get_closest_marker("unit") is None or request.node.get_closest_marker("kernels") is not None:
+        return
+
+    def refuse(compiler, target_dir, source, isa=None):
+        pytest.fail(f"{request.node.nodeid} builds the C++ kernel {Path(source).name}: mark it `kernels`")
+    monkeypatch.setattr("mmserve.runner.cpu.native.build", refuse)
 
 
 class _Checkpoints:
