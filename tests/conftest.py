@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from mmserve.envs import COMPILE_CPU_DECODE
 from tests.fixtures.families import FAMILIES as SERVED_FAMILIES
@@ -37,6 +38,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if folder not in TIERS:
             raise pytest.UsageError(f"{item.nodeid}: tests live in one of tests/{{{','.join(TIERS)}}}/")
         item.add_marker(folder)
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_use_one_torch_thread(request):
+    """A unit test's tensors are tiny: one intra-op thread computes them as fast as two, and on a busy
+    machine two are ten times slower and more (each parallel region waits for a thread the OS has
+    parked). The tests marked `kernels` keep every thread: splitting work between threads is theirs to test."""
+    node = request.node
+    if node.get_closest_marker("unit") is None or node.get_closest_marker("kernels") is not None:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)
