@@ -9,7 +9,7 @@
 - the leaves (errors, envs, faults, hub, tracing) import nothing of mmserve but other leaves;
 - the OpenAI server talks to one EngineClient: entrypoints/openai/ imports neither the Engine
   (engine/llm_engine.py) nor anything of cluster/ (cli.py and llm.py compose, and may);
-- cluster/ imports nothing of workers/ (both use the child-process supervisor);
+- cluster/ imports nothing of workers/ (both use the child-process supervisor, which knows neither);
 - tests/ and benchmarks/ import nothing of each other (they share testkit/); scripts/ take from tests/
   only public names;
 - src/mmserve has no import cycle, counting module-level, in-function and TYPE_CHECKING imports alike.
@@ -98,6 +98,8 @@ FORBIDDEN = {
     "models": ("mmserve.runner", "mmserve.engine", "mmserve.workers", "mmserve.entrypoints"),
     "workers": ("mmserve.core", "mmserve.engine", "mmserve.entrypoints"),
     "entrypoints": ("mmserve.runner", "mmserve.workers", "mmserve.core"),
+    "supervisor": ("mmserve.core", "mmserve.runner", "mmserve.engine", "mmserve.entrypoints", "mmserve.cluster",
+                   "mmserve.workers"),
 }
 
 
@@ -231,6 +233,15 @@ def test_the_server_knows_neither_the_engine_class_nor_the_cluster(path):
 def test_the_cluster_imports_nothing_of_the_workers(path):
     bad = _within(_imports(path), *CLUSTER_FORBIDDEN)
     assert not bad, f"{_ids(path)} imports {sorted(bad)}: start children through the supervisor"
+
+
+# supervisor/ (the child processes and actors of workers/ and cluster/ alike) lands with structure step 2's
+# cluster branch: until then this rule has no module to check
+@pytest.mark.parametrize("path", sorted((SRC / "supervisor").rglob("*.py")), ids=_ids)
+def test_the_supervisor_knows_nothing_of_what_its_children_run(path):
+    """Directly or through anything it imports."""
+    bad = _reaching(_imports(path) | _reached(path), *FORBIDDEN["supervisor"])
+    assert not bad, f"{_ids(path)} imports {sorted(bad)}"
 
 
 def test_the_new_rules_catch_planted_violations(tmp_path):
