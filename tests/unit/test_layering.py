@@ -32,20 +32,28 @@ def _module_name(path: Path, root: Path = SRC) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _statements(path: Path, root: Path = SRC) -> list[tuple[str, tuple[str, ...]]]:
+def _statements(path: Path, root: Path = SRC) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """(module, names) of every import statement in `path`: `import a.b` is ("a.b", ()), `from a import b, c`
     is ("a", ("b", "c")); relative imports are resolved against the file's package under `root`."""
+    if path.is_relative_to(root):
+        package = tuple(_module_name(path, root).split(".")[:None if path.name == "__init__.py" else -1])
+    else:
+        package = ()  # a probe outside `root`: its absolute imports only
+    return _resolved_statements(path.read_text(), package)
+
+
+@functools.cache  # every rule reads the same few hundred files: each is parsed once (keyed by its text)
+def _resolved_statements(source: str, package: tuple[str, ...]) -> tuple[tuple[str, tuple[str, ...]], ...]:
     out = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             out.extend((a.name, ()) for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                package = _module_name(path, root).split(".")[:None if path.name == "__init__.py" else -1]
-                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+                base = ".".join([*package[:len(package) - node.level + 1], *([base] if base else [])])
             out.append((base, tuple(a.name for a in node.names)))
-    return out
+    return tuple(out)
 
 
 def _imports(path: Path, root: Path = SRC) -> set[str]:
