@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
 
 from mmserve.envs import COMPILE_CPU_DECODE
 from tests.fixtures.families import FAMILIES as SERVED_FAMILIES
@@ -26,6 +27,10 @@ from tests.fixtures.families import FAMILIES as SERVED_FAMILIES
 # the suite builds hundreds of short-lived engines (and servers, whose processes inherit this): none
 # compiles its CPU decode step in the background unless a test asks (tests/models/test_compiled_decode.py)
 os.environ.setdefault(COMPILE_CPU_DECODE, "0")
+# Hypothesis fails an example that runs past 200 ms unless told otherwise: a verdict a busy machine would
+# decide. Nothing here is timed by Hypothesis; a hang is caught by fixtures/fuzz.py's `within`.
+settings.register_profile("mmserve", deadline=None)
+settings.load_profile("mmserve")
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 TIERS = ("unit", "models", "e2e")  # the folders under tests/, each its tier's marker
