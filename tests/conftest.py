@@ -45,13 +45,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         item.add_marker(folder)
 
 
+def _plain_unit_test(node: pytest.Item) -> bool:
+    """In the unit tier and not marked `kernels`: what `scripts/test.sh --fast` runs (but `slow`)."""
+    return node.get_closest_marker("unit") is not None and node.get_closest_marker("kernels") is None
+
+
 @pytest.fixture(autouse=True)
 def _unit_tests_use_one_torch_thread(request):
     """A unit test's tensors are tiny: one intra-op thread computes them as fast as two, and on a busy
     machine two are ten times slower and more (each parallel region waits for a thread the OS has
     parked). The tests marked `kernels` keep every thread: splitting work between threads is theirs to test."""
-    node = request.node
-    if node.get_closest_marker("unit") is None or node.get_closest_marker("kernels") is not None:
+    if not _plain_unit_test(request.node):
         yield
         return
     threads = torch.get_num_threads()
@@ -64,7 +68,7 @@ def _unit_tests_use_one_torch_thread(request):
 def _unit_tests_build_no_kernels(request, monkeypatch):
     """Building a kernel takes seconds of a compiler per source: the fast tier leaves it to the tests
     marked `kernels`. A library already loaded in this process (by such a test) is still used."""
-    if request.node.get_closest_marker("unit") is None or request.node.get_closest_marker("kernels") is not None:
+    if not _plain_unit_test(request.node):
         return
 
     def refuse(compiler, target_dir, source, isa=None):
