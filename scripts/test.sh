@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Set everything up, then run the whole test suite (what CI runs). `--fast`: the unit tier only, without
-# what is marked slow (under a minute; no browser needed). Other arguments go to pytest.
+# what is marked slow or kernels (under a minute, no C++ compiled; no browser needed). Other arguments go
+# to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MMSERVE_EXTRAS=test,ray,otel source scripts/setup.sh
 if [ "${1:-}" = "--fast" ]; then
   shift
   .venv/bin/python -m ruff check src tests testkit benchmarks scripts
-  exec .venv/bin/python -m pytest tests/unit -m "not slow" -q "$@"
+  exec .venv/bin/python -m pytest tests/unit -m "not slow and not kernels" -q "$@"
 fi
 # the web chat's browser test drives Debian's chromium (Playwright's own browser download cannot reach
 # its host here): installed here, not in setup.sh, which run.sh shares; checked on every run, since the

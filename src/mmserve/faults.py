@@ -4,18 +4,22 @@ Role: `FaultPlan` is handed to `Engine(config, faults=...)` (or `LLM(..., faults
 engine passes each fault to the part it concerns. Production code never builds one: with no plan, no
 fault hook runs and nothing is read from the environment.
 
-What it does not know: which test plants what, or why.
+A leaf: it imports nothing of mmserve. The hooks are plain values whose shapes are stated here without
+the runner's types; the runner and the engine consume them (`runner/model_runner.py` wraps its encode
+function, `engine/llm_engine.py` starts the planted pool and hands the dying key to its workers).
+
+What it does not know: which test plants what, or why; tensors, encoder pools or workers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:  # annotations only: a plan is plain values, importable anywhere
-    from mmserve.runner.encoder.pool import EncoderPool
-    from mmserve.runner.encoder.runner import EncodeFn
+# payloads -> one encoder output per payload, in order: the shape of `runner/encoder/runner.EncodeFn`
+# (whose outputs are (streams, rows, width) tensors), stated without torch
+EncodeFn = Callable[[Sequence[Any]], list[Any]]
 
 
 @dataclass(frozen=True)
@@ -26,5 +30,6 @@ class FaultPlan:
     encoder_worker_dies_on_key: str | None = None
     # wraps the inline encoder's function (payloads -> outputs): a failing or corrupting encoder
     wrap_encode: Callable[[EncodeFn], EncodeFn] | None = None
-    # the pool the engine uses instead of starting `encoder_workers` workers (e.g. one whose workers are gone)
-    encoder_pool: Callable[[], EncoderPool] | None = None
+    # builds the pool the engine uses instead of starting `encoder_workers` workers (e.g. one whose workers
+    # are gone): an object implementing `runner/encoder/pool.EncoderPool`, the runner's protocol
+    encoder_pool: Callable[[], Any] | None = None

@@ -57,7 +57,8 @@ SEQUENCES = [
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 2)])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("with_spans", [True, False])
-@pytest.mark.parametrize("kernel", ["decodes and short prompts", "decodes only", "off"])
+@pytest.mark.parametrize("kernel", [pytest.param("decodes and short prompts", marks=pytest.mark.kernels),
+                                    pytest.param("decodes only", marks=pytest.mark.kernels), "off"])
 def test_paged_backend_equals_dense_reference(heads, kv_heads, window, with_spans, kernel, monkeypatch):
     cpu_kernel = kernel != "off"
     if cpu_kernel and not cpu_attention.available():
@@ -147,7 +148,7 @@ def test_chunk_starting_inside_a_span_over_shared_prefix_blocks():
     length, spans = 16, ((3, 10),)
     q, k, v = torch.randn(length, 4, HEAD_DIM), torch.randn(length, 2, HEAD_DIM), torch.randn(length, 2, HEAD_DIM)
     storage = PagedKVStorage(1, 16, BLOCK, 2, HEAD_DIM, kv_format("auto", torch.float32))
-    backend = PagedAttentionBackend(storage)
+    backend = PagedAttentionBackend(storage, CpuAttentionPlan())  # chunks with spans: never the kernel's anyway
     first = _request("a", length, spans, [5, 2, 9, 11])
     builder = BatchBuilder(BLOCK, torch.device("cpu"), backend.cpu_plan)
     builder.add(first, length, [], {})

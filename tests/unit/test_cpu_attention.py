@@ -13,8 +13,10 @@ from mmserve.runner.cpu import attention as cpu_attention
 from mmserve.runner.kv_quant import kv_format
 from mmserve.runner.kv_storage import PagedKVStorage
 
-pytestmark = pytest.mark.skipif(not cpu_attention.available(),
-                                reason="mmserve's CPU kernels do not run here (no AVX2 or no C++ compiler)")
+# builds the kernels (at setup, not at collection: the condition is a string): not in the fast tier
+pytestmark = [pytest.mark.kernels,
+              pytest.mark.skipif("not cpu_attention.available()",
+                                 reason="mmserve's CPU kernels do not run here (no AVX2 or no C++ compiler)")]
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 40

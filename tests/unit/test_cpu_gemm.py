@@ -16,8 +16,10 @@ from mmserve.runner.cpu import attention as cpu_attention
 from mmserve.runner.cpu import gemm as cpu_gemm
 from mmserve.runner.cpu import native
 
-pytestmark = pytest.mark.skipif(not cpu_gemm.available(),
-                                reason="mmserve's CPU kernel does not run here (no AVX2 or no C++ compiler)")
+# builds the kernels (at setup, not at collection: the condition is a string): not in the fast tier
+pytestmark = [pytest.mark.kernels,
+              pytest.mark.skipif("not cpu_gemm.available()",
+                                 reason="mmserve's CPU kernel does not run here (no AVX2 or no C++ compiler)")]
 
 
 def _linear(in_features: int, out_features: int, bias: bool, seed: int = 0) -> nn.Linear:

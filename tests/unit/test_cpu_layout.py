@@ -2,14 +2,13 @@
 linear weights in mmserve's panel kernel's layout (`runner/cpu/gemm.py`), else held by oneDNN in its
 blocked layout (without either, re-stored as transposed views of contiguous (in, out) tensors), and bfloat16 linear layers that multiply in float32 from 16 rows
 up on a CPU without bfloat16 arithmetic — each with the products a user depends on, and each left
-out where it does not apply."""
+out where it does not apply. What an engine does with them: tests/models/test_cpu_layout_engine.py."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmserve import LLM, SamplingParams
 from mmserve.runner.cpu import bf16_gemm
 from mmserve.runner.cpu import gemm as cpu_gemm
 from mmserve.runner.cpu import layout as cpu_layout
@@ -47,36 +46,10 @@ def test_bfloat16_and_other_devices_are_left_alone():
         assert [layer.weight.stride() for layer in model] == strides
 
 
-def _packed_type() -> type:
-    return cpu_gemm.PanelLinear if cpu_gemm.available() else PackedLinear
-
-
 @pytest.fixture
 def onednn_only(monkeypatch):
     """pack_language_model as on a machine where mmserve's kernel does not run."""
     monkeypatch.setattr(cpu_gemm, "kernel", lambda: None)
-
-
-def test_the_engine_packs_its_float32_language_model_and_leaves_the_vision_tower(checkpoint_dirs):
-    with LLM(str(checkpoint_dirs["qwen2_vl"])) as llm:
-        model = llm.engine.model
-        packed = [m for m in model.language_model.modules() if isinstance(m, _packed_type())]
-        assert not [m for m in model.language_model.modules() if isinstance(m, nn.Linear)]
-        assert isinstance(model.language_model.lm_head, _packed_type())  # the untied head too
-        assert len(packed) == llm.engine.cpu_preparation.packed > 0
-        vision = [m for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.startswith("language_model")]
-        assert vision and all(m.weight.is_contiguous() for m in vision)  # long products: MKL's own layout
-    with LLM(str(checkpoint_dirs["qwen2_vl"]), dtype="bfloat16") as llm:
-        assert all(m.weight.is_contiguous() for m in llm.engine.model.modules() if isinstance(m, nn.Linear))
-        assert llm.engine.cpu_preparation.packed == 0
-
-
-def test_without_onednn_the_engine_relayouts_instead(checkpoint_dirs, monkeypatch, onednn_only):
-    monkeypatch.setattr(cpu_layout, "onednn_linear_available", lambda: False)
-    with LLM(str(checkpoint_dirs["qwen2_vl"])) as llm:
-        lm = [m for m in llm.engine.model.language_model.modules() if isinstance(m, nn.Linear)]
-        assert lm and all(m.weight.stride() == (1, m.weight.shape[0]) for m in lm)
-        assert llm.engine.cpu_preparation.packed == 0 and llm.engine.cpu_preparation.relaid_out == len(lm)
 
 
 class _LM(nn.Module):
@@ -89,7 +62,7 @@ class _LM(nn.Module):
         self.lm_head = None if tied else nn.Linear(hidden, vocab, bias=False, dtype=dtype)
 
 
-@pytest.mark.parametrize("kernel", ["panel", "onednn"])
+@pytest.mark.parametrize("kernel", [pytest.param("panel", marks=pytest.mark.kernels), "onednn"])
 def test_packed_layers_give_the_layers_products_and_the_heads_argmax(kernel, request):
     if kernel == "onednn":
         request.getfixturevalue("onednn_only")
@@ -113,6 +86,7 @@ def test_packed_layers_give_the_layers_products_and_the_heads_argmax(kernel, req
     assert pack_language_model(lm) == 0  # idempotent
 
 
+@pytest.mark.kernels  # the packing it checks is the panel kernel's where it runs
 def test_tied_bfloat16_and_off_cpu_layers_are_not_packed():
     tied = _LM(tied=True)
     assert pack_language_model(tied) == 2 and tied.lm_head is None  # the embedding table stays the head
@@ -156,6 +130,7 @@ def test_upcast_layers_keep_their_parameters_names_and_state():
     assert upcast_bfloat16_linears(nn.Sequential(nn.Linear(4, 4))) == 0  # float32: not this path
 
 
+@pytest.mark.kernels  # asks whether the AMX kernel runs here
 def test_the_upcast_is_only_for_cpus_without_bfloat16_arithmetic(monkeypatch):
     class Model(nn.Module):
         def __init__(self):
@@ -172,18 +147,3 @@ def test_the_upcast_is_only_for_cpus_without_bfloat16_arithmetic(monkeypatch):
     emulated = prepare_for_cpu(model)
     assert emulated.upcast_bfloat16 == 4  # the vision layer, the LM's two and its head
     assert isinstance(model.language_model.lm_head, BFloat16ViaFloat32Linear)
-
-
-def test_a_bfloat16_engine_takes_the_path_its_cpu_needs(checkpoint_dirs):
-    expect_upcast = not cpu_layout.cpu_has_bfloat16_arithmetic()
-    with LLM(str(checkpoint_dirs["qwen2_vl"]), dtype="bfloat16") as llm:
-        linears = [m for m in llm.engine.model.modules() if isinstance(m, nn.Linear)]
-        assert linears and all(isinstance(m, BFloat16ViaFloat32Linear) == expect_upcast for m in linears)
-        assert llm.engine.cpu_preparation.upcast_bfloat16 == (len(linears) if expect_upcast else 0)
-        assert llm.engine.cpu_preparation.packed == 0
-        amx = [m for m in llm.engine.model.language_model.modules() if isinstance(m, bf16_gemm.BFloat16PanelLinear)]
-        assert len(amx) == llm.engine.cpu_preparation.packed_bfloat16  # the LM's linears where the AMX kernel runs
-        assert (len(amx) > 0) == (bf16_gemm.kernel() is not None)
-        (out,) = llm.generate(["Count to three:"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-        assert len(out.outputs[0].token_ids) == 4
-        llm.check_integrity()

@@ -6,7 +6,13 @@
   and nothing under models/ imports the runner or the engine;
 - the runner takes from core/ only the step contract; workers hold no request state; the entry points
   reach the engine, never the runner;
-- src/mmserve has no import cycle.
+- the leaves (errors, envs, faults, hub, tracing) import nothing of mmserve but other leaves;
+- the OpenAI server talks to one EngineClient: entrypoints/openai/ imports neither the Engine
+  (engine/llm_engine.py) nor anything of cluster/ (cli.py and llm.py compose, and may);
+- cluster/ imports nothing of workers/ (both use the child-process supervisor, which knows neither);
+- tests/ and benchmarks/ import nothing of each other (they share testkit/); scripts/ take from tests/
+  only public names;
+- src/mmserve has no import cycle, counting module-level, in-function and TYPE_CHECKING imports alike.
 Each rule is also run on a planted violation, so a rule that could never fail would show."""
 
 from __future__ import annotations
@@ -26,20 +32,28 @@ def _module_name(path: Path, root: Path = SRC) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _statements(path: Path, root: Path = SRC) -> list[tuple[str, tuple[str, ...]]]:
+def _statements(path: Path, root: Path = SRC) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """(module, names) of every import statement in `path`: `import a.b` is ("a.b", ()), `from a import b, c`
     is ("a", ("b", "c")); relative imports are resolved against the file's package under `root`."""
+    if path.is_relative_to(root):
+        package = tuple(_module_name(path, root).split(".")[:None if path.name == "__init__.py" else -1])
+    else:
+        package = ()  # a probe outside `root`: its absolute imports only
+    return _resolved_statements(path.read_text(), package)
+
+
+@functools.cache  # every rule reads the same few hundred files: each is parsed once (keyed by its text)
+def _resolved_statements(source: str, package: tuple[str, ...]) -> tuple[tuple[str, tuple[str, ...]], ...]:
     out = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             out.extend((a.name, ()) for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                package = _module_name(path, root).split(".")[:None if path.name == "__init__.py" else -1]
-                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+                base = ".".join([*package[:len(package) - node.level + 1], *([base] if base else [])])
             out.append((base, tuple(a.name for a in node.names)))
-    return out
+    return tuple(out)
 
 
 def _imports(path: Path, root: Path = SRC) -> set[str]:
@@ -92,6 +106,8 @@ FORBIDDEN = {
     "models": ("mmserve.runner", "mmserve.engine", "mmserve.workers", "mmserve.entrypoints"),
     "workers": ("mmserve.core", "mmserve.engine", "mmserve.entrypoints"),
     "entrypoints": ("mmserve.runner", "mmserve.workers", "mmserve.core"),
+    "supervisor": ("mmserve.core", "mmserve.runner", "mmserve.engine", "mmserve.entrypoints", "mmserve.cluster",
+                   "mmserve.workers"),
 }
 
 
@@ -108,8 +124,12 @@ def _src_graph() -> dict[str, set[str]]:
 
 def _reached(path: Path) -> set[str]:
     """The modules of src/mmserve that importing `path` runs, at any depth."""
-    graph, seen = _src_graph(), set()
-    todo = [_module_name(path)]
+    return _reached_in(_src_graph(), _module_name(path))
+
+
+def _reached_in(graph: dict[str, set[str]], module: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [module]
     while todo:
         for target in graph[todo.pop()]:
             if target not in seen:
@@ -186,6 +206,80 @@ def test_tracing_is_a_leaf():
 def test_entrypoints_reach_the_engine_never_the_runner(path):
     bad = _reaching(_imports(path), *FORBIDDEN["entrypoints"])
     assert not bad, f"{_ids(path)} imports {sorted(bad)}"
+
+
+# ---- leaves stay leaves --------------------------------------------------------------------------
+# importable from anywhere (a worker process, the router, a test) without dragging the engine in
+LEAVES = tuple(f"mmserve.{name}" for name in ("errors", "envs", "faults", "hub", "tracing"))
+
+
+def _leaf_violations(graph: dict[str, set[str]], module: str) -> set[str]:
+    """What importing the leaf `module` runs of its package besides other leaves (`mmserve` itself, whose
+    __init__ holds the offline API, included; the parent package of a submodule import is not counted)."""
+    return {m for m in _reached_in(graph, module) if m not in LEAVES}
+
+
+@pytest.mark.parametrize("module", LEAVES)
+def test_leaves_import_nothing_above_them(module):
+    graph = _src_graph()
+    bad = _leaf_violations(graph, module)
+    culprits = sorted(m for m in graph[module] if m not in LEAVES or _leaf_violations(graph, m))
+    assert not bad, f"{module} is a leaf but imports {culprits}, reaching {len(bad)} modules: {sorted(bad)[:8]}"
+
+
+# ---- the server talks to an EngineClient; the cluster keeps to its side --------------------------
+SERVER_FORBIDDEN = ("mmserve.engine.llm_engine", "mmserve.cluster")  # cli.py composes the client it gets
+CLUSTER_FORBIDDEN = ("mmserve.workers",)  # replicas and encoder workers share the supervisor, not each other
+
+
+def _within(names: Iterable[str], *packages: str) -> set[str]:
+    """The names that are one of `packages` or lie inside one."""
+    return {n for n in names if any(n == p or n.startswith(p + ".") for p in packages)}
+
+
+@pytest.mark.parametrize("path", _paths("entrypoints/openai"), ids=_ids)
+def test_the_server_knows_neither_the_engine_class_nor_the_cluster(path):
+    """The server holds one EngineClient (engine/client.py), one engine or many alike."""
+    bad = _within(_imports(path), *SERVER_FORBIDDEN)
+    assert not bad, f"{_ids(path)} imports {sorted(bad)}: talk to the EngineClient the CLI hands over"
+
+
+@pytest.mark.parametrize("path", _paths("cluster"), ids=_ids)
+def test_the_cluster_imports_nothing_of_the_workers(path):
+    bad = _within(_imports(path), *CLUSTER_FORBIDDEN)
+    assert not bad, f"{_ids(path)} imports {sorted(bad)}: start children through the supervisor"
+
+
+# supervisor/ (the child processes and actors of workers/ and cluster/ alike) lands with structure step 2's
+# cluster branch: until then this rule has no module to check
+@pytest.mark.parametrize("path", sorted((SRC / "supervisor").rglob("*.py")), ids=_ids)
+def test_the_supervisor_knows_nothing_of_what_its_children_run(path):
+    """Directly or through anything it imports."""
+    bad = _reaching(_imports(path) | _reached(path), *FORBIDDEN["supervisor"])
+    assert not bad, f"{_ids(path)} imports {sorted(bad)}"
+
+
+def test_the_new_rules_catch_planted_violations(tmp_path):
+    package = tmp_path / "mmserve"
+    (package / "engine").mkdir(parents=True)
+    for name in ("__init__.py", "engine/__init__.py", "engine/timeline.py", "errors.py"):
+        (package / name).write_text("")
+    (package / "envs.py").write_text("from mmserve import errors\n")
+    (package / "hub.py").write_text("from mmserve import envs\nfrom mmserve.errors import ModelLoadError\n")
+    (package / "tracing.py").write_text("def later():\n    from mmserve.engine.timeline import SpanRecord\n")
+    (package / "faults.py").write_text("from mmserve.hub import resolve\n")
+    graph = import_graph(package)
+    assert not _leaf_violations(graph, "mmserve.hub")  # a leaf may import other leaves
+    assert _leaf_violations(graph, "mmserve.tracing") == {"mmserve.engine.timeline"}  # lazily, too
+    (package / "errors.py").write_text("import mmserve\n")  # the package's __init__: the whole API
+    assert _leaf_violations(import_graph(package), "mmserve.faults") == {"mmserve"}
+    server = _planted(tmp_path, "from mmserve.engine.llm_engine import Engine\n"
+                                "def f():\n    from mmserve.cluster import replicas\n"
+                                "from mmserve.engine.client import EngineClient\n")
+    assert _within(server, *SERVER_FORBIDDEN) == {"mmserve.engine.llm_engine", "mmserve.engine.llm_engine.Engine",
+                                                  "mmserve.cluster", "mmserve.cluster.replicas"}
+    assert _within(_planted(tmp_path, "from mmserve.workers.ray_pool import init_ray\n"), *CLUSTER_FORBIDDEN)
+    assert not _within(_planted(tmp_path, "import mmserve.workersupervisor\n"), *CLUSTER_FORBIDDEN)
 
 
 # ---- no import cycle -----------------------------------------------------------------------------
@@ -299,8 +393,27 @@ def test_the_cycle_check_catches_a_lazy_cycle(tmp_path):
     assert import_cycles(import_graph(package)) == [["pkg", "pkg.d"]]
 
 
-# ---- tests and benchmarks share code through public names only -----------------------------------
+# ---- tests and benchmarks import nothing of each other ------------------------------------------
 ROOT = SRC.parents[1]
+
+
+def _tree_imports(folder: str) -> dict[Path, set[str]]:
+    """Every module file under ROOT/folder -> the module names its imports may name (relative imports
+    resolved inside that tree)."""
+    root = ROOT / folder
+    return {path: _imports(path, root) for path in sorted(root.rglob("*.py"))}
+
+
+def _crossing(names: Iterable[str], other: str) -> set[str]:
+    return {n for n in names if n.split(".")[0] == other}
+
+
+@pytest.mark.parametrize("mine, other", [("tests", "benchmarks"), ("benchmarks", "tests")])
+def test_tests_and_benchmarks_import_nothing_of_each_other(mine, other):
+    """What both need (tiny checkpoints, workloads, simulators' logic) lives in testkit/ or src/."""
+    bad = {str(path.relative_to(ROOT)): sorted(_crossing(names, other))
+           for path, names in _tree_imports(mine).items() if _crossing(names, other)}
+    assert not bad, f"{mine}/ imports {other}/: {bad}"
 
 
 def _private_reaches(path: Path, other: str) -> set[str]:
@@ -316,25 +429,23 @@ def _private_reaches(path: Path, other: str) -> set[str]:
     return bad
 
 
-@pytest.mark.parametrize("path", sorted(p for folder in ("benchmarks", "scripts") for p in (ROOT / folder).rglob("*.py")),
-                         ids=lambda p: str(p.relative_to(ROOT)))
-def test_benchmarks_take_from_tests_only_public_fixtures(path):
+@pytest.mark.parametrize("path", sorted((ROOT / "scripts").rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_scripts_take_from_tests_only_public_fixtures(path):
     bad = _private_reaches(path, "tests")
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: share it through tests/fixtures/"
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "tests").rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
-def test_tests_take_from_benchmarks_only_public_names(path):
-    bad = _private_reaches(path, "benchmarks")
-    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
-
-
-def test_the_sharing_rule_catches_private_names(tmp_path):
+def test_the_sharing_rules_catch_planted_imports(tmp_path):
     probe = tmp_path / "probe.py"
-    probe.write_text("from tests.models.test_engine_parity import _workload\nfrom benchmarks.offline import _greedy\n")
+    probe.write_text("from tests.models.test_engine_parity import _workload\nfrom benchmarks.offline import _greedy\n"
+                     "def later():\n    import benchmarks.soak\n")
     assert _private_reaches(probe, "tests") == {"tests.models.test_engine_parity",
                                                 "tests.models.test_engine_parity._workload"}
     assert _private_reaches(probe, "benchmarks") == {"benchmarks.offline._greedy"}
+    names = _imports(probe, tmp_path)
+    assert _crossing(names, "benchmarks") == {"benchmarks.offline", "benchmarks.offline._greedy", "benchmarks.soak"}
+    assert _crossing(names, "tests") == {"tests.models.test_engine_parity", "tests.models.test_engine_parity._workload"}
+    assert not _crossing({"testkit.families", "benchmarks_extra.run"}, "benchmarks")  # the shared kit, a lookalike
 
 
 # ---- the engine talks to the runner through its methods ------------------------------------------
