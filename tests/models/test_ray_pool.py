@@ -21,6 +21,7 @@ import torch
 from mmserve.errors import ModelLoadError
 from mmserve.models.loader import load_model
 from mmserve.runner.encoder.runner import EncodeJob
+from mmserve.supervisor.restarts import RestartPolicy
 from mmserve.workers import ray_pool
 from mmserve.workers.ray_pool import RayEncoderPool
 from mmserve.workers.spec import WorkerSpec
@@ -158,10 +159,9 @@ def test_a_dead_actor_loses_no_item(ray_cluster, model_dir, items, inline_model)
         assert pool.seconds_without_workers() == 0.0
 
 
-def test_workers_that_cannot_start_are_restarted_a_bounded_number_of_times(ray_cluster, tmp_path, items,
-                                                                             monkeypatch):
-    monkeypatch.setattr(ray_pool, "MAX_RESTARTS_PER_MINUTE", 1)  # each failed start costs seconds here
-    with RayEncoderPool(_spec(str(tmp_path / "no-such-model")), num_workers=1) as pool:
+def test_workers_that_cannot_start_are_restarted_a_bounded_number_of_times(ray_cluster, tmp_path, items):
+    once = RestartPolicy(window_s=60.0, max_restarts_per_window=1)  # each failed start costs seconds here
+    with RayEncoderPool(_spec(str(tmp_path / "no-such-model")), num_workers=1, restart_policy=once) as pool:
         pool.submit(_jobs(items[:1]))
         deadline = time.monotonic() + POLL_DEADLINE_S
         while pool.seconds_without_workers() == 0.0:
