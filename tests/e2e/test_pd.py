@@ -28,6 +28,7 @@ from tests.e2e.conftest import otlp_receiver, running_server
 from tests.e2e.test_replicas import (
     COLORS,
     ENGINE_ARGS,
+    HANG_GUARD_S,
     NUM_TOKENS,
     QUESTIONS,
     _ask,
@@ -118,7 +119,7 @@ def test_a_prefill_and_a_decode_replica_answer_as_one_engine_and_survive_kills(m
             got = await asyncio.gather(*(_ask(replicas, f"k{victim}-{n}", pngs[i], q, on_first=kill_once)
                                          for n, (i, q) in enumerate(work)))
             assert dict(zip(work, got, strict=True)) == reference
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + HANG_GUARD_S
             while replicas.replica_pids()[victim] in (None, old) and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
             assert replicas.replica_pids()[victim] not in (None, old)
@@ -131,7 +132,7 @@ def test_a_prefill_and_a_decode_replica_answer_as_one_engine_and_survive_kills(m
             async for output in replicas.generate("dying", await _prompt(replicas, pngs[1], QUESTIONS[1]), params):
                 if len(output.outputs[0].token_ids) == 3:
                     os.kill(replicas.replica_pids()[DECODE], signal.SIGKILL)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + HANG_GUARD_S
         while replicas.stats()["replicas_alive"] < 2 and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
         assert await _ask(replicas, "after", pngs[1], QUESTIONS[1]) == reference[(1, QUESTIONS[1])]
@@ -186,7 +187,7 @@ def test_serve_with_a_prefill_and_a_decode_replica(model, pngs, reference, tmp_p
         assert stats["requests_received"] == 2 and stats["kv_transfers"] == 2
         assert stats["requests_finished"] == 2  # each counted once, where it finished
         assert httpx.get(server.url + "/health", timeout=10).json()["status"] == "ok"
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + HANG_GUARD_S
         while sum(s.name == "engine.request" for s in spans) < 4 and time.monotonic() < deadline:
             time.sleep(0.2)
     (server_span,) = [s for s in spans if s.name == "POST /v1/chat/completions"
