@@ -23,11 +23,11 @@ class ProcessLauncher:
         self._ctx = mp.get_context("spawn")
         self._target, self._name, self._daemon = target, name, daemon
 
-    def start(self, *args: Any) -> tuple[Any, Any, Any]:
-        """A started child and its (inbox, outbox); raises OSError (out of processes or memory), its
-        queues then given up."""
+    def start(self, *args: Any, name: str | None = None) -> tuple[Any, Any, Any]:
+        """A started child (named `name`, else the launcher's name) and its (inbox, outbox); raises
+        OSError (out of processes or memory), its queues then given up."""
         inbox, outbox = self._ctx.Queue(), self._ctx.Queue()
-        process = self._ctx.Process(target=self._target, name=self._name, daemon=self._daemon,
+        process = self._ctx.Process(target=self._target, name=name or self._name, daemon=self._daemon,
                                     args=(*args, inbox, outbox))
         try:
             process.start()

@@ -211,7 +211,8 @@ class ProcessEncoderPool:
     def _start(self, slot: _Slot) -> None:
         generation = slot.next_generation()
         try:
-            slot.handle, slot.inbox, results = self._launcher.start(self._spec, generation, os.getpid(), self._stop)
+            slot.handle, slot.inbox, results = self._launcher.start(self._spec, generation, os.getpid(), self._stop,
+                                                                    name=f"mmserve-encoder-{slot.index}")
         except OSError as exc:  # out of processes or memory: the slot counts as dead and retries later
             logger.error("could not start encoder worker %d: %s", slot.index, exc)
             return
