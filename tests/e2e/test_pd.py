@@ -32,6 +32,7 @@ from tests.e2e.test_replicas import (
     HANG_GUARD_S,
     NUM_TOKENS,
     QUESTIONS,
+    RAY_REGISTER_ENV,
     _ask,
     _messages,
     _offline_answers,
@@ -154,8 +155,9 @@ async def _prompt(replicas: ReplicaSet, png: bytes, question: str):
         {"type": "text", "text": question}]}])
 
 
-def test_disaggregated_replicas_as_ray_actors(model, pngs, reference):
+def test_disaggregated_replicas_as_ray_actors(model, pngs, reference, monkeypatch):
     pytest.importorskip("ray")  # the `ray` extra, which the test environment installs
+    monkeypatch.setenv(*RAY_REGISTER_ENV)  # read by the Ray the replica set starts
     replicas = ReplicaSet(EngineConfig.from_kwargs(model, **ENGINE_ARGS), 1, threads_per_replica=1,
                           decode_replicas=1, backend="ray")
     replicas.launch()

@@ -34,6 +34,8 @@ COLORS = [(200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30)]
 QUESTIONS = ["What color is it?", "Describe it."]
 ENGINE_ARGS = {"num_kv_blocks": 256}
 HANG_GUARD_S = 300.0  # waits for processes that only stop a hang: never a verdict on a working machine
+# Ray's deadline for an actor's worker process to register (60 s by default) is no verdict either
+RAY_REGISTER_ENV = ("RAY_worker_register_timeout_seconds", "600")
 
 
 def _messages(png: bytes, question: str) -> list[dict]:
@@ -235,9 +237,10 @@ def _check_traces(spans: list, reply_ids: list[str]) -> None:
     assert route[-1].attributes["mmserve.route.reason"] == "cache_hit"  # the third found its image
 
 
-def test_replicas_as_ray_actors(model, pngs, reference):
+def test_replicas_as_ray_actors(model, pngs, reference, monkeypatch):
     """The `ray` backend on a local Ray instance: the same answers, and a killed actor is replaced."""
     pytest.importorskip("ray")  # the `ray` extra, which the test environment installs
+    monkeypatch.setenv(*RAY_REGISTER_ENV)  # read by the Ray the replica set starts
     config = EngineConfig.from_kwargs(model, **ENGINE_ARGS)
     replicas = ReplicaSet(config, 2, threads_per_replica=1, backend="ray")
     replicas.launch()
