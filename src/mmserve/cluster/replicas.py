@@ -100,6 +100,9 @@ class ReplicaSet:
 
             self.tracing = Tracing.to_endpoint(config.otlp_traces_endpoint, "mmserve")
         self._hand_off = HandOff(self, self.tracing)
+        self._on_message: dict[type, Callable[[ReplicaSlot, Any], None]] = {  # a replica's message -> its handler
+            Outputs: self._on_outputs, Stats: self._on_stats, RequestRefused: self._on_request_ended,
+            RequestLost: self._on_request_ended, RequestFailed: self._on_request_ended}
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def launch(self) -> None:
@@ -303,21 +306,25 @@ class ReplicaSet:
             self._any_alive.set()
 
     def replica_message(self, slot: ReplicaSlot, message: Any) -> None:
-        if isinstance(message, Outputs):
-            for output in message.outputs:
-                self._deliver(slot, output)
-        elif isinstance(message, Stats):
-            slot.state.stats.update(message.stats)
-            router, index = self._router_of(slot)
-            router.evicted(index, message.evicted_media_keys, message.evicted_block_hashes)
-        elif isinstance(message, RequestRefused | RequestLost | RequestFailed):
-            flight = self._flights.get(message.request_id)
-            if isinstance(message, RequestLost):  # its engine died: the process exits next, routes go elsewhere
-                self._set_alive(slot, False)
-            if flight is not None and flight.replica == slot.index:
-                self.uncount(flight)
-                flight.outputs.put_nowait(InvalidInputError(message.message, param=message.param)
-                                          if isinstance(message, RequestRefused) else ReplicaLost(message.message))
+        self._on_message[type(message)](slot, message)
+
+    def _on_outputs(self, slot: ReplicaSlot, message: Outputs) -> None:
+        for output in message.outputs:
+            self._deliver(slot, output)
+
+    def _on_stats(self, slot: ReplicaSlot, message: Stats) -> None:
+        slot.state.stats.update(message.stats)
+        router, index = self._router_of(slot)
+        router.evicted(index, message.evicted_media_keys, message.evicted_block_hashes)
+
+    def _on_request_ended(self, slot: ReplicaSlot, message: RequestRefused | RequestLost | RequestFailed) -> None:
+        flight = self._flights.get(message.request_id)
+        if isinstance(message, RequestLost):  # its engine died: the process exits next, routes go elsewhere
+            self._set_alive(slot, False)
+        if flight is not None and flight.replica == slot.index:
+            self.uncount(flight)
+            flight.outputs.put_nowait(InvalidInputError(message.message, param=message.param)
+                                      if isinstance(message, RequestRefused) else ReplicaLost(message.message))
 
     def replica_died(self, slot: ReplicaSlot, what: str) -> None:
         self._set_alive(slot, False)
