@@ -33,13 +33,13 @@ from mmserve.workers.process_worker import (
     in_shared_memory,
     to_shared,
 )
-from mmserve.workers.spec import MAX_RESTARTS_PER_MINUTE, WorkerSpec
+from mmserve.workers.spec import MAX_RESTARTS_PER_MINUTE, WORKER_RESTART_POLICY, WorkerSpec
 from testkit.tiny_checkpoints import build_checkpoint
 from tests.models.helpers import image_part, load_processor, random_image, text_part, user
 from tests.models.pool_helpers import collect
 
 IMAGE_SIZES = [(56, 56), (100, 80), (64, 200), (120, 120), (30, 90), (90, 150)]  # width, height
-TIMEOUT_S = 30.0
+TIMEOUT_S = 120.0  # a hang guard: workers import torch and build their encoder, slower on a busy machine
 
 
 @pytest.fixture(scope="module")
@@ -218,8 +218,10 @@ def test_a_killed_worker_loses_no_item(checkpoint, jobs, encode_inline):
 def test_no_worker_can_start_the_pool_waits_and_says_how_long(tmp_path, jobs):
     # one slot: every start imports torch before failing (~2 s of CPU each, 1 + MAX_RESTARTS_PER_MINUTE
     # of them, more on a busy machine: slow tier, and a deadline that only stops a hang); a second slot
-    # would double that without testing more than the kill test does
-    pool = ProcessEncoderPool(_spec(tmp_path / "no-such-model"), num_workers=1)
+    # would double that without testing more than the kill test does. The default policy's give-up, in a
+    # window no busy machine can outlast (the starts could otherwise span a minute and restart again)
+    policy = dataclasses.replace(WORKER_RESTART_POLICY, window_s=3600.0)
+    pool = ProcessEncoderPool(_spec(tmp_path / "no-such-model"), num_workers=1, restart_policy=policy)
     pids = list(pool.worker_pids().values())
     try:
         pool.submit(jobs[:3])

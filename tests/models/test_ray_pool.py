@@ -9,6 +9,7 @@ float32 results depend in their last bits on the batch an item is encoded in and
 count, so exact comparisons use the same batches and one thread on both sides."""
 
 import dataclasses
+import os
 import pickle
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import torch
 from mmserve.errors import ModelLoadError
 from mmserve.models.loader import load_model
 from mmserve.runner.encoder.runner import EncodeJob
+from mmserve.supervisor.restarts import RestartPolicy
 from mmserve.workers import ray_pool
 from mmserve.workers.ray_pool import RayEncoderPool
 from mmserve.workers.spec import WorkerSpec
@@ -28,14 +30,18 @@ from testkit.tiny_checkpoints import build_checkpoint
 from tests.models.helpers import image_part, load_processor, random_image, text_part, user
 from tests.models.pool_helpers import collect
 
-POLL_DEADLINE_S = 60.0
+# hang guards only: actors start Python, Ray and torch and build an encoder, far slower on a busy machine
+POLL_DEADLINE_S = 300.0
+# Ray's own deadline for a worker process to register (60 s by default): past it Ray kills the actor, and
+# the pool would count a restart that a quiet machine never sees
+RAY_SYSTEM_CONFIG = {"worker_register_timeout_seconds": 600}
 SIZES = [(56, 56), (112, 84), (200, 140), (84, 168), (140, 56)]  # (width, height): different rows
 
 
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG)
     yield ray
     ray.shutdown()
 
@@ -143,7 +149,7 @@ def test_a_dead_actor_loses_no_item(ray_cluster, model_dir, items, inline_model)
     leaving the dying process is lost with it, and the item is encoded again."""
     reference = _inline(inline_model, items, [[i] for i in range(len(items))])
     with RayEncoderPool(_spec(model_dir, die_on_key=items[2].content_hash), num_workers=1) as pool:
-        first_pid = pool.worker_pids()[0]
+        first_pid = pool.worker_pids(timeout_s=POLL_DEADLINE_S)[0]
         for item in items:
             pool.submit(_jobs([item]))
         got = _collect(pool, reference)
@@ -154,14 +160,14 @@ def test_a_dead_actor_loses_no_item(ray_cluster, model_dir, items, inline_model)
         assert stats.items_redispatched >= 3
         assert stats.worker_restarts == 1
         assert (stats.workers_alive, stats.items_in_flight) == (1, 0)
-        assert pool.worker_pids()[0] != first_pid
+        assert pool.worker_pids(timeout_s=POLL_DEADLINE_S)[0] != first_pid
         assert pool.seconds_without_workers() == 0.0
 
 
-def test_workers_that_cannot_start_are_restarted_a_bounded_number_of_times(ray_cluster, tmp_path, items,
-                                                                             monkeypatch):
-    monkeypatch.setattr(ray_pool, "MAX_RESTARTS_PER_MINUTE", 1)  # each failed start costs seconds here
-    with RayEncoderPool(_spec(str(tmp_path / "no-such-model")), num_workers=1) as pool:
+def test_workers_that_cannot_start_are_restarted_a_bounded_number_of_times(ray_cluster, tmp_path, items):
+    # each failed start costs seconds here; a window no busy machine can outlast between the two starts
+    once = RestartPolicy(window_s=3600.0, max_restarts_per_window=1)
+    with RayEncoderPool(_spec(str(tmp_path / "no-such-model")), num_workers=1, restart_policy=once) as pool:
         pool.submit(_jobs(items[:1]))
         deadline = time.monotonic() + POLL_DEADLINE_S
         while pool.seconds_without_workers() == 0.0:
@@ -172,17 +178,17 @@ def test_workers_that_cannot_start_are_restarted_a_bounded_number_of_times(ray_c
         assert (stats.workers_alive, stats.worker_restarts, stats.items_in_flight) == (0, 1, 1)
         time.sleep(0.1)
         assert pool.poll() == [] and pool.seconds_without_workers() >= 0.1
-        assert pool.stats().worker_restarts == 1  # no more until a minute has passed
+        assert pool.stats().worker_restarts == 1  # no more until the window has passed
         assert not pool.wait_ready(0.1)
 
 
 def test_shutdown_kills_the_actors_and_leaves_ray_running(ray_cluster, model_dir):
     pool = RayEncoderPool(_spec(model_dir), num_workers=2)
     assert pool.wait_ready(POLL_DEADLINE_S)
-    pids = list(pool.worker_pids().values())
+    pids = list(pool.worker_pids(timeout_s=POLL_DEADLINE_S).values())
     assert len(set(pids)) == 2 and all(_running(pid) for pid in pids)
     pool.shutdown()
-    deadline = time.monotonic() + 10.0
+    deadline = time.monotonic() + POLL_DEADLINE_S  # a hang guard: Ray reaps a killed actor's process soon
     while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_running(pid) for pid in pids), "an encoder actor outlived shutdown"
@@ -204,7 +210,7 @@ pool = RayEncoderPool(WorkerSpec({model_dir!r}, "float32", "cpu", 1), num_worker
 assert ray.is_initialized()
 assert ray.cluster_resources()["CPU"] == len(os.sched_getaffinity(0))
 pool.submit([job])
-deadline, got = time.monotonic() + 60, []
+deadline, got = time.monotonic() + {POLL_DEADLINE_S}, []
 while not got and time.monotonic() < deadline:
     got = pool.poll()
     time.sleep(0.02)
@@ -213,8 +219,9 @@ pool.shutdown()
 assert not ray.is_initialized()
 print("ok")
 """
+    env = {**os.environ, **{f"RAY_{k}": str(v) for k, v in RAY_SYSTEM_CONFIG.items()}}  # the Ray it starts
     done = subprocess.run([sys.executable, "-c", script], input=pickle.dumps(_jobs(items[:1])[0]),
-                          capture_output=True, timeout=120)
+                          capture_output=True, timeout=2 * POLL_DEADLINE_S, env=env)
     assert done.returncode == 0 and done.stdout.strip().endswith(b"ok"), done.stderr.decode()[-3000:]
 
 

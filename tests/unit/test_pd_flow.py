@@ -10,19 +10,13 @@ from dataclasses import dataclass, field
 import pytest
 
 from mmserve.cluster import pd_flow
-from mmserve.cluster.pd_flow import HandOffLost, TransferLatencies, hand_off
-from mmserve.cluster.protocol import AbortRequest, ReceiveKV
+from mmserve.cluster.pd_flow import HandOff, HandOffLost
+from mmserve.cluster.protocol import AbortRequest, AdmitTransferred, ReceiveKV
 from mmserve.cluster.router import RouteKeys, Router
 from mmserve.engine.async_engine import EngineDeadError
 from mmserve.inputs.items import ProcessedPrompt
 from mmserve.outputs import CompletionOutput, RequestOutput
 from mmserve.sampling_params import SamplingParams
-
-
-@dataclass
-class _Slot:
-    index: int
-    generation: int = 1
 
 
 @dataclass
@@ -40,28 +34,33 @@ class _Flight:
 
 
 class _Replicas:
-    """What hand_off asks of a ReplicaSet: one prefill slot (0) and one decode slot (1)."""
+    """The HandOffPeers a ReplicaSet gives a hand-off: one prefill replica (0) and one decode replica (1)."""
 
     def __init__(self, admits: list, send_fails: bool = False) -> None:
-        self.num_prefill, self._slots = 1, [_Slot(0), _Slot(1)]
-        self.decode_router, self.transfer_latencies, self.tracing = Router(1), TransferLatencies(), None
+        self.decode_router = Router(1)
         self.admits, self.send_fails = list(admits), send_fails
         self.sent: list = []
         self.asked: list[str] = []
 
-    async def _query(self, replica, what, timeout_s=30.0, args=(), generation=None):
-        self.asked.append(what)
-        if what == "admit_transferred":
+    def decode_replica(self, choice):
+        return 1 + choice, 1
+
+    async def ask(self, replica, question, generation=None):
+        self.asked.append("admit_transferred" if isinstance(question, AdmitTransferred) else "send_kv")
+        if isinstance(question, AdmitTransferred):
             return self.admits.pop(0) if self.admits else None
         if self.send_fails:
             raise RuntimeError("replica 0 died")
         return "transfer"
 
-    def _send(self, replica, generation, message):
+    def send(self, replica, generation, message):
         self.sent.append((replica, message))
 
-    def _uncount(self, flight):
+    def uncount(self, flight):
         flight.counted = False
+
+    def discard(self, transfer):
+        raise AssertionError("nothing to discard")
 
 
 FIRST = RequestOutput("r", None, [1, 2, 3], [CompletionOutput(0, "a", [7], None, None)], False, kv_parked=True)
@@ -70,11 +69,12 @@ FIRST = RequestOutput("r", None, [1, 2, 3], [CompletionOutput(0, "a", [7], None,
 def test_a_decode_replica_without_room_is_asked_again_then_receives(monkeypatch):
     monkeypatch.setattr(pd_flow, "HANDOFF_RETRY_S", 0.001)
     replicas, flight = _Replicas([None, None, [0]]), _Flight()
-    asyncio.run(hand_off(replicas, flight, FIRST))
+    hand_off = HandOff(replicas)
+    asyncio.run(hand_off(flight, FIRST))
     assert replicas.asked == ["admit_transferred"] * 3 + ["send_kv"]
     assert (flight.replica, flight.transfer) == (1, "transfer")
     assert replicas.sent == [(1, ReceiveKV("r", "transfer"))]
-    assert replicas.transfer_latencies.stats()["kv_transfers"] == 1
+    assert hand_off.latencies.stats()["kv_transfers"] == 1
 
 
 def test_past_the_bound_the_request_fails_and_the_prefill_replica_lets_go(monkeypatch):
@@ -82,14 +82,14 @@ def test_past_the_bound_the_request_fails_and_the_prefill_replica_lets_go(monkey
     monkeypatch.setattr(pd_flow, "HANDOFF_TIMEOUT_S", 0.05)
     replicas, flight = _Replicas([]), _Flight()
     with pytest.raises(EngineDeadError, match="no decode replica had room"):
-        asyncio.run(hand_off(replicas, flight, FIRST))
+        asyncio.run(HandOff(replicas)(flight, FIRST))
     assert replicas.sent == [(0, AbortRequest("r"))] and not flight.counted
 
 
 def test_a_prefill_replica_that_cannot_send_loses_the_request_and_frees_the_decode_side():
     replicas, flight = _Replicas([[0, 1]], send_fails=True), _Flight()
     with pytest.raises(HandOffLost, match="could not send"):
-        asyncio.run(hand_off(replicas, flight, FIRST))
+        asyncio.run(HandOff(replicas)(flight, FIRST))
     assert replicas.sent == [(1, AbortRequest("r"))]
 
 
@@ -100,18 +100,18 @@ def test_a_client_leaving_mid_send_leaves_no_transfer_behind():
             self.discarded: list = []
             self.release = asyncio.Event()
 
-        async def _query(self, replica, what, timeout_s=30.0, args=(), generation=None):
-            if what == "send_kv":
+        async def ask(self, replica, question, generation=None):
+            if not isinstance(question, AdmitTransferred):
                 await self.release.wait()
                 return "transfer"
-            return await super()._query(replica, what, timeout_s, args, generation)
+            return await super().ask(replica, question, generation)
 
         def discard(self, transfer):
             self.discarded.append(transfer)
 
     async def run() -> list:
         replicas = Slow()
-        task = asyncio.create_task(hand_off(replicas, _Flight(), FIRST))
+        task = asyncio.create_task(HandOff(replicas)(_Flight(), FIRST))
         await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -1,9 +1,12 @@
 """The typed boundary between the API server and a replica: what crosses it, and nothing else.
 
-Role: the messages a replica process takes (add, abort, query, stop) and sends (ready, start failed,
-outputs, a request refused or failed, answers, periodic stats). A replica runs today's engine
-unchanged behind them; no engine internals cross — a request goes as its `ProcessedPrompt` and
-`SamplingParams`, it comes back as `RequestOutput`s.
+Role: the messages a replica process takes (add, receive KV, abort, query, stop) and sends (ready,
+start failed, outputs, a request refused or failed, answers, periodic stats), one frozen dataclass
+per intent: a replica handles each by its type (a dispatch table), never by a verb in a string. A
+`Query` carries one of the questions (`AskStats`, `AskIntegrity`, and for P/D `AdmitTransferred`,
+`SendKV`) and is answered by an `Answer` with its id. A replica runs today's engine unchanged behind
+them; no engine internals cross — a request goes as its `ProcessedPrompt` and `SamplingParams`, it
+comes back as `RequestOutput`s.
 What it does not know: processes, queues, routing.
 """
 
@@ -13,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmserve.inputs.items import ProcessedPrompt
-from mmserve.outputs import RequestOutput
+from mmserve.outputs import CompletionOutput, RequestOutput
 from mmserve.sampling_params import SamplingParams
 
 STATS_INTERVAL_S = 0.5  # how often an idle or busy replica sends its engine's counters
@@ -34,7 +37,7 @@ class AddRequest:
 
 @dataclass(frozen=True)
 class ReceiveKV:
-    """A decode replica's request admitted earlier (the `admit_transferred` query): its KV is at
+    """A decode replica's request admitted earlier (the `AdmitTransferred` question): its KV is at
     `transfer` (cluster/kv_connector.py); take it and decode, sending outputs as for an `AddRequest`."""
 
     request_id: str
@@ -47,13 +50,48 @@ class AbortRequest:
 
 
 @dataclass(frozen=True)
+class AskStats:
+    """The engine's counters now, read on its thread between steps (a dict; the last sent ones when the
+    engine no longer runs)."""
+
+
+@dataclass(frozen=True)
+class AskIntegrity:
+    """Run the engine's `check_integrity()` (an error when it fails, or when the engine no longer runs)."""
+
+
+@dataclass(frozen=True)
+class AdmitTransferred:
+    """P/D, to a decode replica: take this request computed elsewhere (`first`: its first output there);
+    answered by the indices of its prompt blocks to send (those this replica lacks), or None while there
+    is no room (ask again later)."""
+
+    request_id: str
+    prompt: ProcessedPrompt  # without media payloads: nothing is encoded on the decode side
+    params: SamplingParams
+    first: CompletionOutput
+    arrival_time: float
+    trace_parent: str | None = None
+
+
+@dataclass(frozen=True)
+class SendKV:
+    """P/D, to a prefill replica: put the parked request's blocks at `block_indices` into the connector;
+    answered by the transfer's handle (cluster/kv_connector.py)."""
+
+    request_id: str
+    block_indices: tuple[int, ...]
+
+
+Question = AskStats | AskIntegrity | AdmitTransferred | SendKV
+
+
+@dataclass(frozen=True)
 class Query:
-    """Ask for `what` ("stats", "check_integrity"; for P/D "admit_transferred" and "send_kv", with their
-    `args`); answered by an `Answer` with the same id."""
+    """One question to a replica, answered by an `Answer` with the same id."""
 
     query_id: int
-    what: str
-    args: tuple = ()
+    question: Question
 
 
 @dataclass(frozen=True)

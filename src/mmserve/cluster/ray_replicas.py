@@ -2,7 +2,8 @@
 
 Role: `RayLauncher` starts a replica as an actor (placed by Ray, `threads` CPUs each) that runs
 cluster/replica_worker.py's `replica_main` behind two `ray.util.queue.Queue`s, the same messages the
-`mp` backend sends through pipes, and gives `ReplicaSet` a process-like handle: alive while the
+`mp` backend sends through pipes, and gives the replicas' slots (cluster/replica_slots.py) a
+process-like handle: alive while the
 actor's `run` call has not returned, `kill` ends the actor. Ray is joined at `ray_address`, used as
 is where this process already initialised it, or started locally and shut down with the launcher.
 On a cluster every node needs mmserve installed and the checkpoint at the same path.
@@ -14,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from mmserve.config import EngineConfig
-from mmserve.workers.ray_pool import init_ray
+from mmserve.supervisor.ray_support import init_ray
 
 
 class _ReplicaActor:
@@ -25,7 +26,7 @@ class _ReplicaActor:
 
 
 class _ActorHandle:
-    """What ReplicaSet asks of a replica's process, for an actor."""
+    """What the replicas' slots ask of a replica's process, for an actor."""
 
     def __init__(self, ray: Any, actor: Any, run_ref: Any) -> None:
         self._ray, self._actor, self._run = ray, actor, run_ref

@@ -1,10 +1,12 @@
 """One replica process: today's engine, unchanged, behind the messages of cluster/protocol.py.
 
 Role: `replica_main` (the spawn target) builds an `Engine` with its share of the cores, wraps it in
-an `AsyncEngine` on an event loop of its own, sends `Ready`, then serves: each `AddRequest` becomes
-a task that iterates `generate` and sends every output; `AbortRequest` cancels that task (which
-aborts the request in the engine); `Query` answers stats or an integrity check run on the engine
-thread; every STATS_INTERVAL_S it sends its counters and what its caches evicted. It exits on `Stop`
+an `AsyncEngine` on an event loop of its own, sends `Ready`, then serves each message by its type
+(a dispatch table, message type -> handler): an `AddRequest` becomes a task that iterates `generate`
+and sends every output; `AbortRequest` cancels that task (which aborts the request in the engine); a
+`Query`'s question (stats, an integrity check, P/D's admission and sending of KV) is answered from the
+engine's thread, by its public calls only; every STATS_INTERVAL_S it sends its counters and what its
+caches evicted. It exits on `Stop`
 or when the API server's process is gone, so a replica never outlives its server.
 What it does not know: HTTP, routing, the other replicas.
 """
@@ -17,13 +19,18 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 from mmserve.cluster.protocol import (
     STATS_INTERVAL_S,
     AbortRequest,
     AddRequest,
+    AdmitTransferred,
     Answer,
+    AskIntegrity,
+    AskStats,
     Outputs,
     Query,
     Ready,
@@ -31,11 +38,15 @@ from mmserve.cluster.protocol import (
     RequestFailed,
     RequestLost,
     RequestRefused,
+    SendKV,
     StartFailed,
     Stats,
     Stop,
 )
 from mmserve.config import EngineConfig
+from mmserve.engine.async_engine import AsyncEngine, EngineDeadError
+from mmserve.engine.llm_engine import Engine
+from mmserve.errors import InvalidInputError
 
 PARENT_CHECK_S = 1.0  # how often a replica with nothing to read checks that its server still runs
 
@@ -45,9 +56,6 @@ def replica_main(config: EngineConfig, threads: int, inbox: Any, outbox: Any, co
     import torch
 
     torch.set_num_threads(threads)
-    from mmserve.engine.async_engine import AsyncEngine
-    from mmserve.engine.llm_engine import Engine
-
     tracing = None
     try:
         if config.otlp_traces_endpoint is not None:  # the replica's spans, under the server's request spans
@@ -75,12 +83,17 @@ def replica_main(config: EngineConfig, threads: int, inbox: Any, outbox: Any, co
 
 
 class _Replica:
-    def __init__(self, engine: Any, inbox: Any, outbox: Any, connector: Any) -> None:
+    def __init__(self, engine: AsyncEngine, inbox: Any, outbox: Any, connector: Any) -> None:
         self.engine = engine
         self.connector = connector
         self.inbox, self.outbox = inbox, outbox
         self.tasks: dict[str, asyncio.Task] = {}
         self.stopped: asyncio.Event | None = None
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            AddRequest: self._add, ReceiveKV: self._receive_kv, AbortRequest: self._abort, Query: self._query,
+            Stop: self._stop}
+        self._answerers: dict[type, Callable[[Any], Awaitable[Any]]] = {
+            AskStats: self._stats, AskIntegrity: self._integrity, AdmitTransferred: self._admit, SendKV: self._send_kv}
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
@@ -111,32 +124,32 @@ class _Replica:
                     message = Stop()
                 else:
                     continue
-            loop.call_soon_threadsafe(self._handle, message)
+            loop.call_soon_threadsafe(self._handlers[type(message)], message)
             if isinstance(message, Stop):
                 return
 
-    def _handle(self, message: Any) -> None:
-        if isinstance(message, AddRequest):
-            self.tasks[message.request_id] = asyncio.create_task(self._run(message))
-        elif isinstance(message, ReceiveKV):
-            self.tasks[message.request_id] = asyncio.create_task(self._receive(message))
-        elif isinstance(message, AbortRequest):
-            task = self.tasks.get(message.request_id)
-            if task is not None:
-                task.cancel()
-            elif self.engine.is_running:  # admitted for a hand-off, its KV not sent yet
-                rid = message.request_id
-                asyncio.create_task(self.engine.call(lambda engine: engine.abort_request([rid])))
-        elif isinstance(message, Query):
-            asyncio.create_task(self._answer(message))
-        elif isinstance(message, Stop):
-            assert self.stopped is not None
-            self.stopped.set()
+    # ---- the handlers (on the loop) ---------------------------------------------------------------
+    def _add(self, add: AddRequest) -> None:
+        self.tasks[add.request_id] = asyncio.create_task(self._run(add))
+
+    def _receive_kv(self, message: ReceiveKV) -> None:
+        self.tasks[message.request_id] = asyncio.create_task(self._receive(message))
+
+    def _abort(self, message: AbortRequest) -> None:
+        task = self.tasks.get(message.request_id)
+        if task is not None:
+            task.cancel()
+        elif self.engine.is_running:  # admitted for a hand-off, its KV not sent yet
+            asyncio.create_task(self.engine.call(partial(Engine.abort_request, request_ids=[message.request_id])))
+
+    def _query(self, query: Query) -> None:
+        asyncio.create_task(self._answer(query))
+
+    def _stop(self, message: Stop) -> None:
+        assert self.stopped is not None
+        self.stopped.set()
 
     async def _run(self, add: AddRequest) -> None:
-        from mmserve.engine.async_engine import EngineDeadError
-        from mmserve.errors import InvalidInputError
-
         tracing = self.engine.tracing
         if tracing is not None and add.trace_parent is not None:  # from the server's send to this replica's loop
             tracing.record("handoff", add.trace_parent, add.sent_s, time.time(), {"mmserve.handoff.to": "replica"})
@@ -153,12 +166,9 @@ class _Replica:
 
     async def _receive(self, message: ReceiveKV) -> None:
         """A transferred request: its KV into the engine's storage (on the engine thread), then its outputs."""
-        from mmserve.engine.async_engine import EngineDeadError
-
-        rid, transfer, connector = message.request_id, message.transfer, self.connector
+        rid = message.request_id
         try:
-            async for output in self.engine.adopt(rid, lambda engine: connector.receive(
-                    transfer, lambda parts: engine.receive_kv(rid, parts))):
+            async for output in self.engine.adopt(rid, partial(_receive_into, self.connector, message)):
                 self.outbox.put(Outputs((output,)))
         except EngineDeadError as exc:
             self.outbox.put(RequestLost(rid, str(exc)))
@@ -167,26 +177,32 @@ class _Replica:
         finally:
             self.tasks.pop(rid, None)
 
+    # ---- the questions (each answered from the engine's thread) -----------------------------------
     async def _answer(self, query: Query) -> None:
         try:
-            if query.what == "stats":  # exact: read on the engine thread, between steps
-                value: Any = (await self.engine.call(lambda engine: engine.get_stats()) if self.engine.is_running
-                              else self.engine.stats())
-            elif query.what == "check_integrity":
-                if not self.engine.is_running:
-                    raise RuntimeError("the replica's engine is not running")
-                value = await self.engine.call(lambda engine: engine.check_integrity())
-            elif query.what == "admit_transferred":  # (request id, prompt without payloads, params, first output)
-                args = query.args
-                value = await self.engine.call(lambda engine: engine.admit_transferred(*args))
-            elif query.what == "send_kv":  # (request id, block indices)
-                rid, indices = query.args
-                value = await self.engine.call(lambda engine: engine.send_kv(rid, indices, self.connector))
-            else:
-                raise ValueError(f"unknown query {query.what!r}")
+            value = await self._answerers[type(query.question)](query.question)
             self.outbox.put(Answer(query.query_id, value))
         except Exception as exc:  # an integrity assertion included: the server raises it to its caller
             self.outbox.put(Answer(query.query_id, error=f"{type(exc).__name__}: {exc}"))
+
+    async def _stats(self, question: AskStats) -> Any:
+        if not self.engine.is_running:
+            return self.engine.stats()
+        return await self.engine.call(Engine.get_stats)  # exact: between steps
+
+    async def _integrity(self, question: AskIntegrity) -> None:
+        if not self.engine.is_running:
+            raise RuntimeError("the replica's engine is not running")
+        await self.engine.call(Engine.check_integrity)
+
+    async def _admit(self, q: AdmitTransferred) -> list[int] | None:
+        return await self.engine.call(partial(Engine.admit_transferred, request_id=q.request_id, prompt=q.prompt,
+                                              params=q.params, first=q.first, arrival_time=q.arrival_time,
+                                              trace_parent=q.trace_parent))
+
+    async def _send_kv(self, q: SendKV) -> Any:
+        return await self.engine.call(partial(Engine.send_kv, request_id=q.request_id,
+                                              block_indices=list(q.block_indices), connector=self.connector))
 
     async def _tick(self) -> None:
         while True:
@@ -195,5 +211,10 @@ class _Replica:
                 assert self.stopped is not None
                 self.stopped.set()
                 return
-            media, blocks = await self.engine.call(lambda engine: engine.take_evictions())
+            media, blocks = await self.engine.call(Engine.take_evictions)
             self.outbox.put(Stats(self.engine.stats(), media, blocks))
+
+
+def _receive_into(connector: Any, message: ReceiveKV, engine: Engine) -> None:
+    """On the engine's thread: a transferred request's KV, from the connector into the engine's storage."""
+    connector.receive(message.transfer, partial(engine.receive_kv, message.request_id))

@@ -7,10 +7,12 @@ handles; `process_worker` holds the worker's loop and the wire format). `submit`
 arrays into shared memory once and queues the job on the live worker with the fewest items in
 flight; a worker still loading its model simply finds the jobs queued. `poll` returns what has
 arrived, then tends the workers: a dead one's in-flight items go to the others, and its slot gets
-a new worker (a new generation, with new queues) unless it restarted `MAX_RESTARTS_PER_MINUTE`
-times in the last 60 s. While no worker is live, jobs wait in the pool.
+a new worker (a new generation, with new queues) as its `RestartPolicy` allows (by default
+`WORKER_RESTART_POLICY`: at once, at most `MAX_RESTARTS_PER_MINUTE` times in 60 s). While no worker
+is live, jobs wait in the pool. Slots, restarts, readers and process starts are the supervisor's
+(mmserve/supervisor/): the same as the replicas'.
 
-Each worker's result queue is read by a thread of the pool's (`_ResultReader`): taking a tensor off
+Each worker's result queue is read by a thread of the pool's (an `OutboxReader`): taking a tensor off
 a torch queue is a socket handshake with the sending process for its file descriptor, and a busy
 worker answers only when it gets its GIL (an idle worker at once, one running Python many times
 later). The readers only hand arrivals to `poll` through a thread-safe queue, so
@@ -31,21 +33,20 @@ the right shape (the runner validates before committing).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import queue
-import threading
 import time
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-
-import torch.multiprocessing as mp
 
 from mmserve.runner.encoder.pool import ItemOutcome, PoolStats
 from mmserve.runner.encoder.runner import EncodeJob
+from mmserve.supervisor.launch import ProcessLauncher
+from mmserve.supervisor.reader import OutboxReader
+from mmserve.supervisor.restarts import RestartPolicy
+from mmserve.supervisor.slot import ChildSlot
 from mmserve.workers.process_worker import (
     ItemDone,
     ItemFailed,
@@ -56,15 +57,17 @@ from mmserve.workers.process_worker import (
     to_shared,
     worker_main,
 )
-from mmserve.workers.spec import MAX_RESTARTS_PER_MINUTE, WorkerSpec
+from mmserve.workers.spec import WORKER_RESTART_POLICY, WorkerSpec
 
 logger = logging.getLogger("mmserve.process_pool")
 
-RESTART_WINDOW_S = 60.0
 STOP_WAIT_S = 5.0  # shutdown lets a worker finish its batch this long before terminating it
 KILL_WAIT_S = 2.0  # after SIGTERM, then after SIGKILL
 READER_WAKE_S = 0.1  # how often a result reader looks whether it should stop
 READY_CHECK_S = 0.02  # wait_ready's sleep between looks
+
+# a worker slot's own book: the keys queued to or being encoded by its worker
+_Slot = ChildSlot[set[str]]
 
 
 @dataclass(frozen=True)
@@ -73,47 +76,6 @@ class _Arrival:
     generation: int
     message: Any  # ReadyMessage | StartFailed | ItemDone | ItemFailed
     arrived_s: float  # time.monotonic() when the reader had it
-
-
-class _ResultReader:
-    """A thread reading one worker generation's result queue into the pool's inbox. It owns the
-    queue: only it closes it, after it stopped reading (closing under a reader could hand it a
-    reused file descriptor)."""
-
-    def __init__(self, slot: int, generation: int, results: Any, inbox: queue.SimpleQueue,
-                 copy_outputs: bool) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(slot, generation, results, inbox, copy_outputs),
-                                        name=f"mmserve-encoder-{slot}-results", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def join(self, timeout_s: float) -> None:
-        self._thread.join(timeout_s)
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def _run(self, slot: int, generation: int, results: Any, inbox: queue.SimpleQueue,
-             copy_outputs: bool) -> None:
-        try:
-            while not self._stop.is_set():
-                try:
-                    message = results.get(timeout=READER_WAKE_S)
-                except queue.Empty:
-                    continue
-                except Exception as exc:  # noqa: BLE001 - the thread must outlive one bad message
-                    # typically an output whose worker died before its memory was fetched
-                    logger.debug("unreadable message from encoder worker %d: %s", slot, exc)
-                    self._stop.wait(0.001)  # should the error repeat, never spin
-                    continue
-                if copy_outputs and isinstance(message, ItemDone):
-                    message = ItemDone(message.key, message.output.clone())  # frees the segment and its fd
-                inbox.put(_Arrival(slot, generation, message, time.monotonic()))
-        finally:
-            results.close()
 
 
 @dataclass
@@ -126,34 +88,24 @@ class _Held:
     slot: int | None = None  # the worker slot holding it; None while it waits for a live worker
 
 
-@dataclass
-class _Slot:
-    index: int
-    generation: int = -1
-    process: Any = None  # this generation's process; None while the slot has no live worker
-    jobs: Any = None  # this generation's job queue, dropped with it
-    reader: _ResultReader | None = None
-    ready: bool = False  # its encoder is built
-    in_flight: set[str] = field(default_factory=set)  # keys queued to or being encoded by it
-    restarts_s: deque[float] = field(default_factory=deque)  # monotonic times of recent restarts
-
-
 class ProcessEncoderPool:
     """Not thread-safe: call it from one thread (the engine's step loop)."""
 
-    def __init__(self, spec: WorkerSpec, num_workers: int, keep_shared_outputs: bool = False) -> None:
+    def __init__(self, spec: WorkerSpec, num_workers: int, keep_shared_outputs: bool = False,
+                 restart_policy: RestartPolicy = WORKER_RESTART_POLICY) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
-        self._ctx = mp.get_context("spawn")
+        # daemon: should this process exit without shutdown(), multiprocessing still ends the workers
+        self._launcher = ProcessLauncher(worker_main, "mmserve-encoder", daemon=True)
         self._spec = spec
         self._keep_shared_outputs = keep_shared_outputs
-        self._stop = self._ctx.RawValue(ctypes.c_bool, False)  # lock-free: see worker_main
-        self._slots = [_Slot(i) for i in range(num_workers)]
+        self._policy = restart_policy
+        self._stop = self._launcher.shared_flag()  # lock-free: see worker_main
+        self._slots = [_Slot(i, set()) for i in range(num_workers)]
         self._inbox: queue.SimpleQueue[_Arrival] = queue.SimpleQueue()  # filled by the readers
-        self._retired: list[_ResultReader] = []  # readers of dead workers, finishing on their own
+        self._retired: list[OutboxReader] = []  # readers of dead workers, finishing on their own
         self._held: dict[str, _Held] = {}  # key -> job, in submit order, until its outcome is polled
         self._arrived: list[ItemOutcome] = []  # taken from the inbox, not yet returned by poll
-        self._worker_restarts = 0
         self._items_redispatched = 0
         self._no_worker_since_s: float | None = None
         self._closed = False
@@ -186,8 +138,9 @@ class ProcessEncoderPool:
         return arrived
 
     def stats(self) -> PoolStats:
-        alive = sum(s.process is not None and s.process.is_alive() for s in self._slots)
-        return PoolStats(workers_alive=alive, worker_restarts=self._worker_restarts,
+        alive = sum(s.handle is not None and s.handle.is_alive() for s in self._slots)
+        restarts = sum(s.restarts.num_restarts for s in self._slots)
+        return PoolStats(workers_alive=alive, worker_restarts=restarts,
                          items_redispatched=self._items_redispatched, items_in_flight=len(self._held))
 
     def seconds_without_workers(self) -> float:
@@ -205,22 +158,22 @@ class ProcessEncoderPool:
             return
         self._closed = True
         self._stop.value = True
-        live = [s for s in self._slots if s.process is not None]
+        live = [s for s in self._slots if s.handle is not None]
         for slot in live:
             if slot.ready:
-                slot.jobs.put(StopMessage())  # wakes a worker blocked on its queue
+                slot.inbox.put(StopMessage())  # wakes a worker blocked on its queue
             else:
-                slot.process.terminate()  # still loading its model: nothing to finish, no need to wait
+                slot.handle.terminate()  # still loading its model: nothing to finish, no need to wait
         deadline_s = time.monotonic() + STOP_WAIT_S
         for slot in live:
-            slot.process.join(max(0.0, deadline_s - time.monotonic()))
+            slot.handle.join(max(0.0, deadline_s - time.monotonic()))
         for stopper in ("terminate", "kill"):
-            stragglers = [s for s in live if s.process.is_alive()]
+            stragglers = [s for s in live if s.handle.is_alive()]
             for slot in stragglers:
                 logger.warning("encoder worker %d did not stop; sending %s", slot.index, stopper)
-                getattr(slot.process, stopper)()
+                getattr(slot.handle, stopper)()
             for slot in stragglers:
-                slot.process.join(KILL_WAIT_S)
+                slot.handle.join(KILL_WAIT_S)
         for slot in live:
             self._close_slot(slot)
         for reader in self._retired:
@@ -237,7 +190,7 @@ class ProcessEncoderPool:
         while not self._closed:
             self._drain()
             self._tend()
-            if all(s.process is not None and s.ready for s in self._slots):
+            if all(s.handle is not None and s.ready for s in self._slots):
                 return True
             if time.monotonic() >= deadline_s:
                 return False
@@ -246,7 +199,7 @@ class ProcessEncoderPool:
 
     def worker_pids(self) -> dict[int, int]:
         """Slot -> process id of its current worker (started, not necessarily ready)."""
-        return {s.index: s.process.pid for s in self._slots if s.process is not None}
+        return {s.index: s.handle.pid for s in self._slots if s.handle is not None}
 
     def __enter__(self) -> ProcessEncoderPool:
         return self
@@ -256,38 +209,37 @@ class ProcessEncoderPool:
 
     # ---- workers ----------------------------------------------------------------------------
     def _start(self, slot: _Slot) -> None:
-        slot.generation += 1
-        slot.ready = False
-        slot.jobs, results = self._ctx.Queue(), self._ctx.Queue()
-        # daemon: should this process exit without shutdown(), multiprocessing still ends the worker
-        slot.process = self._ctx.Process(
-            target=worker_main, name=f"mmserve-encoder-{slot.index}", daemon=True,
-            args=(self._spec, slot.generation, os.getpid(), slot.jobs, results, self._stop))
+        generation = slot.next_generation()
         try:
-            slot.process.start()
+            slot.handle, slot.inbox, results = self._launcher.start(self._spec, generation, os.getpid(), self._stop,
+                                                                    name=f"mmserve-encoder-{slot.index}")
         except OSError as exc:  # out of processes or memory: the slot counts as dead and retries later
             logger.error("could not start encoder worker %d: %s", slot.index, exc)
-            slot.process = None  # never started: nothing to close
-            results.close()
-            self._close_slot(slot)
             return
-        slot.reader = _ResultReader(slot.index, slot.generation, results, self._inbox,
-                                    copy_outputs=not self._keep_shared_outputs)
+        copy_outputs = not self._keep_shared_outputs
+
+        def deliver(message: Any) -> bool:
+            if copy_outputs and isinstance(message, ItemDone):
+                message = ItemDone(message.key, message.output.clone())  # frees the segment and its fd
+            self._inbox.put(_Arrival(slot.index, generation, message, time.monotonic()))
+            return True
+
+        # the pool watches its workers itself (_tend): the reader only reads, until stopped
+        slot.reader = OutboxReader(f"mmserve-encoder-{slot.index}-results", results, deliver, READER_WAKE_S,
+                                   close_outbox=True)
 
     def _tend(self) -> None:
         """Bury dead workers, restart their slots if allowed, place waiting jobs, note liveness."""
         now = time.monotonic()
         for slot in self._slots:
-            if slot.process is not None and not slot.process.is_alive():
+            if slot.handle is not None and not slot.handle.is_alive():
                 self._bury(slot)
         for slot in self._slots:
-            if slot.process is None and self._may_restart(slot, now):
-                slot.restarts_s.append(now)
-                self._worker_restarts += 1
+            if slot.handle is None and not self._closed and slot.due_for_restart(self._policy, now):
                 self._start(slot)
         for held in [h for h in self._held.values() if h.slot is None]:  # oldest first
             self._dispatch(held)
-        alive = [s for s in self._slots if s.process is not None]
+        alive = [s for s in self._slots if s.handle is not None]
         if any(s.ready for s in alive):
             self._no_worker_since_s = None
         elif not alive and self._no_worker_since_s is None:
@@ -295,48 +247,42 @@ class ProcessEncoderPool:
         self._retired = [r for r in self._retired if r.is_alive()]
 
     def _bury(self, slot: _Slot) -> None:
-        orphans = [self._held[k] for k in slot.in_flight if k in self._held]
+        orphans = [self._held[k] for k in slot.state if k in self._held]
         logger.warning("encoder worker %d (generation %d, pid %s) died with exit code %s; %d in-flight "
-                       "items go to other workers", slot.index, slot.generation, slot.process.pid,
-                       slot.process.exitcode, len(orphans))
+                       "items go to other workers", slot.index, slot.generation, slot.handle.pid,
+                       slot.handle.exitcode, len(orphans))
         for held in orphans:
             held.slot = None
         self._items_redispatched += len(orphans)
-        slot.in_flight.clear()
+        slot.state.clear()
         self._close_slot(slot)
 
-    @staticmethod
-    def _may_restart(slot: _Slot, now: float) -> bool:
-        while slot.restarts_s and now - slot.restarts_s[0] >= RESTART_WINDOW_S:
-            slot.restarts_s.popleft()
-        return len(slot.restarts_s) < MAX_RESTARTS_PER_MINUTE
-
     def _close_slot(self, slot: _Slot) -> None:
-        if slot.jobs is not None:
-            slot.jobs.cancel_join_thread()  # its reader is gone: never wait to flush jobs to it
-            slot.jobs.close()
+        if slot.inbox is not None:
+            slot.inbox.cancel_join_thread()  # its reader is gone: never wait to flush jobs to it
+            slot.inbox.close()
         if slot.reader is not None:
             # it still delivers what it has read (a dead worker's errors, outputs already fetched)
             slot.reader.stop()
             self._retired.append(slot.reader)
-        if slot.process is not None:
+        if slot.handle is not None:
             try:
-                slot.process.close()  # frees its sentinel; refuses (ValueError) if it still runs
+                slot.handle.close()  # frees its sentinel; refuses (ValueError) if it still runs
             except ValueError:
-                logger.error("encoder worker %d (pid %s) outlived SIGKILL", slot.index, slot.process.pid)
-        slot.process = slot.jobs = slot.reader = None
+                logger.error("encoder worker %d (pid %s) outlived SIGKILL", slot.index, slot.handle.pid)
+        slot.handle = slot.inbox = slot.reader = None
         slot.ready = False
 
     # ---- jobs and results -------------------------------------------------------------------
     def _dispatch(self, held: _Held) -> None:
-        live = [s for s in self._slots if s.process is not None]
+        live = [s for s in self._slots if s.handle is not None]
         if not live:
             held.slot = None  # waits for a worker; _tend places it
             return
-        slot = min(live, key=lambda s: (len(s.in_flight), s.index))
+        slot = min(live, key=lambda s: (len(s.state), s.index))
         held.slot = slot.index
-        slot.in_flight.add(held.job.key)
-        slot.jobs.put(JobMessage(held.job.key, held.wire_payload))  # buffered: a feeder thread sends it
+        slot.state.add(held.job.key)
+        slot.inbox.put(JobMessage(held.job.key, held.wire_payload))  # buffered: a feeder thread sends it
 
     def _drain(self) -> None:
         while True:
@@ -359,7 +305,7 @@ class ProcessEncoderPool:
             if held is None:
                 return  # already returned: an item redispatched after its first worker's output left
             if held.slot is not None:
-                self._slots[held.slot].in_flight.discard(message.key)
+                self._slots[held.slot].state.discard(message.key)
             output = message.output if isinstance(message, ItemDone) else None
             error = message.error if isinstance(message, ItemFailed) else None
             self._arrived.append(ItemOutcome(message.key, output, error, slot.index,

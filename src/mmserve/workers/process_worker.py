@@ -170,8 +170,8 @@ def bounded_text(text: str) -> str:
 
 
 # ---- the worker ---------------------------------------------------------------------------------
-def worker_main(spec: WorkerSpec, generation: int, parent_pid: int, jobs: Any, results: Any,
-                stop: Any) -> None:
+def worker_main(spec: WorkerSpec, generation: int, parent_pid: int, stop: Any, jobs: Any,
+                results: Any) -> None:
     """A worker process: build the encoder, then encode batches until stopped or orphaned.
 
     jobs / results: this worker's own torch.multiprocessing queues; stop: the pool's shared stop flag

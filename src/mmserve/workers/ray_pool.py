@@ -4,8 +4,10 @@ Role: `RayEncoderPool` implements `EncoderPool` on a Ray cluster. Each worker sl
 (placed by Ray's scheduler with `num_cpus_per_worker` / `num_gpus_per_worker`) that builds its
 encoder once with `build_encoder`. `submit` puts each payload in the object store and sends small
 batches to the least loaded live actor; `poll` collects the batches that finished without waiting.
-When an actor dies, its in-flight items go to another live actor and its slot gets a new actor (at
-most `MAX_RESTARTS_PER_MINUTE` per slot per 60 s); jobs wait while no actor is live.
+When an actor dies, its in-flight items go to another live actor and its slot gets a new actor as
+its `RestartPolicy` allows (by default `WORKER_RESTART_POLICY`: at once, at most
+`MAX_RESTARTS_PER_MINUTE` per slot per 60 s); jobs wait while no actor is live. Slots, restarts and
+Ray's start are the supervisor's (mmserve/supervisor/), the same as the replicas'.
 
 Ray is joined when `ray_address` is given, used as is when this process already initialised it, and
 otherwise started locally; only a Ray the pool initialised is shut down with it. Ray is an optional
@@ -23,64 +25,28 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from mmserve.errors import ModelLoadError
 from mmserve.runner.encoder.pool import ItemOutcome, PoolStats
 from mmserve.runner.encoder.runner import EncodeJob
-from mmserve.workers.spec import MAX_RESTARTS_PER_MINUTE, WorkerSpec, build_encoder
+from mmserve.supervisor.ray_support import init_ray, summary
+from mmserve.supervisor.restarts import RestartPolicy
+from mmserve.supervisor.slot import ChildSlot
+from mmserve.workers.spec import WORKER_RESTART_POLICY, WorkerSpec, build_encoder
 
 logger = logging.getLogger("mmserve.ray_pool")
 
 # Small batches: an actor runs its batches in order, so several small ones spread over the actors
 # and arrive one by one; a batch that raises fails only its own items.
 MAX_ITEMS_PER_BATCH = 4
-RESTART_WINDOW_S = 60.0
 SHUTDOWN_WAIT_S = 10.0  # how long shutdown waits to see its killed actors reported dead
-_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def _import_ray() -> Any:
-    try:
-        import ray
-    except ImportError as exc:
-        raise ModelLoadError("the ray backend needs Ray, which is not installed: pip install mmserve[ray]") from exc
-    return ray
-
-
-def init_ray(ray_address: str | None, cpus_needed: float) -> tuple[Any, bool]:
-    """Ray, joined at `ray_address`, used as is where this process already initialised it, or else
-    started locally; and whether this call started it (then its caller shuts it down)."""
-    ray = _import_ray()
-    if ray.is_initialized():
-        if ray_address is not None:
-            logger.warning("Ray is already initialised in this process; ray_address=%s is not used", ray_address)
-        return ray, False
-    if ray_address is not None:
-        ray.init(address=ray_address)
-    else:
-        # never fewer CPUs than the actors ask for: an actor Ray cannot place would wait forever;
-        # oversubscribing cores is what local processes would do too
-        cores = max(len(os.sched_getaffinity(0)), math.ceil(cpus_needed))
-        ray.init(num_cpus=cores, include_dashboard=False, log_to_driver=False)
-    return ray, True
-
-
-def _summary(exc: BaseException) -> str:
-    """Ray's errors carry whole tracebacks (with terminal colours): keep their first line and, when
-    there is a traceback, its last one, the error raised in the worker."""
-    lines = [ln.strip() for ln in _ANSI_ESCAPE.sub("", str(exc)).splitlines() if ln.strip()]
-    if not lines:
-        return type(exc).__name__
-    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
 
 
 @dataclass(frozen=True)
@@ -151,30 +117,32 @@ class _Batch:
 
 
 @dataclass
-class _Slot:
-    index: int
-    actor: Any = None  # the live actor's handle; None while the slot has no live actor
-    generation: int = -1
+class _ActorBook:
+    """A slot's own book (its `ChildSlot.state`); the slot's `handle` is its live actor."""
+
     ready_ref: Any = None  # the actor's start-up, until it is seen finished
-    restarts_s: deque[float] = field(default_factory=deque)  # monotonic times of recent restarts
     in_flight_items: int = 0
+
+
+_Slot = ChildSlot[_ActorBook]
 
 
 class RayEncoderPool:
     def __init__(self, spec: WorkerSpec, num_workers: int, ray_address: str | None = None,
-                 num_cpus_per_worker: float = 1, num_gpus_per_worker: float = 0) -> None:
+                 num_cpus_per_worker: float = 1, num_gpus_per_worker: float = 0,
+                 restart_policy: RestartPolicy = WORKER_RESTART_POLICY) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
         self._ray, self._started_ray = ray, _ = init_ray(ray_address, num_workers * num_cpus_per_worker)
         self._spec = spec
+        self._policy = restart_policy
         # max_restarts=0: the pool, not Ray, restarts actors, so it can move their items elsewhere
         self._actor_class = ray.remote(num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker,
                                        max_restarts=0)(_EncoderWorker)
-        self._slots = [_Slot(i) for i in range(num_workers)]
+        self._slots = [_Slot(i, _ActorBook()) for i in range(num_workers)]
         self._batches: dict[Any, _Batch] = {}  # encode task's ObjectRef -> its batch, in submit order
         self._waiting: deque[_Job] = deque()  # jobs no actor holds yet
         self._held_keys: set[str] = set()  # every job submitted whose outcome has not been polled
-        self._worker_restarts = 0
         self._items_redispatched = 0
         self._no_worker_since_s: float | None = None
         self._closed = False
@@ -199,7 +167,7 @@ class RayEncoderPool:
         if self._closed:
             return []
         ray = self._ray
-        starting = {s.ready_ref: s for s in self._slots if s.ready_ref is not None}
+        starting = {s.state.ready_ref: s for s in self._slots if s.state.ready_ref is not None}
         refs = list(self._batches) + list(starting)
         ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else set()
         for ref in ready & starting.keys():
@@ -217,8 +185,8 @@ class RayEncoderPool:
 
     def stats(self) -> PoolStats:
         in_flight = sum(len(b.jobs) for b in self._batches.values()) + len(self._waiting)
-        return PoolStats(workers_alive=sum(s.actor is not None for s in self._slots),
-                         worker_restarts=self._worker_restarts,
+        return PoolStats(workers_alive=sum(s.handle is not None for s in self._slots),
+                         worker_restarts=sum(s.restarts.num_restarts for s in self._slots),
                          items_redispatched=self._items_redispatched, items_in_flight=in_flight)
 
     def seconds_without_workers(self) -> float:
@@ -234,7 +202,7 @@ class RayEncoderPool:
             return
         self._closed = True
         ray = self._ray
-        actors = [s.actor for s in self._slots if s.actor is not None]
+        actors = [s.handle for s in self._slots if s.handle is not None]
         for actor in actors:
             ray.kill(actor, no_restart=True)
         # a call made after the kill fails once Ray has the actor dead: waiting on those is waiting
@@ -243,7 +211,7 @@ class RayEncoderPool:
         if probes:
             ray.wait(probes, num_returns=len(probes), timeout=SHUTDOWN_WAIT_S)
         for slot in self._slots:
-            slot.actor = slot.ready_ref = None
+            slot.handle = slot.state.ready_ref = None
         self._batches.clear()
         self._waiting.clear()
         self._held_keys.clear()
@@ -257,12 +225,12 @@ class RayEncoderPool:
         deadline_s = time.monotonic() + timeout_s
         while not self._closed:
             self._tend(time.monotonic())
-            if all(s.actor is not None and s.ready_ref is None for s in self._slots):
+            if all(s.handle is not None and s.ready for s in self._slots):
                 return True
             left_s = deadline_s - time.monotonic()
             if left_s <= 0:
                 return False
-            starting = {s.ready_ref: s for s in self._slots if s.ready_ref is not None}
+            starting = {s.state.ready_ref: s for s in self._slots if s.state.ready_ref is not None}
             if not starting:  # a slot is dead and may not restart yet
                 time.sleep(min(left_s, 0.1))
                 continue
@@ -273,8 +241,8 @@ class RayEncoderPool:
 
     def worker_pids(self, timeout_s: float = 60.0) -> dict[int, int]:
         """Slot -> process id of its live actor (blocks until they have started; for tests and logs)."""
-        live = [s for s in self._slots if s.actor is not None]
-        pids = self._ray.get([s.actor.ready.remote() for s in live], timeout=timeout_s)
+        live = [s for s in self._slots if s.handle is not None]
+        pids = self._ray.get([s.handle.ready.remote() for s in live], timeout=timeout_s)
         return {s.index: pid for s, pid in zip(live, pids)}
 
     def __enter__(self) -> RayEncoderPool:
@@ -285,30 +253,32 @@ class RayEncoderPool:
 
     # ---- actors -----------------------------------------------------------------------------
     def _start_actor(self, slot: _Slot) -> None:
-        slot.generation += 1
-        slot.actor = self._actor_class.remote(self._spec, slot.generation == 0)
-        slot.ready_ref = slot.actor.ready.remote()  # also how an actor that cannot start is noticed
-        slot.in_flight_items = 0
+        slot.handle = self._actor_class.remote(self._spec, slot.next_generation() == 0)
+        slot.state.ready_ref = slot.handle.ready.remote()  # also how an actor that cannot start is noticed
+        slot.state.in_flight_items = 0
 
     def _check_started(self, slot: _Slot, ref: Any) -> None:
-        slot.ready_ref = None
+        slot.state.ready_ref = None
         try:
             self._ray.get(ref)
         except self._ray.exceptions.RayActorError as exc:
             self._actor_died(slot, exc)
+        else:
+            slot.ready = True
 
     def _actor_died(self, slot: _Slot, exc: BaseException) -> None:
         """Hand the actor's in-flight items to the waiting queue (at its front: they are the oldest)."""
         logger.warning("encoder worker %d (generation %d) died: %s", slot.index, slot.generation,
-                       _summary(exc))
-        self._ray.kill(slot.actor, no_restart=True)  # if it is only unreachable, make sure it is gone
+                       summary(exc))
+        self._ray.kill(slot.handle, no_restart=True)  # if it is only unreachable, make sure it is gone
         orphans = [ref for ref, b in self._batches.items()
                    if b.slot == slot.index and b.generation == slot.generation]
         jobs = [job for ref in orphans for job in self._batches.pop(ref).jobs]
         self._items_redispatched += len(jobs)
         self._waiting.extendleft(reversed(jobs))
-        slot.actor = slot.ready_ref = None
-        slot.in_flight_items = 0
+        slot.handle = slot.state.ready_ref = None
+        slot.ready = False
+        slot.state.in_flight_items = 0
 
     def _tend(self, now: float) -> None:
         """Restart dead slots if allowed, place waiting jobs, note liveness."""
@@ -318,40 +288,34 @@ class RayEncoderPool:
 
     def _restart_dead_slots(self, now: float) -> None:
         for slot in self._slots:
-            if slot.actor is not None:
-                continue
-            while slot.restarts_s and now - slot.restarts_s[0] >= RESTART_WINDOW_S:
-                slot.restarts_s.popleft()
-            if len(slot.restarts_s) < MAX_RESTARTS_PER_MINUTE:
-                slot.restarts_s.append(now)
-                self._worker_restarts += 1
+            if slot.handle is None and slot.due_for_restart(self._policy, now):
                 self._start_actor(slot)
 
     def _note_liveness(self, now: float) -> None:
-        if any(s.actor is not None and s.ready_ref is None for s in self._slots):
+        if any(s.handle is not None and s.ready for s in self._slots):
             self._no_worker_since_s = None  # an actor with its encoder built
-        elif all(s.actor is None for s in self._slots) and self._no_worker_since_s is None:
+        elif all(s.handle is None for s in self._slots) and self._no_worker_since_s is None:
             self._no_worker_since_s = now
 
     # ---- batches ----------------------------------------------------------------------------
     def _dispatch(self) -> None:
-        live = [s for s in self._slots if s.actor is not None]
+        live = [s for s in self._slots if s.handle is not None]
         if not live or not self._waiting:
             return
         batch_items = min(MAX_ITEMS_PER_BATCH, math.ceil(len(self._waiting) / len(live)))
         while self._waiting:
             jobs = [self._waiting.popleft() for _ in range(min(batch_items, len(self._waiting)))]
             slot = min(live, key=lambda s: (self._load(s), s.index))
-            ref = slot.actor.encode.remote([j.key for j in jobs], *[j.payload_ref for j in jobs])
+            ref = slot.handle.encode.remote([j.key for j in jobs], *[j.payload_ref for j in jobs])
             self._batches[ref] = _Batch(jobs, slot.index, slot.generation)
-            slot.in_flight_items += len(jobs)
+            slot.state.in_flight_items += len(jobs)
 
     @staticmethod
     def _load(slot: _Slot) -> int:
         # an actor still loading its model counts as one batch busy: a dead actor's items go to a
         # warm actor with room rather than wait for the replacement, yet at start-up, when every
         # actor is loading, items spread evenly
-        return slot.in_flight_items + (MAX_ITEMS_PER_BATCH if slot.ready_ref is not None else 0)
+        return slot.state.in_flight_items + (MAX_ITEMS_PER_BATCH if slot.state.ready_ref is not None else 0)
 
     def _collect(self, ref: Any, batch: _Batch, now: float) -> list[ItemOutcome]:
         slot = self._slots[batch.slot]
@@ -361,9 +325,9 @@ class RayEncoderPool:
             self._actor_died(slot, exc)  # takes this batch too
             return []
         except self._ray.exceptions.RayError as exc:  # e.g. a payload that could not be read
-            reply = _BatchReply([], f"{type(exc).__name__}: {_summary(exc)}")
+            reply = _BatchReply([], f"{type(exc).__name__}: {summary(exc)}")
         del self._batches[ref]
-        slot.in_flight_items -= len(batch.jobs)
+        slot.state.in_flight_items -= len(batch.jobs)
         if reply.error is None and len(reply.outputs) != len(batch.jobs):
             reply = _BatchReply([], f"encoder returned {len(reply.outputs)} outputs for "
                                     f"{len(batch.jobs)} items")

@@ -16,8 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from mmserve.runner.encoder.runner import EncodeFn
+from mmserve.supervisor.restarts import RestartPolicy
 
 MAX_RESTARTS_PER_MINUTE = 3  # per worker slot
+# a dead worker's slot gets a new one at once, at most MAX_RESTARTS_PER_MINUTE times a minute
+WORKER_RESTART_POLICY = RestartPolicy(window_s=60.0, max_restarts_per_window=MAX_RESTARTS_PER_MINUTE)
 
 
 @dataclass(frozen=True)
