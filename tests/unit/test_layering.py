@@ -432,7 +432,7 @@ def _private_reaches(path: Path, other: str) -> set[str]:
 @pytest.mark.parametrize("path", sorted((ROOT / "scripts").rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
 def test_scripts_take_from_tests_only_public_fixtures(path):
     bad = _private_reaches(path, "tests")
-    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: share it through tests/fixtures/"
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: share it through testkit/"
 
 
 def test_the_sharing_rules_catch_planted_imports(tmp_path):

@@ -6,7 +6,7 @@ panel prefetched, a 6-row tile's sums kept in registers over the whole input wid
 (`kernels/panel_gemm.cpp` says why that layout). Every output is summed in the same order whatever
 the rows batched with it, so a row's product does not depend on its batch; products differ from
 `F.linear`'s in the last bits (another summation order). The measurements behind it are in the README
-("Speed on CPUs") and `benchmarks/step_profile.py`.
+("Speed on CPUs") and `benchmarks/engine/step_profile.py`.
 
 Under `torch.compile` the product is the operator `mmserve::panel_linear` (opaque to the compiler);
 eager calls go to the library directly.

@@ -24,7 +24,7 @@ Role: how linear layers run on the CPU; the modules' math is unchanged (products
   CPU is re-stored as a `quant_gemm.QuantPanelLinear` where mmserve's kernel builds; else it keeps
   its torch reference product.
 Embeddings tied to the head are left as they are (the head then reads the embedding table). What each
-path measured is in the README ("Speed on CPUs") and `benchmarks/step_profile.py`.
+path measured is in the README ("Speed on CPUs") and `benchmarks/engine/step_profile.py`.
 
 What it does not know: families, the engine, other devices (it does nothing off the CPU).
 """
