@@ -61,15 +61,18 @@ class Harness:
         out = self.sched.schedule()
         result = ModelRunnerOutput(sampled_token_ids={r: t for r, t in sampled.items() if r in out.num_scheduled_tokens},
                                    sampled_logprobs=logprobs or {})
-        outputs, to_finish = self.proc.process(self.sched.update(out, result))
-        for rid, status in to_finish.items():  # as Engine.step does
-            self.sched.finish_requests([rid], status)
+        outputs, cuts = self.proc.process(self.sched.update(out, result))
+        for rid, cut in cuts.items():  # as Engine.step does
+            if cut.num_dropped_tokens:
+                self.sched.drop_tokens(rid, cut.num_dropped_tokens)
+            if cut.status is not None:
+                self.sched.finish_requests([rid], cut.status)
         self.sched.check_integrity()
-        return outputs, to_finish
+        return outputs, {rid: cut.status for rid, cut in cuts.items() if cut.status is not None}
 
     def assert_idle(self) -> None:
         snap = self.sched.snapshot()
-        assert not snap.live_request_ids and not self.proc.live_ids()
+        assert not self.sched.ownership().live_request_ids and not self.proc.live_ids()
         assert snap.kv.num_free_blocks == snap.kv.num_blocks, "the finished request's KV blocks were not freed"
 
 
@@ -86,6 +89,26 @@ def test_a_stop_string_ending_inside_the_second_of_three_tokens_drops_the_third(
     assert completion.text == "abc" and completion.token_ids == [15, 16]
     assert to_finish == {"r": RequestStatus.FINISHED_STOPPED}  # the scheduler still ran it: the engine finishes it
     assert h.finished == ["r"] and h.grammars.released == ["r"]
+    assert h.sched.snapshot().requests.num_generation_tokens == 2  # the dropped third token is not counted
+    h.assert_idle()
+
+
+def test_a_token_the_grammar_refuses_after_a_stop_string_is_surplus_not_an_error():
+    h = Harness(FakeGrammars(refuse={17}))
+    h.add(stop=("X",))
+    [out], to_finish = h.step({"r": (15, 16, 17)})
+    assert out.outputs[0].finish_reason == "stop" and out.error is None and not out.internal_error
+    assert out.outputs[0].token_ids == [15, 16] and to_finish == {"r": RequestStatus.FINISHED_STOPPED}
+    h.assert_idle()
+
+
+def test_a_stop_string_before_a_stop_id_in_one_step_uncounts_the_tokens_after_it():
+    h = Harness()
+    h.add(stop=("X",))
+    [out], to_finish = h.step({"r": (15, 16, EOS)})  # the scheduler finished it at EOS; "X" ended it earlier
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == "X"
+    assert out.outputs[0].token_ids == [15, 16] and to_finish == {}
+    assert h.sched.snapshot().requests.num_generation_tokens == 2
     h.assert_idle()
 
 

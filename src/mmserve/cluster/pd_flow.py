@@ -28,7 +28,7 @@ from typing import Any, Protocol
 from mmserve.cluster.flights import Flight
 from mmserve.cluster.protocol import AbortRequest, AdmitTransferred, Question, ReceiveKV, SendKV
 from mmserve.cluster.router import RouteDecision, Router
-from mmserve.engine.async_engine import EngineDeadError
+from mmserve.engine.client import EngineDeadError
 from mmserve.outputs import RequestOutput
 
 logger = logging.getLogger("mmserve.replicas")

@@ -14,6 +14,7 @@ What it does not know: HTTP, routing, the other replicas.
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import os
 import queue
@@ -44,10 +45,12 @@ from mmserve.cluster.protocol import (
     Stop,
 )
 from mmserve.config import EngineConfig
-from mmserve.engine.async_engine import AsyncEngine, EngineDeadError
+from mmserve.engine.async_engine import AsyncEngine
+from mmserve.engine.client import EngineDeadError
 from mmserve.engine.llm_engine import Engine
 from mmserve.errors import InvalidInputError
 
+logger = logging.getLogger("mmserve.replicas")
 PARENT_CHECK_S = 1.0  # how often a replica with nothing to read checks that its server still runs
 
 
@@ -124,7 +127,11 @@ class _Replica:
                     message = Stop()
                 else:
                     continue
-            loop.call_soon_threadsafe(self._handlers[type(message)], message)
+            handler = self._handlers.get(type(message))
+            if handler is None:  # not of this protocol: this reader must outlive it to obey Stop
+                logger.error("replica: a message of unknown type %s ignored", type(message).__name__)
+                continue
+            loop.call_soon_threadsafe(handler, message)
             if isinstance(message, Stop):
                 return
 

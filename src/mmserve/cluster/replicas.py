@@ -50,8 +50,7 @@ from mmserve.cluster.replica_stats import summed_stats
 from mmserve.cluster.replica_worker import replica_main
 from mmserve.cluster.router import RouteDecision, Router, RouterConfig
 from mmserve.config import EngineConfig
-from mmserve.engine.async_engine import EngineDeadError
-from mmserve.engine.client import EncodedObserver, OutputObserver
+from mmserve.engine.client import EncodedObserver, EngineDeadError, OutputObserver
 from mmserve.engine.frontend import Frontend
 from mmserve.errors import InvalidInputError
 from mmserve.inputs.items import ProcessedPrompt
@@ -306,7 +305,11 @@ class ReplicaSet:
             self._any_alive.set()
 
     def replica_message(self, slot: ReplicaSlot, message: Any) -> None:
-        self._on_message[type(message)](slot, message)
+        handler = self._on_message.get(type(message))
+        if handler is None:  # not of this protocol: logged, the replica's other messages still flow
+            logger.error("replica %d: a message of unknown type %s ignored", slot.index, type(message).__name__)
+            return
+        handler(slot, message)
 
     def _on_outputs(self, slot: ReplicaSlot, message: Outputs) -> None:
         for output in message.outputs:

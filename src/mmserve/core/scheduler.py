@@ -1,5 +1,4 @@
-"""The scheduler: one token budget shared by prefill chunks and decodes, FCFS admission,
-preemption by recompute.
+"""The scheduler: one token budget for prefill chunks and decodes, FCFS admission, preemption by recompute.
 
 Role: each step, move every running request's `num_computed_tokens` toward its prompt-plus-output
 length under `max_num_batched_tokens` and `max_num_seqs`, then admit waiting requests (with their
@@ -20,6 +19,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from mmserve.core import snapshots
 from mmserve.core.chunk_policy import ChunkBoundaryPolicy
 from mmserve.core.cross_kv import CrossKVBook
 from mmserve.core.encoder_cache import EntryState
@@ -29,7 +29,6 @@ from mmserve.core.invariants import check_scheduler_books
 from mmserve.core.item_scheduler import EncoderStep, ItemScheduler
 from mmserve.core.kv_cache import KVBlock, KVCacheManager
 from mmserve.core.request import Request, RequestStatus
-from mmserve.core.snapshots import SchedulerSnapshot, SchedulerStats, scheduler_snapshot
 from mmserve.core.step import (
     CachedRequestData,
     EngineCoreOutput,
@@ -69,7 +68,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.stats = SchedulerStats()
+        self.stats = snapshots.SchedulerStats()
         self._finished_since_step: set[str] = set()
         self.handoff = HandOffBook(max_parked=limits.max_num_seqs)
         self._failed_in_schedule: list[EngineCoreOutput] = []  # reported by the next update
@@ -102,6 +101,13 @@ class Scheduler:
                 self.waiting.remove(request)
             self._finish(request, status, error)
 
+    def drop_tokens(self, request_id: str, num_tokens: int) -> None:
+        """A stop string ended the request before the step's last token: uncount (and drop) the rest."""
+        self.stats.generation_tokens -= num_tokens
+        request = self.requests.get(request_id)
+        if request is not None:
+            del request.output_token_ids[-num_tokens:]
+
     def _finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
         request.status = status
         request.error = error
@@ -121,9 +127,14 @@ class Scheduler:
         return len(self.requests) - len(self.handoff.parked) - len(self.handoff.receiving)
 
     # ---- read-only views (the engine reads the scheduler only through these) ----------------------
-    def snapshot(self) -> SchedulerSnapshot:
-        return scheduler_snapshot(set(self.requests), len(self.running), len(self.waiting), self.stats, self.kv,
-                                  self.encoder_cache, self.handoff, self.cross_kv)
+    def snapshot(self) -> snapshots.SchedulerSnapshot:
+        """The counters (O(1): taken after every step for the stats)."""
+        return snapshots.scheduler_snapshot(len(self.running), len(self.waiting), self.stats, self.kv,
+                                            self.encoder_cache, self.handoff, self.cross_kv)
+
+    def ownership(self) -> snapshots.SchedulerOwnership:
+        """Who owns what (as large as the books: for integrity checks only)."""
+        return snapshots.scheduler_ownership(self.requests, self.encoder_cache, self.cross_kv)
 
     def block_ids(self, request_id: str) -> tuple[int, ...]:
         """The KV blocks a live request holds, in order."""
@@ -159,8 +170,7 @@ class Scheduler:
         return needed
 
     def hand_off_sent(self, request_id: str, num_blocks: int) -> None:
-        """A parked request's `num_blocks` blocks were sent to a decode replica: it finishes here, its blocks
-        staying in the prefix cache."""
+        """A parked request's blocks went to a decode replica: it finishes here (its blocks stay cached)."""
         self.handoff.handed_off(request_id, num_blocks)
         self.finish_requests([request_id], RequestStatus.FINISHED_STOPPED)
 

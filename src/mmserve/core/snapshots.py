@@ -1,15 +1,17 @@
 """Read-only views of the scheduler's state, as frozen records: what the engine reads of core/.
 
-Role: the engine's stats and integrity checks read the scheduler through `SchedulerSnapshot` (counts
-of requests, tokens, KV blocks, encoder-cache bytes, hand-offs, cross-attention KV; live request ids,
-ready encoder keys) and never through its attributes, so the scheduler's books (queues, block lists,
-cache entries) can change shape without the engine noticing. A snapshot is taken by
-`Scheduler.snapshot()` and is never updated. `SchedulerStats` are the scheduler's own running counters.
+Role: the engine's stats read the scheduler through `SchedulerSnapshot` (counts of requests, tokens,
+KV blocks, encoder-cache bytes, hand-offs, cross-attention KV: O(1) to take, so after every step) and its
+integrity check through `SchedulerOwnership` (live request ids, ready encoder keys, cross-attention KV
+holders: sets as large as the books, built only for the check), never through its attributes, so the
+scheduler's books (queues, block lists, cache entries) can change shape without the engine noticing.
+Both are taken by the scheduler (`snapshot()`, `ownership()`) and never updated. `SchedulerStats` are the scheduler's own running counters.
 What it does not know: tensors, the runner, how the engine names its stats.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from mmserve.core.cross_kv import CrossKVBook
@@ -59,8 +61,6 @@ class EncoderCacheSnapshot:
     used_bytes: int
     referenced_bytes: int  # held by live requests
     capacity_bytes: int
-    ready_keys: frozenset[str]  # entries whose outputs the runner must hold
-    pending_freed_keys: frozenset[str]  # freed since the last step; the runner drops them next step
 
 
 @dataclass(frozen=True)
@@ -78,17 +78,32 @@ class HandOffSnapshot:
 class CrossKVSnapshot:
     used_bytes: int
     capacity_bytes: int
-    holder_ids: frozenset[str]  # requests holding cross-attention KV bytes
 
 
 @dataclass(frozen=True)
 class SchedulerSnapshot:
-    live_request_ids: frozenset[str]
     requests: RequestCounts
     kv: KVSnapshot
     encoder_cache: EncoderCacheSnapshot
     handoff: HandOffSnapshot
     cross_kv: CrossKVSnapshot | None  # None: the family does not cross-attend
+
+
+@dataclass(frozen=True)
+class SchedulerOwnership:
+    """Who owns what in the scheduler's books, for the engine's integrity check."""
+
+    live_request_ids: frozenset[str]
+    ready_encoder_keys: frozenset[str]  # entries whose outputs the runner must hold
+    pending_freed_encoder_keys: frozenset[str]  # freed since the last step; the runner drops them next step
+    cross_kv_holder_ids: frozenset[str]  # requests holding cross-attention KV bytes
+
+
+def scheduler_ownership(live_request_ids: Iterable[str], cache: EncoderCacheManager,
+                        cross_kv: CrossKVBook | None) -> SchedulerOwnership:
+    ready = frozenset(k for k, e in cache.entries.items() if e.state == EntryState.READY)
+    holders = frozenset(cross_kv.held) if cross_kv is not None else frozenset()
+    return SchedulerOwnership(frozenset(live_request_ids), ready, frozenset(cache.pending_freed_keys), holders)
 
 
 def kv_snapshot(kv: KVCacheManager) -> KVSnapshot:
@@ -97,10 +112,8 @@ def kv_snapshot(kv: KVCacheManager) -> KVSnapshot:
 
 
 def encoder_cache_snapshot(cache: EncoderCacheManager) -> EncoderCacheSnapshot:
-    ready = frozenset(k for k, e in cache.entries.items() if e.state == EntryState.READY)
     return EncoderCacheSnapshot(cache.stats.hits, cache.stats.misses, cache.stats.evictions, cache.used_bytes,
-                                cache.referenced_bytes, cache.capacity_bytes, ready,
-                                frozenset(cache.pending_freed_keys))
+                                cache.referenced_bytes, cache.capacity_bytes)
 
 
 def handoff_snapshot(book: HandOffBook) -> HandOffSnapshot:
@@ -112,14 +125,14 @@ def handoff_snapshot(book: HandOffBook) -> HandOffSnapshot:
 def cross_kv_snapshot(book: CrossKVBook | None) -> CrossKVSnapshot | None:
     if book is None:
         return None
-    return CrossKVSnapshot(book.used_bytes, book.capacity_bytes, frozenset(book.held))
+    return CrossKVSnapshot(book.used_bytes, book.capacity_bytes)
 
 
-def scheduler_snapshot(live_request_ids: set[str], num_running: int, num_waiting: int, stats: SchedulerStats,
+def scheduler_snapshot(num_running: int, num_waiting: int, stats: SchedulerStats,
                        kv: KVCacheManager, cache: EncoderCacheManager, handoff: HandOffBook,
                        cross_kv: CrossKVBook | None) -> SchedulerSnapshot:
     counts = RequestCounts(num_running, num_waiting, stats.requests_finished, stats.requests_rejected,
                            stats.num_preemptions, stats.prompt_tokens, stats.prompt_tokens_computed,
                            stats.generation_tokens)
-    return SchedulerSnapshot(frozenset(live_request_ids), counts, kv_snapshot(kv), encoder_cache_snapshot(cache),
+    return SchedulerSnapshot(counts, kv_snapshot(kv), encoder_cache_snapshot(cache),
                              handoff_snapshot(handoff), cross_kv_snapshot(cross_kv))

@@ -228,9 +228,12 @@ class Engine:
                          self.encoder_pool is not None, time.time())
         self.inputs.drop_encoded(set(sched.num_scheduled_tokens) | set(sched.encoder_items),
                                  self.scheduler.encoder_entry_state, self.scheduler.holds_encoder_entry)
-        outputs, to_finish = self.output_processor.process(core_outputs)
-        for rid, status in to_finish.items():  # a stop string, a refused token: its KV is freed now
-            self.scheduler.finish_requests([rid], status)
+        outputs, cuts = self.output_processor.process(core_outputs)
+        for rid, cut in cuts.items():  # a stop string, a refused token: its KV is freed now
+            if cut.num_dropped_tokens:
+                self.scheduler.drop_tokens(rid, cut.num_dropped_tokens)
+            if cut.status is not None:
+                self.scheduler.finish_requests([rid], cut.status)
         return pending + outputs
 
     def _step_fault(self, sched: SchedulerOutput, exc: Exception) -> ModelRunnerOutput:
@@ -285,19 +288,19 @@ class Engine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
-        snap = self.scheduler.snapshot()
-        live = set(snap.live_request_ids)
+        owned = self.scheduler.ownership()
+        live = set(owned.live_request_ids)
         assert self.output_processor.live_ids() == live, "engine and scheduler disagree on live requests"
         assert self.inputs.live_ids() == live, "the engine keeps inputs of finished requests"
         self.choices.check_integrity(live)
         assert self.structured.tracked_ids() <= live, "a grammar matcher outlived its request"
         assert set(self.runner.request_views()) <= live, "runner holds state of finished requests"
-        holders = snap.cross_kv.holder_ids if snap.cross_kv is not None else frozenset()
-        assert self.runner.cross_kv_holders() <= holders, "the runner holds cross-attention KV the budget lost"
-        ready, stored = snap.encoder_cache.ready_keys, set(self.runner.encoder_outputs())
+        assert self.runner.cross_kv_holders() <= owned.cross_kv_holder_ids, \
+            "the runner holds cross-attention KV the budget lost"
+        ready, stored = owned.ready_encoder_keys, set(self.runner.encoder_outputs())
         assert ready <= stored, "a ready encoder entry has no tensor in the runner"
         # the runner holds only tensors the cache accounts for (or has freed and will hand over next step)
-        assert stored <= ready | snap.encoder_cache.pending_freed_keys, "the runner holds an encoder output the cache lost"
+        assert stored <= ready | owned.pending_freed_encoder_keys, "the runner holds an encoder output the cache lost"
 
 
 def _cross_attends(prompt: ProcessedPrompt) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mmserve.core.request import Request, RequestStatus
@@ -40,6 +41,16 @@ class Grammars(Protocol):
     def accept(self, request_id: str, token_ids: list[int]) -> bool: ...
 
     def release(self, request_id: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A request this step's output processing cut short."""
+
+    #: finish it in the scheduler with this (None: the scheduler finished it itself, or it runs on)
+    status: RequestStatus | None
+    #: the step's tokens after the one that ended it, which the scheduler appended but nobody keeps
+    num_dropped_tokens: int
 
 
 class OutputProcessor:
@@ -118,49 +129,52 @@ class OutputProcessor:
         return [self._output(self._states[rid], "abort") for rid in request_ids if rid in self._states]
 
     # ---- steps ----------------------------------------------------------------------------------
-    def process(self, core_outputs: Iterable[EngineCoreOutput]) -> tuple[list[RequestOutput], dict[str, RequestStatus]]:
-        """The outputs of a step's results, and the requests finished here that the scheduler still runs,
-        with the status to finish them with."""
+    def process(self, core_outputs: Iterable[EngineCoreOutput]) -> tuple[list[RequestOutput], dict[str, Cut]]:
+        """The outputs of a step's results, and the requests this cut short: finished here while the
+        scheduler still runs them, or ended before the step's last token (the scheduler's books count
+        tokens the request did not keep)."""
         outputs: list[RequestOutput] = []
-        to_finish: dict[str, RequestStatus] = {}
+        cuts: dict[str, Cut] = {}
         now_s = self._clock()
         for core in core_outputs:
             state = self._states[core.request_id]
             if core.new_token_ids and state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now_s
-            finish, error, status = self._take_tokens(state, core)
-            if status is not None:
-                to_finish[core.request_id] = status
+            finish, error, cut = self._take_tokens(state, core)
+            if cut.status is not None or cut.num_dropped_tokens:
+                cuts[core.request_id] = cut
             output = self._output(state, finish, error)
             output.kv_parked = core.parked and finish is None
             outputs.append(output)
-        return outputs, to_finish
+        return outputs, cuts
 
-    def _take_tokens(self, state: RequestState,
-                     core: EngineCoreOutput) -> tuple[str | None, str | None, RequestStatus | None]:
-        """Keep a step's tokens one by one: (finish reason, error, the status to finish it with in the
-        scheduler when this finished it). A stop string ending at a token drops the tokens after it; at the
-        step's last token a finish the scheduler already decided (a stop id, `max_tokens`) stands."""
+    def _take_tokens(self, state: RequestState, core: EngineCoreOutput) -> tuple[str | None, str | None, Cut]:
+        """Keep a step's tokens one by one: (finish reason, error, how this cut the request short). A token
+        the grammar refuses (kept, as the step computed it) or a stop string ending at a token drops the
+        tokens after it; at the step's last token a finish the scheduler already decided (a stop id,
+        `max_tokens`) stands."""
         rid, tokens = core.request_id, core.new_token_ids
-        finish, error, status = core.finish_reason, core.error, None
-        if tokens and not self._grammars.accept(rid, list(tokens)):
-            # the mask allowed only tokens the grammar accepts: a refusal is the engine's fault
-            logger.error("%s: the grammar refused a sampled token", rid)
-            status = RequestStatus.FINISHED_ABORTED if finish is None else None
-            finish, error, state.internal_error = "error", GRAMMAR_REFUSED, True
+        finish, error = core.finish_reason, core.error
         for i, token in enumerate(tokens):
+            last = i == len(tokens) - 1
+            refused = not self._grammars.accept(rid, [token])
             state.token_ids.append(token)
             if state.logprobs is not None and i < len(core.new_logprobs):
                 state.logprobs.append(self._logprob_entry(token, core.new_logprobs[i]))
                 state.cumulative_logprob += core.new_logprobs[i].logprob
             stop_string = state.detokenizer.update([token])
-            if stop_string is not None and error is None and (finish is None or i < len(tokens) - 1):
+            if refused:  # the mask allowed only tokens the grammar accepts: a refusal is the engine's fault
+                logger.error("%s: the grammar refused a sampled token", rid)
+                status = RequestStatus.FINISHED_ABORTED if finish is None else None
+                state.internal_error = True
+                return "error", GRAMMAR_REFUSED, Cut(status, len(tokens) - i - 1)
+            if stop_string is not None and error is None and (finish is None or not last):
+                state.stop_reason = stop_string
                 status = RequestStatus.FINISHED_STOPPED if finish is None else None
-                finish, state.stop_reason = "stop", stop_string
-                return finish, error, status
+                return "stop", error, Cut(status, len(tokens) - i - 1)
         if core.stop_token_id is not None:
             state.stop_reason = core.stop_token_id
-        return finish, error, status
+        return finish, error, Cut(None, 0)
 
     def record_prompt_logprobs(self, computed: dict[str, tuple[int, tuple[TokenLogprobs, ...]]]) -> None:
         """Append each request's new prompt logprobs (a prompt recomputed after a preemption has them)."""
