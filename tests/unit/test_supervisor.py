@@ -73,26 +73,42 @@ class _Outbox:
         self.closed.set()
 
 
-def _reader(outbox: _Outbox, alive: threading.Event, got: list, done: threading.Event) -> OutboxReader:
+def _reader(outbox: _Outbox, alive: threading.Event, got: list, done: threading.Event,
+            seen_b: threading.Event | None = None, max_unreadable: int = 1000) -> OutboxReader:
     def deliver(message: object) -> bool:
         got.append(message)
+        if message == "b" and seen_b is not None:
+            seen_b.set()
         if message is CHILD_GONE or message == "last":
             done.set()
         return message != "last"
 
-    return OutboxReader("test-reader", outbox, deliver, wake_s=0.01, is_alive=alive.is_set, close_outbox=True)
+    return OutboxReader("test-reader", outbox, deliver, wake_s=0.01, is_alive=alive.is_set, close_outbox=True,
+                        max_unreadable=max_unreadable)
 
 
 def test_the_reader_delivers_in_order_skips_the_unreadable_and_says_once_the_child_is_gone():
-    outbox, alive, got, done = _Outbox(), threading.Event(), [], threading.Event()
+    outbox, alive, got, done, seen_b = _Outbox(), threading.Event(), [], threading.Event(), threading.Event()
     alive.set()
     for item in ("a", EOFError("a dead sender's output"), "b"):
         outbox.items.put(item)
-    reader = _reader(outbox, alive, got, done)
+    reader = _reader(outbox, alive, got, done, seen_b)
+    assert seen_b.wait(HANG_GUARD_S)  # the child dies only once all it sent was read
     alive.clear()
     assert done.wait(HANG_GUARD_S)
     reader.join(HANG_GUARD_S)
     assert got == ["a", "b", CHILD_GONE] and not reader.is_alive() and outbox.closed.is_set()
+
+
+def test_an_outbox_that_keeps_failing_under_a_live_child_counts_as_the_child_gone():
+    outbox, alive, got, done = _Outbox(), threading.Event(), [], threading.Event()
+    alive.set()  # the child runs, but every read fails (a Ray queue whose actor died)
+    for _ in range(3):
+        outbox.items.put(ConnectionError("the queue's actor is gone"))
+    reader = _reader(outbox, alive, got, done, max_unreadable=3)
+    assert done.wait(HANG_GUARD_S)
+    reader.join(HANG_GUARD_S)
+    assert got == [CHILD_GONE] and not reader.is_alive()
 
 
 def test_the_reader_stops_when_its_owner_has_heard_enough():

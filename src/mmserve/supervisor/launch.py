@@ -25,14 +25,16 @@ class ProcessLauncher:
 
     def start(self, *args: Any, name: str | None = None) -> tuple[Any, Any, Any]:
         """A started child (named `name`, else the launcher's name) and its (inbox, outbox); raises
-        OSError (out of processes or memory), its queues then given up."""
+        OSError (out of processes or memory), its queues then closed."""
         inbox, outbox = self._ctx.Queue(), self._ctx.Queue()
         process = self._ctx.Process(target=self._target, name=name or self._name, daemon=self._daemon,
                                     args=(*args, inbox, outbox))
         try:
             process.start()
         except OSError:
-            self.abandon(inbox, outbox)
+            for q in (inbox, outbox):  # no child and no reader use them
+                q.cancel_join_thread()
+                q.close()
             raise
         return process, inbox, outbox
 
@@ -48,4 +50,4 @@ class ProcessLauncher:
                 q.cancel_join_thread()
 
     def close(self) -> None:
-        pass
+        """Nothing to release (a Ray launcher stops the Ray it started here; owners call both alike)."""
