@@ -6,7 +6,8 @@ it (`MMSERVE_COMPILE_CPU_DECODE=0` for the session and the server processes it s
 
 Tiers: a test is marked by its folder, `unit` (tests/unit: no weights, fake runner outputs), `models`
 (tests/models: tiny checkpoints against transformers, engines in process, encoder workers) or `e2e`
-(tests/e2e: the real server as a subprocess, the `openai` client, the browser); `slow` is marked by
+(tests/e2e: the real server as a subprocess, the `openai` client, the browser) or `docs` (tests/docs: every
+code block of the README and docs/ run against the demo model, and the site's build); `slow` is marked by
 hand on what runs long or is timed, `kernels` on what builds or loads mmserve's C++ CPU kernels.
 `bash scripts/test.sh --fast` runs `unit and not slow and not kernels`: a unit test not marked `kernels`
 that tries to build a kernel fails (`_unit_tests_build_no_kernels`), so the fast tier never compiles C++.
@@ -33,7 +34,7 @@ settings.register_profile("mmserve", deadline=None)
 settings.load_profile("mmserve")
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl")
-TIERS = ("unit", "models", "e2e")  # the folders under tests/, each its tier's marker
+TIERS = ("unit", "models", "e2e", "docs")  # the folders under tests/, each its tier's marker
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
