@@ -85,7 +85,7 @@ def collect(path: Path) -> list[Block]:
             continue
         indent, fence = len(opening["indent"]), opening["fence"]
         end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == fence), len(lines))
-        code = "\n".join(line[indent:] if line[:indent].isspace() else line.lstrip() for line in lines[i + 1:end])
+        code = "\n".join(line[indent:] if line[:indent].strip() == "" else line.lstrip() for line in lines[i + 1:end])
         before = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
         directive = DIRECTIVE.match(before)
         blocks.append(Block(path, i + 1, opening["info"].lower(), code + "\n",

@@ -50,7 +50,7 @@ def test_a_page_with_a_bad_block_fails(text, tmp_path):
 
 
 def test_blocks_share_a_page_namespace_and_text_is_not_run(tmp_path):
-    page = _page(tmp_path, "```python\nanswer = 42\n```\n\n```text\nthis is output, never run\n```\n\n"
+    page = _page(tmp_path, "```python\nfor answer in (41, 42):\n    pass\n```\n\n```text\nthis is output, never run\n```\n\n"
                            "- in a list:\n\n  ```python\n  assert answer == 42\n  open('made.txt', 'w').write('x')\n"
                            "  ```\n\n```bash\ntest -f made.txt && test -x .venv/bin/python\n```\n")
     assert [block.language for block in collect(page)] == ["python", "text", "python", "bash"]
