@@ -34,7 +34,7 @@ from mmserve.entrypoints.openai.completions import completions_router
 from mmserve.entrypoints.openai.head_requests import HeadAsGet
 from mmserve.entrypoints.openai.health import health_router, stats_router
 from mmserve.entrypoints.openai.http_errors import install_error_handlers
-from mmserve.entrypoints.openai.metrics import ServerMetrics
+from mmserve.entrypoints.openai.metrics import ServerMetrics, cache_info
 from mmserve.entrypoints.openai.models import models_router
 from mmserve.entrypoints.openai.protocol import RequestError
 from mmserve.entrypoints.openai.serving import OpenAIServing, ServerConfig
@@ -71,7 +71,8 @@ def _include_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics
 def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
     """A FastAPI app serving `client` (one engine, or replicas already launched); its lifespan starts and
     stops the client's engine thread or replicas."""
-    metrics = ServerMetrics()
+    frontend = client.frontend
+    metrics = ServerMetrics(config.served_model_name, frontend.max_model_len, cache_info(frontend.config.cache))
     client.observe(metrics.observe, metrics.observe_encoded)
     metrics.attach_engine_stats(client.stats)
     serving = OpenAIServing(client, config)
