@@ -25,7 +25,7 @@ HISTOGRAMS = ("vllm:request_prompt_tokens", "vllm:request_generation_tokens", "v
               "vllm:time_per_output_token_seconds", "vllm:request_time_per_output_token_seconds",
               "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
               "vllm:request_inference_time_seconds", "vllm:request_prefill_time_seconds",
-              "vllm:request_decode_time_seconds")
+              "vllm:request_decode_time_seconds", "vllm:iteration_tokens_total")
 
 
 def test_unit_buckets_follow_vllms_1_2_5_rule():
@@ -107,6 +107,9 @@ def test_vllm_families_after_known_requests(checkpoint_dirs):
                                       + _value(families["vllm:request_decode_time_seconds"], "_sum"))
 
     stats = engine.get_stats()
+    # every step's tokens: the prompts admitted and the tokens generated, summed over the steps
+    assert _value(families["vllm:iteration_tokens_total"], "_sum") == stats["prompt_tokens"] + generated
+    assert _value(families["vllm:iteration_tokens_total"], "_count") >= 5 + 5 + 3
     assert _value(families["vllm:prompt_tokens"], "_total") == stats["prompt_tokens"] > 0
     assert _value(families["vllm:prefix_cache_queries"], "_total") == stats["prefix_cache_queries"] > 0
     hits = _value(families["vllm:prefix_cache_hits"], "_total")

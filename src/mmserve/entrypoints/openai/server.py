@@ -73,7 +73,7 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
     stops the client's engine thread or replicas."""
     frontend = client.frontend
     metrics = ServerMetrics(config.served_model_name, frontend.max_model_len, cache_info(frontend.config.cache))
-    client.observe(metrics.observe, metrics.observe_encoded)
+    client.observe(metrics.observe, metrics.observe_encoded, metrics.vllm.observe_step)
     metrics.attach_engine_stats(client.stats)
     serving = OpenAIServing(client, config)
 

@@ -5,9 +5,10 @@ here, with vLLM's names, types, buckets and documentation, and its `model_name` 
 (`engine` is "0": this server's one engine, or the sum over its replicas). Built from what the engine
 already reports: per-request families from each finished `RequestOutput` and its `RequestMetrics`
 (arrival, first scheduling, first and last token, inter-token latencies, max_tokens), the scheduler's and
-caches' families from `Engine.get_stats()` at scrape time. Intervals as vLLM v1 counts them (stats.py):
-queue = first scheduled - arrival, prefill = first token - first scheduled, decode = last token - first
-token, inference = last token - first scheduled; one inter-token latency per step that gave tokens.
+caches' families from `Engine.get_stats()` at scrape time, tokens per step from the counters each step
+moved. Intervals as vLLM v1 counts them (stats.py): queue = first scheduled - arrival, prefill = first
+token - first scheduled, decode = last token - first token, inference = last token - first scheduled;
+one inter-token latency per step that gave tokens.
 What it does not know: HTTP, the engine thread, how the stats are kept.
 """
 
@@ -31,6 +32,7 @@ ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
 REQUEST_LATENCY_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                              120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 N_BUCKETS = (1, 2, 5, 10, 20)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 StatsFn = Callable[[], dict[str, Any]]
 
@@ -89,6 +91,8 @@ class _Families:
                                  "Histogram of time spent in PREFILL phase for request.", latency)
         self.decode = histogram("vllm:request_decode_time_seconds",
                                 "Histogram of time spent in DECODE phase for request.", latency)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per "
+                                          "engine_step.", ITERATION_TOKEN_BUCKETS)
         prompt_sources = Counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
                                  [*LABELS, "source"], registry=registry)
         self.computed_tokens = prompt_sources.labels(*label_values, "local_compute")
@@ -156,6 +160,11 @@ class VllmMetrics:
 
     def attach_engine_stats(self, stats: StatsFn) -> None:
         self._registry.register(_EngineStats(stats, self._label_values, self._cache_info))
+
+    def observe_step(self, num_tokens: int) -> None:
+        """An engine step: the prompt tokens it admitted plus the tokens it generated (one engine; a replica's
+        steps stay in its process)."""
+        self._families.iteration_tokens.observe(num_tokens)
 
     def observe(self, output: RequestOutput) -> None:
         """A finished request: each choice counts as a finished sequence (vLLM's children of an n > 1 request);
