@@ -89,5 +89,8 @@ def test_root_path_serves_the_app_under_the_prefix_and_without_it(engine):
             assert client.get(f"{prefix}/v1/models/m").status_code == 200
             assert client.get(f"{prefix}/health").status_code == 200
             assert client.post(f"{prefix}/v1/chat/completions", json=body).status_code == 200
+        page = client.get("/llm/").text  # the chat page: its files and calls relative, so under the prefix too
+        assert 'src="web-ui/app.js"' in page and client.get("/llm/web-ui/app.js").status_code == 200
+        assert client.get("/llm", follow_redirects=False).headers["location"].endswith("/llm/")
         assert client.get("/llm/v1/nothing").status_code == 404
         assert client.get("/other/v1/models").status_code == 404
