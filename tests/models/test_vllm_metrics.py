@@ -18,7 +18,7 @@ COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:mm_cach
             "vllm:num_preemptions", "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success",
             "vllm:prompt_tokens_by_source", "vllm:prompt_tokens_cached")
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-          "vllm:cache_config_info")
+          "vllm:cache_config_info", "vllm:num_requests_waiting_by_reason")
 HISTOGRAMS = ("vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_max_num_generation_tokens",
               "vllm:request_params_n", "vllm:request_params_max_tokens", "vllm:request_prefill_kv_computed_tokens",
               "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
@@ -124,3 +124,20 @@ def test_vllm_families_after_known_requests(checkpoint_dirs):
     info = families["vllm:cache_config_info"].samples[0].labels
     assert info["block_size"] == str(engine.config.cache.block_size)
     assert info["num_gpu_blocks"] == str(stats["kv_blocks_total"]) and info["enable_prefix_caching"] == "True"
+
+
+def test_waiting_requests_count_those_receiving_kv_as_deferred():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from mmserve.entrypoints.openai.vllm_metrics import VllmMetrics
+
+    registry = CollectorRegistry()
+    metrics = VllmMetrics(registry, "m", 64, {"block_size": "16"})
+    metrics.attach_engine_stats(lambda: {"requests_running": 1, "requests_waiting": 2, "requests_receiving_kv": 3,
+                                         "kv_blocks_total": 10, "kv_blocks_free": 4})
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    assert _value(families["vllm:num_requests_waiting"]) == 5
+    by_reason = families["vllm:num_requests_waiting_by_reason"]
+    assert _value(by_reason, reason="capacity") == 2 and _value(by_reason, reason="deferred") == 3
+    assert _value(families["vllm:kv_cache_usage_perc"]) == pytest.approx(0.6)
+    assert "vllm:prefix_cache_queries" not in families  # a stat the engine does not report: no family

@@ -115,8 +115,19 @@ def _stat_families(stats: dict[str, Any], label_values: tuple[str, str],
     gauge, counter = GaugeMetricFamily, CounterMetricFamily
     yield from family(gauge, "vllm:num_requests_running", "Number of requests in model execution batches.",
                       stats.get("requests_running"))
+    waiting, receiving = stats.get("requests_waiting"), stats.get("requests_receiving_kv", 0)
+    # vLLM counts a request waiting for its KV from another instance as waiting, for a "deferred" reason
     yield from family(gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                      stats.get("requests_waiting"))
+                      None if waiting is None else waiting + receiving)
+    if waiting is not None:
+        by_reason = GaugeMetricFamily("vllm:num_requests_waiting_by_reason", "Number of waiting requests by reason. "
+                                      "Reason labels: 'capacity' = waiting for scheduling capacity; 'deferred' = "
+                                      "deferred by transient constraints (LoRA budget, KV transfer, blocked status). "
+                                      "Sum of all reasons equals vllm:num_requests_waiting.",
+                                      labels=[*LABELS, "reason"])
+        by_reason.add_metric([*label_values, "capacity"], waiting)
+        by_reason.add_metric([*label_values, "deferred"], receiving)
+        yield by_reason
     yield from family(gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                       None if not total or free is None else 1.0 - free / total)
     yield from family(counter, "vllm:prefix_cache_queries",
