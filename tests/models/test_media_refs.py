@@ -66,6 +66,13 @@ def test_image_named_by_uuid_alone_once_seen(client):
     unknown = _ask(client, {"type": "image_url", "image_url": None, "uuid": "never-sent"})
     assert "never-sent" in unknown["error"]["message"]
     assert unknown["error"]["param"] == "messages[0].content[0].image_url"
+    completion = {"model": "m", "max_tokens": 4, "temperature": 0,
+                  "prompt": "<|vision_start|><|image_pad|><|vision_end|>What is this?"}
+    with_media = client.post("/v1/completions", json={**completion, "media": [
+        {"type": "image_url", "image_url": {"url": uri}, "uuid": "pic-1"}]}).json()
+    by_uuid = client.post("/v1/completions", json={**completion, "media": [{"type": "image_url", "uuid": "pic-1"}]})
+    assert by_uuid.json()["choices"][0]["text"] == with_media["choices"][0]["text"]
+    assert by_uuid.json()["usage"]["prompt_tokens"] == with_media["usage"]["prompt_tokens"]
     no_media = _ask(client, {"type": "image_url", "image_url": None})
     assert no_media["error"]["param"] == "messages[0].content[0].image_url"
 
