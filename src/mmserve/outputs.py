@@ -32,8 +32,13 @@ class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None  # the latest step that gave the request tokens
     finish_time: float | None = None
     num_preemptions: int = 0
+    max_tokens: int | None = None  # the request's max_tokens (vLLM's max_tokens_param)
+    # the time between consecutive steps that gave the request tokens (vLLM's inter-token latencies: one per
+    # step, whatever number of tokens it gave); filled at the finish, empty before
+    inter_token_latencies_s: list[float] = field(default_factory=list)
 
 
 @dataclass

@@ -50,7 +50,7 @@ from mmserve.cluster.replica_stats import summed_stats
 from mmserve.cluster.replica_worker import replica_main
 from mmserve.cluster.router import RouteDecision, Router, RouterConfig
 from mmserve.config import EngineConfig
-from mmserve.engine.client import EncodedObserver, EngineDeadError, OutputObserver
+from mmserve.engine.client import EncodedObserver, EngineDeadError, OutputObserver, StepObserver
 from mmserve.engine.frontend import Frontend
 from mmserve.errors import InvalidInputError
 from mmserve.inputs.items import ProcessedPrompt
@@ -163,8 +163,10 @@ class ReplicaSet:
         """Each replica's process id (None while it restarts): for tests and logs."""
         return {s.index: s.pid if s.ready else None for s in self._replicas.slots}
 
-    def observe(self, on_output: OutputObserver | None = None, on_encoded: EncodedObserver | None = None) -> None:
-        """The server's metrics see every finished output (a replica's encoder workers report in its own stats)."""
+    def observe(self, on_output: OutputObserver | None = None, on_encoded: EncodedObserver | None = None,
+                on_step: StepObserver | None = None) -> None:
+        """The server's metrics see every finished output (a replica's encoder workers report in its own stats;
+        its steps stay in its process: no step is observed here)."""
         self.on_output = on_output
 
     # ---- the caller's side ------------------------------------------------------------------------

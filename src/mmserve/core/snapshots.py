@@ -51,6 +51,7 @@ class KVSnapshot:
     block_size: int  # tokens per block
     num_prefix_cache_hit_tokens: int
     num_evictions: int
+    num_prefix_cache_queries: int = 0  # tokens looked up (at each admission), of which the hit tokens were cached
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ def scheduler_ownership(live_request_ids: Iterable[str], cache: EncoderCacheMana
 
 def kv_snapshot(kv: KVCacheManager) -> KVSnapshot:
     return KVSnapshot(kv.num_blocks, kv.num_free_blocks, kv.block_size, kv.stats.prefix_cache_hit_tokens,
-                      kv.stats.evictions)
+                      kv.stats.evictions, kv.stats.prefix_cache_queries)
 
 
 def encoder_cache_snapshot(cache: EncoderCacheManager) -> EncoderCacheSnapshot:

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mmserve.engine.client import EncodedObserver, EngineDeadError, OutputObserver
+from mmserve.engine.client import EncodedObserver, EngineDeadError, OutputObserver, StepObserver
 from mmserve.engine.frontend import Frontend
 from mmserve.errors import InvalidInputError
 from mmserve.inputs.items import ProcessedPrompt
@@ -86,6 +86,7 @@ class AsyncEngine:
         self._engine = engine
         self._on_output = on_output  # called on the engine thread for every finished output (metrics)
         self._on_encoded = on_encoded  # (worker, latency_s) of every item an encoder worker returned
+        self._on_step: StepObserver | None = None  # each step's tokens (prompt tokens admitted + generated)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams between the loop and the engine thread
@@ -121,9 +122,10 @@ class AsyncEngine:
         """The engine's processor, spec, stop ids, grammar compiler and max_model_len (EngineClient)."""
         return self._engine.frontend
 
-    def observe(self, on_output: OutputObserver | None = None, on_encoded: EncodedObserver | None = None) -> None:
+    def observe(self, on_output: OutputObserver | None = None, on_encoded: EncodedObserver | None = None,
+                on_step: StepObserver | None = None) -> None:
         """Install the server's metrics observers (before `start`; EngineClient)."""
-        self._on_output, self._on_encoded = on_output, on_encoded
+        self._on_output, self._on_encoded, self._on_step = on_output, on_encoded, on_step
 
     async def check_integrity(self) -> None:
         """The engine's `check_integrity()`, run between steps on its thread."""
@@ -214,12 +216,16 @@ class AsyncEngine:
         try:
             while not self._stopped.is_set():
                 self._apply_commands(block=not self._engine.has_unfinished_requests())
-                if self._engine.has_unfinished_requests():
+                stepped = self._engine.has_unfinished_requests()
+                if stepped:
                     self._deliver(self._engine.step())
                     if self._on_encoded is not None:
                         for outcome in self._engine.take_encoder_outcomes():
                             self._on_encoded(outcome.worker, outcome.latency_s)
-                self._stats = self._engine.get_stats()
+                stats, before = self._engine.get_stats(), self._stats
+                if stepped and self._on_step is not None:  # the step's tokens, from the counters it moved
+                    self._on_step(_step_tokens(before, stats))
+                self._stats = stats
         except BaseException as exc:  # a step that raises leaves the engine unusable: fail everyone
             logger.exception("the engine thread died")
             self._error = exc
@@ -277,6 +283,11 @@ class AsyncEngine:
             request_ids = list(self._streams)
         for request_id in request_ids:
             self._send(request_id, error)
+
+
+def _step_tokens(before: dict[str, int | float | str], after: dict[str, int | float | str]) -> int:
+    """Prompt tokens of the requests a step admitted plus the tokens it generated (vLLM's tokens per step)."""
+    return sum(int(after[k]) - int(before[k]) for k in ("prompt_tokens", "generation_tokens"))  # type: ignore[arg-type]
 
 
 def _resolve(future: asyncio.Future, setter: Callable[[Any], None], value: Any) -> None:

@@ -31,6 +31,8 @@ class ShuttingDownError(EngineDeadError):
 OutputObserver = Callable[["RequestOutput"], None]
 #: (encoder worker, latency_s) of every item an encoder worker returned: the server's metrics
 EncodedObserver = Callable[[int, float], None]
+#: the tokens of every engine step (prompt tokens admitted + tokens generated): the server's metrics
+StepObserver = Callable[[int], None]
 
 
 @runtime_checkable
@@ -42,7 +44,8 @@ class EngineClient(Protocol):
     #: the server's `Tracing` (None: tracing is off)
     tracing: Any
 
-    def observe(self, on_output: OutputObserver | None = None, on_encoded: EncodedObserver | None = None) -> None:
+    def observe(self, on_output: OutputObserver | None = None, on_encoded: EncodedObserver | None = None,
+                on_step: StepObserver | None = None) -> None:
         """Install the observers the server's metrics need (before `start`)."""
         ...
 

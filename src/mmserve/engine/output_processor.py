@@ -81,7 +81,8 @@ class OutputProcessor:
         params = request.sampling_params
         detokenizer = IncrementalDetokenizer(self._tokenizer, request.prompt_token_ids, params.skip_special_tokens,
                                              params.stop, params.include_stop_str_in_output)
-        state = RequestState(request, prompt, detokenizer, RequestMetrics(request.arrival_time),
+        state = RequestState(request, prompt, detokenizer, RequestMetrics(request.arrival_time,
+                                                                          max_tokens=params.max_tokens),
                              logprobs=None if params.logprobs is None else [],
                              prompt_logprobs=None if params.prompt_logprobs is None else [None])
         if self._tracing is not None:
@@ -138,8 +139,8 @@ class OutputProcessor:
         now_s = self._clock()
         for core in core_outputs:
             state = self._states[core.request_id]
-            if core.new_token_ids and state.metrics.first_token_time is None:
-                state.metrics.first_token_time = now_s
+            if core.new_token_ids:
+                _token_step(state, now_s)
             finish, error, cut = self._take_tokens(state, core)
             if cut.status is not None or cut.num_dropped_tokens:
                 cuts[core.request_id] = cut
@@ -225,8 +226,19 @@ class OutputProcessor:
         request = state.request
         state.metrics.finish_time = self._clock()
         state.metrics.num_preemptions = request.num_preemptions
+        state.metrics.inter_token_latencies_s = state.inter_token_latencies_s
         if state.timeline is not None and self._tracing is not None:
             record_finished(self._tracing, state, finish, error)
         self._states.pop(request.request_id, None)
         self._grammars.release(request.request_id)
         self._on_finished(request.request_id)
+
+
+def _token_step(state: RequestState, now_s: float) -> None:
+    """A step gave the request tokens: its first token's time, or one more inter-token latency."""
+    metrics = state.metrics
+    if metrics.first_token_time is None:
+        metrics.first_token_time = now_s
+    elif metrics.last_token_time is not None:
+        state.inter_token_latencies_s.append(now_s - metrics.last_token_time)
+    metrics.last_token_time = now_s

@@ -31,3 +31,5 @@ class RequestState:
     stop_reason: int | str | None = None
     internal_error: bool = False  # failed by a fault in a model step, not by its input
     timeline: RequestTimeline | None = None  # only when traced
+    # seconds between consecutive steps that gave tokens; into the metrics at the finish (not sent every step)
+    inter_token_latencies_s: list[float] = field(default_factory=list)

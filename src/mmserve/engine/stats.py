@@ -40,6 +40,7 @@ def engine_stats(snap: SchedulerSnapshot, sizes: EngineSizes, runner: Any, encod
         "prompt_tokens": s.num_prompt_tokens,
         "prompt_tokens_computed": s.num_prompt_tokens_computed,
         "prefix_cache_hit_tokens": kv.num_prefix_cache_hit_tokens,
+        "prefix_cache_queries": kv.num_prefix_cache_queries,
         "generation_tokens": s.num_generation_tokens,
         "num_preemptions": s.num_preemptions,
         "grammars_compiled": grammars.num_compiled,

@@ -47,10 +47,14 @@ class MediaLimits:
     max_pixels_per_request: int = option(256_000_000, "decoded pixels of all images and video frames of a request")
     allowed_local_media_path: str | None = option(None, "local files may be read only below this directory",
                                                   shown="none")
+    media_uuid_cache_bytes: int = option(256 * 1024 * 1024, "decoded media kept by uuid, so a later request may "
+                                         "name it by its uuid alone (0: none kept)", shown="256MiB")
 
     def __post_init__(self) -> None:
         if min(self.max_image_bytes, self.max_image_pixels, self.max_video_frames, self.max_pixels_per_request) <= 0:
             raise ValueError("media limits must be positive")
+        if self.media_uuid_cache_bytes < 0:
+            raise ValueError("media_uuid_cache_bytes must be >= 0")
 
 
 class PixelBudget:

@@ -2,8 +2,9 @@
 
 Role: accept a text prompt (one placeholder per item, e.g. `<|image_pad|>`) or token ids (one
 placeholder id per item, or a run already expanded to the item's span), load the media under the
-limits, key every item by content, ask the family how each item expands, splice the spans in, and
-build the placeholder masks, the embed cumsum and the positions. Invariant 1 is checked here:
+limits (or take what a uuid alone names: media_refs.py), key every item by content, ask the family how
+each item expands, splice the spans in, and build the placeholder masks, the embed cumsum and the
+positions. Invariant 1 is checked here:
 each span holds exactly as many placeholder ids as the encoder will produce rows (a family that reads
 items through cross-attention, `fuses_rows = False`: each span is one placeholder token).
 
@@ -13,11 +14,11 @@ mm_processor_kwargs and says what shapes the pixels: part of the content key), `
 payload its model reads, and any text the placeholder becomes around the span) and, unless
 positions are token indices, `positions`.
 
-The placeholder a prompt holds per item (`placeholder_ids`) and the token that marks an encoder
-row in the expanded prompt (`embed_ids`) are the same token in most families, not in all (Gemma 3:
-`<start_of_image>` in the prompt, `<image_soft_token>` rows). Text around a span is tokenized
-together with the prompt's neighbouring text, as the family's own processor does when it
-rewrites the prompt string (a newline run there may merge with the text before it).
+The placeholder a prompt holds per item (`placeholder_ids`) and the token that marks an encoder row in
+the expanded prompt (`embed_ids`) are the same token in most families, not in all (Gemma 3:
+`<start_of_image>` in the prompt, `<image_soft_token>` rows). Text around a span is tokenized together
+with the prompt's neighbouring text, as the family's own processor does when it rewrites the prompt
+string (a newline run there may merge with the text before it).
 
 What it does not know: any family's resize rules, spans or positions; devices; the engine.
 """
@@ -39,7 +40,8 @@ from mmserve.inputs.chat import ChatInput, normalize_messages
 from mmserve.inputs.frame_sampling import SAMPLING_KWARG, check_fps, check_sampling
 from mmserve.inputs.hashing import hash_item
 from mmserve.inputs.items import IMAGE, VIDEO, MMItem, ProcessedPrompt, PromptPositions
-from mmserve.inputs.media import MediaLimits, PixelBudget, load_image, load_video
+from mmserve.inputs.media import MediaLimits, PixelBudget
+from mmserve.inputs.media_refs import MediaRefs
 from mmserve.inputs.placeholders import check_item_rows, embeds_in_range
 from mmserve.inputs.tokenizer import TextTokenizer
 
@@ -68,10 +70,9 @@ class ItemExpansion:
     rows: int  # rows the encoder produces for the item (checked against the span's placeholder ids)
     encoder_tokens: int  # pre-merge patches the encoder runs
     payload: Any  # the family's encoder input
-    # what else decided this item's encoder input (a mode the family picked): part of the content key
+    # what else decided this item's encoder input (a mode the family picked): in the content key
     key_extra: dict[str, Any] = field(default_factory=dict)
-    # text the placeholder becomes before and after the span, merged into the neighbouring prompt text
-    # (token-id prompts: tokenized alone)
+    # text the placeholder becomes around the span, merged into the neighbouring prompt text (token ids: alone)
     text_before: str = ""
     text_after: str = ""
     # when given, the item becomes one engine item per part (their rows add up to `rows`); the span's
@@ -92,8 +93,8 @@ class _Run(str):
         return run
 
 
-class _Text(str):
-    """A piece of prompt text, tokenized once its items' surrounding text is merged in."""
+class _Text(str):  # a piece of prompt text, tokenized once its items' surrounding text is merged in
+    pass
 
 
 class MultimodalProcessor:
@@ -108,6 +109,7 @@ class MultimodalProcessor:
                  limits: MediaLimits | None = None, embed_ids: Mapping[str, int] | None = None) -> None:
         root = Path(model_dir)
         self.limits = limits or MediaLimits()
+        self.media_refs = MediaRefs(self.limits.media_uuid_cache_bytes)  # media a later request names by uuid alone
         self.tokenizer = TextTokenizer(root)
         self.vocab_size = vocab_size
         self.pad_ids = dict(placeholder_ids)
@@ -124,16 +126,15 @@ class MultimodalProcessor:
 
     # ---- family hooks -------------------------------------------------------------------------
     def processing_key(self, modality: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """Validate mm_processor_kwargs (InvalidInputError on unknown keys or bad values) and return what,
-        besides the pixels, decides what the encoder sees for this modality."""
+        """Validate mm_processor_kwargs (InvalidInputError if bad) and return what, besides the pixels,
+        decides what the encoder sees for this modality."""
         if kwargs:
             raise InvalidInputError(f"unsupported mm_processor_kwargs {sorted(kwargs)}",
                                     param=f"mm_processor_kwargs.{sorted(kwargs)[0]}")
         return {}
 
     def expand_image(self, image: Image.Image, kwargs: dict[str, Any], num_images: int) -> ItemExpansion:
-        """`num_images`: how many images the prompt holds (some families process one image alone
-        differently from one of several)."""
+        """`num_images`: the prompt's images (a family may process one image alone unlike one of several)."""
         raise InvalidInputError(f"{type(self).__name__} does not take images")
 
     def expand_video(self, frames: list[Image.Image], fps: float, kwargs: dict[str, Any]) -> ItemExpansion:
@@ -144,8 +145,7 @@ class MultimodalProcessor:
         return PromptPositions(1)
 
     def cross_attention_items(self, token_ids: list[int], items: list[MMItem]) -> list[MMItem]:
-        """A family that does not fuse rows: the items with their `cross_attention` spans set."""
-        raise NotImplementedError
+        raise NotImplementedError  # a family that does not fuse rows: the items with their cross_attention spans
 
     # ---- chat ---------------------------------------------------------------------------------
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
@@ -197,13 +197,13 @@ class MultimodalProcessor:
         pixels = PixelBudget(self.limits)
         for i, source in enumerate(images):
             with at_param(where := params[IMAGE][i]):
-                img = load_image(source, self.limits, where)
+                img = self.media_refs.image(source, ids[IMAGE][i], self.limits, where)
                 pixels.take([img], where)
                 exp = self.expand_image(img, kwargs, len(images))
             expanded[IMAGE].append((exp, self._keys(IMAGE, ids[IMAGE][i], img, {**image_shaping, **exp.key_extra}, exp)))
         for i, source in enumerate(videos):
             with at_param(where := params[VIDEO][i]):
-                frames, stated_fps = load_video(source, self.limits, where)
+                frames, stated_fps = self.media_refs.video(source, ids[VIDEO][i], self.limits, where)
                 pixels.take(frames, where)
                 video_fps = stated_fps or fps
                 exp = self.expand_video(frames, video_fps, kwargs)

@@ -4,6 +4,7 @@
 // time to first token, tokens/s and what the server's caches served (usage.prompt_tokens_details).
 // It knows nothing of the engine; /web-ui/config.json tells it whether a key is needed and whether the
 // demo model's picture endpoint (/demo/sample) exists.
+// Every URL is relative to the page, so the page works under a --root-path prefix (/llm/ -> /llm/v1/...).
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -158,7 +159,7 @@ async function addFiles(files) {
 
 async function drawDemoPicture() {
   showError("");
-  const response = await fetch("/demo/sample");
+  const response = await fetch("demo/sample");
   if (!response.ok) {
     showError(await errorMessage(response));
     return;
@@ -233,7 +234,7 @@ async function send() {
   state.controller = new AbortController();
   setBusy(true);
   try {
-    const response = await fetch("/v1/chat/completions", {
+    const response = await fetch("v1/chat/completions", {
       method: "POST",
       headers: { "Content-Type": "application/json", ...authHeaders() },
       signal: state.controller.signal,
@@ -298,7 +299,7 @@ function newChat() {
 
 // ---- start ------------------------------------------------------------------------------------
 async function loadModel() {
-  const response = await fetch("/v1/models", { headers: authHeaders() });
+  const response = await fetch("v1/models", { headers: authHeaders() });
   if (!response.ok) {
     $("model-name").textContent = "unknown";
     showError(await errorMessage(response));
@@ -311,7 +312,7 @@ async function loadModel() {
 }
 
 async function start() {
-  const config = await (await fetch("/web-ui/config.json")).json();
+  const config = await (await fetch("web-ui/config.json")).json();
   $("demo-button").hidden = !config.demo_model;
   // a phone's screen is for the conversation, unless the settings hold the key the server wants
   if (window.matchMedia("(max-width: 30rem)").matches && !config.api_key_required) {

@@ -2,7 +2,7 @@
 
 Role: the app's exception handlers — 400 for bad input (malformed JSON and schema errors included, the
 field named in `param` as `messages[0].content`), a `RequestError`'s own status (401, 404, 413, 499,
-500), 503 when the engine is down — and the error a request or a stream gets when the engine stopped
+500), the router's 404 and 405 naming the route and method, 503 when the engine is down — and the error a request or a stream gets when the engine stopped
 under it or the shutdown timeout cut it off (`engine_error`). A refusal (4xx) is logged with its reason.
 What it does not know: routes, the engine, how a request is served.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -75,6 +76,22 @@ def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(400, message, param=where(first) or None, request=request)
 
 
+def _routing_message(request: Request, exc: StarletteHTTPException) -> tuple[str, str | None]:
+    """The router's own 404 and 405 (no route, or not this method) said with the route and method; any
+    other HTTP error keeps its detail."""
+    if str(exc.detail) != HTTPStatus(exc.status_code).phrase:
+        return str(exc.detail), None
+    path = request.url.path
+    if exc.status_code == 404:
+        return f"no route {path}: see GET /openapi.json for the routes this server answers", "route_not_found"
+    if exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        method = "HEAD" if request.scope.get("head_request") else request.method
+        return (f"method {method} is not allowed on {path}" + (f" (allowed: {allowed})" if allowed else ""),
+                "method_not_allowed")
+    return str(exc.detail), None
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every failure answered in OpenAI's error shape."""
     async def request_error(request: Request, exc: Exception) -> JSONResponse:
@@ -88,7 +105,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(exc.status_code, str(exc.detail), kind, request=request)
+        message, code = _routing_message(request, exc)
+        response = error_response(exc.status_code, message, kind, code=code, request=request)
+        if exc.status_code == 405 and exc.headers and "Allow" in exc.headers:
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
 
     async def engine_dead(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, EngineDeadError)

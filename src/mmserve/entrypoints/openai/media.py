@@ -2,10 +2,13 @@
 
 Role: count media items against `--limit-mm-per-prompt` before any fetching; fetch http(s) URLs
 with `inputs/fetch.py` (the safety rules live there); decode `video_url` files with
-`inputs/video.py` into sampled frames (the sampler from `mm_processor_kwargs.video_sampling`);
+`inputs/video.py` into sampled frames (the sampler from `mm_processor_kwargs.video_sampling`); take
+vLLM's `data:video/jpeg;base64,<JPEG>,<JPEG>,...` video data URL as its frames;
 fetch the frames of a `video_frames` part (`{"urls": [...], "fps": x}`: a video sent as its
 frames, e.g. a growing stream); leave data-URI and local-path images to the processor (which
-enforces the local-path allowlist and the image limits). Each part's `uuid` is kept.
+enforces the local-path allowlist and the image limits). Each part's `uuid` is kept; a part with a
+`uuid` and no media (absent, null, or a null url) goes on as None: the media sent before under that
+uuid (the processor's `MediaRefs`).
 Runs in a worker thread (it blocks on the network and on decoding).
 
 What it does not know: the engine, HTTP routing, the response format.
@@ -101,8 +104,28 @@ def _listed_frames(part: dict[str, Any], rules: MediaRules, where: str) -> Video
     return VideoFrames(frames, fps)
 
 
-def _video_frames(url: str, rules: MediaRules, fps: float, sampling: str, where: str) -> list[Any]:
+JPEG_FRAMES_PREFIX = "data:video/jpeg;base64,"
+
+
+def _jpeg_frames(url: str, rules: MediaRules, what: str) -> VideoFrames:
+    """vLLM's video data URL, `data:video/jpeg;base64,<JPEG>,<JPEG>,...`: each base64 JPEG one frame, all of
+    them taken (as vLLM does: no sampling), at the request's `fps` (mm_processor_kwargs), else the family's
+    default. The frames go on as image data URIs: the processor decodes them under the image limits."""
+    payloads = url[len(JPEG_FRAMES_PREFIX):].split(",")
+    if len(payloads) > rules.limits.max_video_frames:
+        raise InvalidInputError(f"{what} holds {len(payloads)} JPEG frames, over the limit of "
+                                f"{rules.limits.max_video_frames} (max_video_frames)", setting="max_video_frames")
+    for k, payload in enumerate(payloads):
+        if not payload:
+            raise InvalidInputError(f"{what}: JPEG frame {k} of the data URL is empty (frames are base64 JPEGs "
+                                    "joined by commas)")
+    return VideoFrames(["data:image/jpeg;base64," + payload for payload in payloads])
+
+
+def _video_frames(url: str, rules: MediaRules, fps: float, sampling: str, where: str) -> list[Any] | VideoFrames:
     what = f"{where}.video_url"
+    if url[:len(JPEG_FRAMES_PREFIX)].lower() == JPEG_FRAMES_PREFIX:
+        return _jpeg_frames(url, rules, what)
     if url.startswith("data:"):
         data = decode_data_uri(url, what)
         if len(data) > rules.max_video_bytes:
@@ -113,6 +136,12 @@ def _video_frames(url: str, rules: MediaRules, fps: float, sampling: str, where:
     else:
         data = read_local_file(url, dataclasses.replace(rules.limits, max_image_bytes=rules.max_video_bytes), what)
     return decode_video(data, fps, rules.limits.max_video_frames, rules.limits.max_image_pixels, what, sampling)
+
+
+def _no_media(value: Any) -> bool:
+    """A media part's value that holds no media: absent, null, or `{"url": null}`."""
+    return value is None or (isinstance(value, dict) and value.get("url", value.get("urls")) is None
+                             and not value.get("frames"))
 
 
 def _resolve_part(part: dict[str, Any], rules: MediaRules, fps: float, sampling: str,
@@ -131,6 +160,8 @@ def _resolve_part(part: dict[str, Any], rules: MediaRules, fps: float, sampling:
         raise InvalidInputError(f"{where}.type {kind!r:.40} is not a supported content part type; supported: "
                                 f"{', '.join(SUPPORTED_PARTS)}", param=f"{where}.type")
     with at_param(f"{where}.{kind}"):
+        if uuid is not None and _no_media(part.get(kind)):  # media sent before under this uuid (media_refs.py)
+            return {"type": kind, kind: None, "uuid": uuid}
         if kind == "image_url":
             url = _url_of(part, kind, where)
             if url.startswith(HTTP_SCHEMES):
@@ -191,7 +222,8 @@ def resolve_media(parts: list[dict[str, Any]], rules: MediaRules,
         item = _resolve_part(part, rules, fps, sampling, where)
         kind = item["type"]
         modality = IMAGE if kind == "image_url" else VIDEO
-        (out.images if modality == IMAGE else out.videos).append(item[kind]["url"] if modality == IMAGE else item[kind])
+        media = item[kind]["url"] if modality == IMAGE and item[kind] is not None else item[kind]
+        (out.images if modality == IMAGE else out.videos).append(media)
         out.uuids[modality].append(item["uuid"])
         out.params[modality].append(f"{where}.{kind}")
     return out

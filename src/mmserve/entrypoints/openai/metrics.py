@@ -5,12 +5,14 @@ time-to-first-token, time-per-output-token, end-to-end latency) plus every numbe
 `Engine.get_stats()` exported at scrape time from the engine's latest snapshot: counters for the
 monotonic ones, gauges for the rest, all named `mmserve_<stat>`, and `mmserve_kv_blocks_in_use`.
 Behind replicas the same names carry the sums, `mmserve_replica_<stat>{replica}` each replica's, and
-`mmserve_routed_total{policy, reason}` and the expected cache hits the router's.
+`mmserve_routed_total{policy, reason}` and the expected cache hits the router's. Beside them, vLLM's
+`vllm:*` families (vllm_metrics.py), fed the same outputs and stats.
 What it does not know: HTTP, the engine thread; it is fed outputs and a stats function.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,13 +20,14 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from mmserve.entrypoints.openai.vllm_metrics import VllmMetrics
 from mmserve.outputs import RequestOutput
 
 PREFIX = "mmserve_"
 # get_stats() keys that only ever grow; every other key is a gauge (a level or a configured size)
 MONOTONIC_STATS = frozenset({
     "requests_finished", "requests_rejected", "prompt_tokens", "prompt_tokens_computed",
-    "prefix_cache_hit_tokens", "generation_tokens", "num_preemptions", "kv_cache_evictions",
+    "prefix_cache_hit_tokens", "prefix_cache_queries", "generation_tokens", "num_preemptions", "kv_cache_evictions",
     "encoder_items_encoded", "encoder_tokens_encoded", "encoder_cache_hits", "encoder_cache_misses",
     "encoder_cache_evictions", "encoder_worker_restarts", "encoder_items_redispatched", "replica_restarts",
     "cross_kv_builds",
@@ -101,8 +104,12 @@ def _router_families(router: dict[str, Any]) -> Iterator[Metric]:
 class ServerMetrics:
     """Collectors of one server. `observe` is thread-safe (called from the engine thread)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "", max_model_len: int = 2048,
+                 cache_info: dict[str, str] | None = None) -> None:
+        """`model_name`, `max_model_len`, `cache_info`: what vLLM's families (vllm_metrics.py) label and size
+        their buckets by."""
         self.registry = CollectorRegistry()
+        self.vllm = VllmMetrics(self.registry, model_name, max_model_len, cache_info or {})
         self.requests = Counter(PREFIX + "requests", "finished requests by finish reason", ["finish_reason"],
                                 registry=self.registry)
         self.time_to_first_token = Histogram(PREFIX + "time_to_first_token_seconds",
@@ -119,6 +126,7 @@ class ServerMetrics:
 
     def attach_engine_stats(self, stats: StatsFn) -> None:
         self.registry.register(_EngineStatsCollector(stats))
+        self.vllm.attach_engine_stats(stats)
 
     def observe_encoded(self, worker: int, latency_s: float) -> None:
         """Record an item an encoder worker returned."""
@@ -126,6 +134,7 @@ class ServerMetrics:
 
     def observe(self, output: RequestOutput) -> None:
         """Record a finished request."""
+        self.vllm.observe(output)
         completion = output.outputs[0]
         self.requests.labels(finish_reason=completion.finish_reason or "unknown").inc()
         m = output.metrics
@@ -141,3 +150,11 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def cache_info(cache: Any) -> dict[str, str]:
+    """The KV cache settings (config.py's CacheConfig) as vllm:cache_config_info's labels: each field by its
+    name, and vLLM's names where one means the same (cache_dtype)."""
+    info = {f.name: str(getattr(cache, f.name)) for f in dataclasses.fields(cache)}
+    info["cache_dtype"] = info.get("kv_cache_dtype", "auto")
+    return info

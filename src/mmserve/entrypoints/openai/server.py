@@ -2,9 +2,10 @@
 
 Role: put the app together from its parts — each endpoint module's routes (chat.py, completions.py,
 models.py and health.py's /v1/stats under `/v1`; tokens.py's at the root; health.py's /health and
-/metrics; the web chat's from web_ui.py unless it is turned off), Bearer-token authentication on all
-but /health, /metrics and the web chat, the request body limit (`body_limit.py`), the trace middleware,
-X-Request-Id where asked, and one error shape for every failure (http_errors.py). The client's engine
+/metrics; the web chat's from web_ui.py unless it is turned off), HEAD beside every GET
+(head_requests.py: a HEAD goes on as GET, its body dropped), the `--root-path` prefix (served with and without it), Bearer-token authentication
+on all but /health, /metrics and the web chat, the request body limit (`body_limit.py`), the trace
+middleware, X-Request-Id where asked, and one error shape for every failure (http_errors.py). The client's engine
 thread or replicas start and stop with the app's lifespan. All state lives on the app (no module
 globals). `serve()` runs it under uvicorn with a graceful shutdown.
 
@@ -30,9 +31,10 @@ from mmserve.engine.client import EngineClient, ShuttingDownError
 from mmserve.entrypoints.openai.body_limit import BodyLimit
 from mmserve.entrypoints.openai.chat import chat_router
 from mmserve.entrypoints.openai.completions import completions_router
+from mmserve.entrypoints.openai.head_requests import HeadAsGet
 from mmserve.entrypoints.openai.health import health_router, stats_router
 from mmserve.entrypoints.openai.http_errors import install_error_handlers
-from mmserve.entrypoints.openai.metrics import ServerMetrics
+from mmserve.entrypoints.openai.metrics import ServerMetrics, cache_info
 from mmserve.entrypoints.openai.models import models_router
 from mmserve.entrypoints.openai.protocol import RequestError
 from mmserve.entrypoints.openai.serving import OpenAIServing, ServerConfig
@@ -69,8 +71,9 @@ def _include_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics
 def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
     """A FastAPI app serving `client` (one engine, or replicas already launched); its lifespan starts and
     stops the client's engine thread or replicas."""
-    metrics = ServerMetrics()
-    client.observe(metrics.observe, metrics.observe_encoded)
+    frontend = client.frontend
+    metrics = ServerMetrics(config.served_model_name, frontend.max_model_len, cache_info(frontend.config.cache))
+    client.observe(metrics.observe, metrics.observe_encoded, metrics.vllm.observe_step)
     metrics.attach_engine_stats(client.stats)
     serving = OpenAIServing(client, config)
 
@@ -96,8 +99,12 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
             response = await call_next(request)
             response.headers["X-Request-Id"] = request_id
             return response
+    app.add_middleware(HeadAsGet)
     install_error_handlers(app)
     _include_routes(app, serving, metrics)
+    # vLLM's --root-path: FastAPI's root_path, read at routing time, so the app answers both under the
+    # prefix (/llm/v1/models: a proxy that passes the path on) and without it (a proxy that strips it)
+    app.root_path = config.root_path
     return app
 
 
@@ -144,7 +151,8 @@ def serve(client: EngineClient, config: ServerConfig, host: str = "127.0.0.1", p
     # handler that does nothing lets the process end normally (exit 0) instead of dying by the signal
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
-        GracefulServer(uvicorn.Config(app, host=host, port=port, log_level=log_level, root_path=config.root_path,
+        # no root_path for uvicorn: it would prepend it to every path, and /llm/v1/... would miss (the app has it)
+        GracefulServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                       timeout_graceful_shutdown=shutdown_timeout_s)).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
