@@ -113,8 +113,10 @@ def test_forced_tool_calls_follow_the_schema_without_strict(client):
     chunks = events(client.post("/v1/chat/completions", json={
         "model": "demo", "messages": MESSAGES, "tools": [COUNT_TOOL], "tool_choice": named, "max_tokens": 150,
         "temperature": 0, "stream": True}))
-    arguments = "".join(d["function"]["arguments"] for c in chunks for d in c["choices"][0]["delta"].get("tool_calls", []))
-    jsonschema.validate(json.loads(arguments), schema)
+    deltas = [d for c in chunks for d in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert deltas[0]["id"] and deltas[0]["type"] == "function" and deltas[0]["function"]["name"] == "count_shapes"
+    assert all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"} for d in deltas[1:])
+    jsonschema.validate(json.loads("".join(d["function"]["arguments"] for d in deltas)), schema)
     assert [c["choices"][0]["finish_reason"] for c in chunks].count(None) == len(chunks) - 1
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 

@@ -3,9 +3,10 @@
 Role: the chat request (messages, tools, logprobs as chat asks for them) and its answer and stream
 chunks; `ChatServing` resolves the messages' media (on a worker thread), renders the chat template (the
 request's tools included), submits the prompt through the shared core (serving.py), and answers with the
-message — its thought apart as `reasoning_content` where the template thinks, its tool calls parsed out
-where the request has tools — or a stream of deltas (the role first, then content, calls whole once their
-end arrives, then the finish reason).
+message — its thought apart as `reasoning` (and `reasoning_content`, the same) where the template thinks, its
+tool calls parsed out where the request has tools — or a stream of deltas as vLLM sends them (the role
+first, then content, calls whole once their end arrives, the finish reason on the last; null fields left
+out).
 What it does not know: the engine behind the client, routing beyond its own route, authentication.
 """
 
@@ -68,7 +69,8 @@ class ChatCompletionRequest(GenerationRequest):
         return top
 
 
-class FunctionCall(BaseModel):
+class FunctionCall(WireModel):
+    omit_if_none = ("name", "arguments")  # a stream's later delta of a call carries its arguments only
     name: str | None = None
     arguments: str | None = None
 
@@ -79,7 +81,8 @@ class ToolCallModel(BaseModel):
     function: FunctionCall
 
 
-class DeltaToolCall(BaseModel):
+class DeltaToolCall(WireModel):
+    omit_if_none = ("id", "type")
     index: int
     id: str | None = None
     type: Literal["function"] | None = None
