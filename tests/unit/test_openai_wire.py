@@ -102,6 +102,13 @@ def test_null_means_the_default_in_every_request_field_that_has_one():
     options = ChatCompletionRequest(**required, stream=True, stream_options={"include_usage": None,
                                                                           "continuous_usage_stats": None})
     assert options.stream_usage() == (False, False)
+    # nested nulls too: a json_schema format's schema and strict, structured_outputs' keys
+    nested = ChatCompletionRequest(**required, response_format={"type": "json_schema", "json_schema": {
+        "name": "any", "schema": None, "strict": None, "description": None}})
+    assert json.loads(nested.structured()[0].json) == {"type": "object"}
+    keys = CompletionRequest(prompt="hi", structured_outputs={"regex": "[ab]", "json": None, "choice": None,
+                                                              "disable_any_whitespace": None})
+    assert keys.structured()[0].regex == "[ab]"
 
 
 def test_an_echoed_token_is_among_its_own_top_logprobs():

@@ -154,11 +154,12 @@ class GenerationRequest(NullMeansUnset):
             return StructuredOutputsParams(json_object=True)
         if kind == "json_schema":
             spec = value.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(spec, dict) or not isinstance(schema, (dict, bool, type(None))):
                 raise InvalidInputError("response_format json_schema must be an object with a 'schema' object",
                                         param=name)
-            # OpenAI's schema may be absent (any JSON object)
-            return StructuredOutputsParams(json=spec.get("schema", {"type": "object"}))
+            # OpenAI's schema may be absent or null (any JSON object)
+            return StructuredOutputsParams(json={"type": "object"} if schema is None else schema)
         raise InvalidInputError(f"response_format type must be text, json_object or json_schema, got {kind!r:.40}",
                                 param=name)
 
