@@ -3,11 +3,11 @@
 Role: errors (`RequestError` and OpenAI's error body), `GenerationRequest` — the sampling fields chat and
 text completions share, and the one mapping from them to `SamplingParams` — and the response parts both
 answer with (usage, logprobs). A request field with a default takes `null` as that default
-(`NullMeansUnset`); a response part may leave out its null fields (`WireModel`). Each endpoint's own request and response bodies live in its module
-(chat.py, completions.py, tokens.py, models.py). Unknown request fields are accepted and ignored (clients
-send fields such as `user` that change nothing), except the OpenAI features mmserve does not implement
-(`UNSUPPORTED_FIELDS`: audio, ...): set to anything but their neutral value, they are refused with a 400
-that names them.
+(`NullMeansUnset`); a response part may leave out its null fields (`WireModel`). Each endpoint's own
+request and response bodies live in its module (chat.py, completions.py, tokens.py, models.py). Unknown
+request fields are accepted and ignored (clients send fields such as `user` that change nothing), except
+the OpenAI features mmserve does not implement (`UNSUPPORTED_FIELDS`: audio, ...): set to anything but
+their neutral value, they are refused with a 400 that names them.
 What it does not know: the engine, media, HTTP routing, any one endpoint.
 """
 
