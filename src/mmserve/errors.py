@@ -6,7 +6,7 @@ raises `InvalidInputError` (a `ValueError`), never an error from deep inside tor
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 
@@ -42,3 +42,16 @@ def at_param(param: str) -> Iterator[None]:
 
 class ModelLoadError(RuntimeError):
     """A checkpoint directory cannot be turned into a model: missing files, names or shapes."""
+
+
+def out_of_vocabulary(token_ids: Iterable[int], vocab_size: int, shown: int | None = None) -> str | None:
+    """What to say of the ids in `token_ids` outside a vocabulary of `vocab_size` tokens, each named once
+    (the first `shown` of them, then how many more; None: all); None when every id is inside."""
+    outside = list(dict.fromkeys(t for t in token_ids if not 0 <= t < vocab_size))
+    if not outside:
+        return None
+    named = ", ".join(str(t) for t in outside[:shown])
+    if shown is not None and len(outside) > shown:
+        named += f" and {len(outside) - shown} more"
+    verb = "is" if len(outside) == 1 else "are"
+    return f"token id{'s' if len(outside) > 1 else ''} {named} {verb} out of vocabulary (size {vocab_size})"

@@ -226,13 +226,13 @@ def _normalise_logit_bias(bias: Mapping[int, float] | None) -> dict[int, float]:
     if bias is None:
         return {}
     _check(isinstance(bias, Mapping), f"logit_bias must map token ids to numbers, got {bias!r:.80}")
-    normalised = {}
-    for token_id, value in bias.items():
-        _check(_is_int(token_id) and token_id >= 0, f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
-        _check(_is_number(value) and LOGIT_BIAS_RANGE[0] <= value <= LOGIT_BIAS_RANGE[1],
-               f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token_id}")
-        normalised[token_id] = float(value)
-    return normalised
+    # every bad key is named, not just the first: a client fixes them all in one go
+    bad_keys = [k for k in bias if not (_is_int(k) and k >= 0)]
+    _check(not bad_keys, f"logit_bias keys must be token ids (integers >= 0), got {', '.join(map(repr, bad_keys))}")
+    bad_values = [k for k, v in bias.items() if not (_is_number(v) and LOGIT_BIAS_RANGE[0] <= v <= LOGIT_BIAS_RANGE[1])]
+    _check(not bad_values, "logit_bias values must be numbers in [-100, 100], got "
+           + ", ".join(f"{bias[k]!r} for token {k}" for k in bad_values))
+    return {token_id: float(value) for token_id, value in bias.items()}
 
 
 def _normalise_allowed(allowed: Sequence[int] | None) -> tuple[int, ...] | None:

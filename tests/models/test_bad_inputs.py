@@ -80,8 +80,10 @@ def test_processor_kwargs_change_processing(processor):
 
 
 def test_token_ids_outside_vocab(processor):
-    with pytest.raises(InvalidInputError, match="outside the vocabulary"):
-        processor.process(prompt_token_ids=[1, 2, 10**6])
+    vocab = processor.vocab_size
+    with pytest.raises(InvalidInputError, match=rf"prompt: token ids {10**6}, {vocab} are out of vocabulary "
+                                                rf"\(size {vocab}\)"):
+        processor.process(prompt_token_ids=[1, 10**6, 2, vocab, 10**6])
 
 
 def test_corrupt_image_in_chat_then_good_request(processor, img):

@@ -159,8 +159,10 @@ def test_penalties_bias_allowed_and_bad_words_against_a_reference(served_family,
 def test_token_ids_outside_the_vocabulary_are_refused(all_checkpoints):
     llm = LLM(str(all_checkpoints["qwen2_vl"]))
     vocab = llm.engine.spec.vocab_size
-    for field, value in (("logit_bias", {vocab: 1.0}), ("allowed_token_ids", [0, vocab + 3])):
-        with pytest.raises(InvalidInputError, match="outside the vocabulary") as raised:
+    for field, value, named in (("logit_bias", {vocab: 1.0, 3: 1.0, vocab + 7: 2.0}, f"ids {vocab}, {vocab + 7} are"),
+                                ("allowed_token_ids", [0, vocab + 3], f"id {vocab + 3} is")):
+        with pytest.raises(InvalidInputError, match=f"{field}: token {named} out of vocabulary \\(size {vocab}\\)"
+                           ) as raised:
             llm.generate(["Hello"], SamplingParams(**{field: value}), use_tqdm=False)
         assert raised.value.param == field
     assert llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids

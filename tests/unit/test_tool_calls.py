@@ -74,11 +74,33 @@ def test_forced_choice_tag_holds_the_tools(request_tools):
     tag = HERMES.structural_tag(forced)["format"]
     assert tag["stop_after_first"] and tag["at_least_one"]
     assert [t["begin"] for t in tag["tags"]] == ['<tool_call>\n{"name": "count", "arguments": ']
-    strict_rules = tag["tags"][0]["content"]["grammar"]
-    assert "color" in strict_rules  # strict: its parameters' schema
+    assert "color" in tag["tags"][0]["content"]["grammar"]  # its parameters' schema
     required = HERMES.structural_tag(parse_tools(TOOLS, "required", None))["format"]
     assert not required["stop_after_first"] and len(required["tags"]) == 2
-    assert "color" not in required["tags"][1]["content"]["grammar"]  # not strict: any object
+    assert "color" not in required["tags"][1]["content"]["grammar"]  # a tool without parameters: an empty object
+
+
+@pytest.mark.parametrize("strict", [False, None, "absent", "inside parameters"])
+def test_forced_calls_follow_the_schema_whatever_strict_says(strict):
+    """instructor's and LangChain's forced calls send no `strict` (or put it inside `parameters`, where it is no
+    schema keyword): the arguments are held to the schema all the same, as vLLM holds them."""
+    schema = {"type": "object", "properties": {"color": {"type": "string"}}, "required": ["color"]}
+    function = {"name": "count", "parameters": dict(schema)}
+    if strict == "inside parameters":
+        function["parameters"]["strict"] = True
+    elif strict != "absent":
+        function["strict"] = strict
+    tools = parse_tools([{"type": "function", "function": function}], "required", None)
+    assert tools.tools[0].parameters == schema  # `strict` is stripped from the schema, not compiled into it
+    assert "color" in HERMES.structural_tag(tools)["format"]["tags"][0]["content"]["grammar"]
+    from mmserve.engine.structured_outputs import json_schema_ebnf  # the grammar of the schema itself
+    assert json_schema_ebnf(tools.tools[0].parameters, "tools") == json_schema_ebnf(schema, "tools")
+
+
+def test_nullable_tool_fields_mean_their_defaults():
+    tools = parse_tools([{"type": "function", "function": {"name": "area", "parameters": None, "strict": None,
+                                                           "description": None}}], None, None)
+    assert tools.choice == "auto" and tools.tools[0].parameters == {"type": "object", "properties": {}}
 
 
 @pytest.mark.parametrize("tools, choice, param", [

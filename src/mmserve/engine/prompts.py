@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from mmserve.errors import InvalidInputError
+from mmserve.errors import InvalidInputError, out_of_vocabulary
 from mmserve.inputs.chat import require_unicode
 from mmserve.inputs.items import ProcessedPrompt
 from mmserve.inputs.media import VideoFrames
@@ -130,7 +130,5 @@ def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
     """Token ids a request names must be in the model's vocabulary."""
     for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or ()),
                       ("stop_token_ids", params.stop_token_ids)):
-        outside = [t for t in ids if t >= vocab_size]
-        if outside:
-            raise InvalidInputError(f"{name} names token id {outside[0]}, outside the vocabulary "
-                                    f"(ids 0..{vocab_size - 1})", param=name)
+        if message := out_of_vocabulary(ids, vocab_size):
+            raise InvalidInputError(f"{name}: {message}", param=name)

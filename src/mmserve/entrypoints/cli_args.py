@@ -234,7 +234,7 @@ def _add_http_flags(http: argparse._ArgumentGroup) -> None:
                       help="accepted for vLLM compatibility: tool_choice auto is always enabled")
     http.add_argument("--reasoning-parser", default=None, metavar="NAME",
                       help="accepted for vLLM compatibility: a chat template that thinks (<think>...</think>) has "
-                           "its thought returned as reasoning_content, and grammars apply after it, whatever the name")
+                           "its thought returned as reasoning (and reasoning_content), and grammars apply after it, whatever the name")
     http.add_argument("--root-path", default="", metavar="PATH",
                       help="the path prefix a proxy serves the API under, e.g. /llm: every route answers with "
                            "and without it (/llm/v1/models and /v1/models; default: none)")

@@ -18,7 +18,6 @@ from mmserve.inputs.items import IMAGE, VIDEO
 
 IMAGE_PART_TYPES = ("image_url", "image_pil", "image")
 VIDEO_PART_TYPES = ("video", "video_frames", "video_url")
-ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's; others are refused
 
 
 @dataclass
@@ -50,12 +49,14 @@ def normalize_messages(messages: list[dict[str, Any]], media: ChatInput) -> list
 
 
 def check_message(message: Any, where: str) -> str:
-    """The role of `message` (the one at `where`), which must be an object with one of OpenAI's roles."""
+    """The role of `message` (the one at `where`), which must be an object with a role. Any role is passed
+    to the chat template, as transformers and vLLM pass it (a template renders custom roles such as
+    `ipython` or `observation`, or refuses them itself)."""
     if not isinstance(message, dict) or "role" not in message:
         raise InvalidInputError(f"{where} must be an object with a 'role', got {message!r:.80}", param=where)
     role = message["role"]
-    if role not in ROLES:
-        raise InvalidInputError(f"{where}.role {role!r:.40} is not one of {', '.join(ROLES)}", param=f"{where}.role")
+    if not isinstance(role, str) or not role:
+        raise InvalidInputError(f"{where}.role must be a non-empty string, got {role!r:.40}", param=f"{where}.role")
     return role
 
 

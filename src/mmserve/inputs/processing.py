@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from mmserve.errors import InvalidInputError, at_param
+from mmserve.errors import InvalidInputError, at_param, out_of_vocabulary
 from mmserve.inputs.chat import ChatInput, normalize_messages
 from mmserve.inputs.frame_sampling import SAMPLING_KWARG, check_fps, check_sampling
 from mmserve.inputs.hashing import hash_item
@@ -355,10 +355,8 @@ class MultimodalProcessor:
         return ids, items
 
     def _finish(self, prompt: str | None, token_ids: list[int], items: list[MMItem]) -> ProcessedPrompt:
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidInputError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}",
-                                    param="prompt")
+        if message := out_of_vocabulary(token_ids, self.vocab_size, shown=10):
+            raise InvalidInputError(f"prompt: {message}", param="prompt")
         ids = np.asarray(token_ids, dtype=np.int64)
         if not self.fuses_rows:
             return self._finish_cross_attention(prompt, token_ids, items)

@@ -3,9 +3,10 @@
 Role: the chat request (messages, tools, logprobs as chat asks for them) and its answer and stream
 chunks; `ChatServing` resolves the messages' media (on a worker thread), renders the chat template (the
 request's tools included), submits the prompt through the shared core (serving.py), and answers with the
-message — its thought apart as `reasoning_content` where the template thinks, its tool calls parsed out
-where the request has tools — or a stream of deltas (the role first, then content, calls whole once their
-end arrives, then the finish reason).
+message — its thought apart as `reasoning` (and `reasoning_content`, the same) where the template thinks, its
+tool calls parsed out where the request has tools — or a stream of deltas as vLLM sends them (the role
+first, then content, calls whole once their end arrives, the finish reason on the last; null fields left
+out).
 What it does not know: the engine behind the client, routing beyond its own route, authentication.
 """
 
@@ -27,10 +28,11 @@ from mmserve.entrypoints.openai.protocol import (
     PromptLogprobs,
     RequestError,
     Usage,
+    WireModel,
 )
 from mmserve.entrypoints.openai.reasoning import opens_thought, split
 from mmserve.entrypoints.openai.serving import OpenAIServing
-from mmserve.entrypoints.openai.streaming import StreamCursor, usage_of
+from mmserve.entrypoints.openai.streaming import StreamCursor, choice_usage, usage_of
 from mmserve.entrypoints.openai.tools import ToolFormat, ToolRequest, parse_tools, tool_format
 from mmserve.errors import InvalidInputError
 from mmserve.inputs.chat_template import thinks
@@ -67,7 +69,8 @@ class ChatCompletionRequest(GenerationRequest):
         return top
 
 
-class FunctionCall(BaseModel):
+class FunctionCall(WireModel):
+    omit_if_none = ("name", "arguments")  # a stream's later delta of a call carries its arguments only
     name: str | None = None
     arguments: str | None = None
 
@@ -78,18 +81,21 @@ class ToolCallModel(BaseModel):
     function: FunctionCall
 
 
-class DeltaToolCall(BaseModel):
+class DeltaToolCall(WireModel):
+    omit_if_none = ("id", "type")
     index: int
     id: str | None = None
     type: Literal["function"] | None = None
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(WireModel):
+    omit_if_none = ("tool_calls",)
     role: Literal["assistant"] = "assistant"
     content: str | None
-    reasoning_content: str | None = None  # a thinking model's thought (vLLM's field)
-    tool_calls: list[ToolCallModel] = Field(default_factory=list)
+    reasoning: str | None = None  # a thinking model's thought (vLLM's field)
+    reasoning_content: str | None = None  # the same thought under vLLM's older name, which clients still read
+    tool_calls: list[ToolCallModel] | None = None  # left out where there is no call, as vLLM does
 
 
 class ChatChoice(BaseModel):
@@ -111,14 +117,19 @@ class ChatCompletionResponse(BaseModel):
     prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(WireModel):
+    """One chunk's change to the message: only what it carries is sent (as vLLM's deltas)."""
+
+    omit_if_none = ("role", "content", "reasoning", "reasoning_content", "tool_calls")
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(WireModel):
+    omit_if_none = ("token_ids",)
     index: int = 0
     delta: DeltaMessage
     finish_reason: str | None = None
@@ -126,7 +137,8 @@ class ChatChunkChoice(BaseModel):
     token_ids: list[int] | None = None  # with return_token_ids: the tokens new in this chunk
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(WireModel):
+    omit_if_none = ("usage", "prompt_token_ids")
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -203,16 +215,17 @@ class ChatServing:
     def _message(completion: CompletionOutput, tools: tuple[ToolRequest, ToolFormat] | None,
                  in_thought: bool | None = None) -> tuple[ChatMessage, str | None]:
         """The choice's message (its thought apart, its calls parsed out, where the request has tools) and
-        finish reason."""
+        finish reason. A forced choice (required, named) has content "" rather than null, as vLLM answers."""
         reasoning, text = (None, completion.text) if in_thought is None else split(completion.text, in_thought)
+        thought = {"reasoning": reasoning, "reasoning_content": reasoning}
         if tools is None or tools[0].choice == "none":
-            return ChatMessage(content=text, reasoning_content=reasoning), completion.finish_reason
+            return ChatMessage(content=text, **thought), completion.finish_reason
         content, calls = tools[1].parse(text, tools[0])
         if not calls:
-            return ChatMessage(content=text, reasoning_content=reasoning), completion.finish_reason
-        message = ChatMessage(content=content, reasoning_content=reasoning, tool_calls=[
+            return ChatMessage(content=text, **thought), completion.finish_reason
+        message = ChatMessage(content=content or ("" if tools[0].forced else None), **thought, tool_calls=[
             ToolCallModel(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls])
-        return message, "tool_calls" if completion.finish_reason == "stop" else completion.finish_reason
+        return message, tool_finish_reason(completion.finish_reason, tools[0])
 
     async def create(self, body: ChatCompletionRequest, raw: Request) -> Any:
         """Answer one chat request: a JSON response, or a stream of chunks with `stream`."""
@@ -255,14 +268,34 @@ class ChatServing:
     def _chunks(request_id: str, model: str, include_usage: bool, cursor: StreamCursor,
                 output: RequestOutput) -> list[BaseModel]:
         """The chunks of the choice this output moved (`delta_index`): its role first, as OpenAI's
-        stream has it, then its text and logprobs, then its finish reason; the usage after the last."""
+        stream has it, then its text and logprobs, the finish reason on the chunk with the last of them
+        (as vLLM sends it); the usage after the last."""
         completion = output.outputs[output.delta_index]
         index = completion.index
-        choices = []
+        no_ids = [] if cursor.return_token_ids else None
         first = cursor.first_chunk(index)
-        if first:
-            choices.append(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""),
-                                           token_ids=[] if cursor.return_token_ids else None))
+        # (choice, completion tokens its usage counts): the role chunk counts none, as vLLM's
+        choices = [(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""), token_ids=no_ids),
+                    0)] if first else []
+        deltas, finish_reason = ChatServing._deltas(cursor, output, completion)
+        if cursor.finishes(completion):
+            deltas = deltas or [ChatChunkChoice(index=index, delta=DeltaMessage(), token_ids=no_ids)]
+            deltas[-1].finish_reason = finish_reason
+        choices += [(c, len(completion.token_ids)) for c in deltas]
+        out = [ChatCompletionChunk(id=request_id, model=model, choices=[c],
+                                   usage=choice_usage(output, counted) if cursor.continuous_usage else None,
+                                   prompt_token_ids=cursor.prompt_ids(output, first and i == 0))
+               for i, (c, counted) in enumerate(choices)]
+        if output.finished and include_usage:
+            out.append(ChatCompletionChunk(id=request_id, model=model, choices=[], usage=usage_of(output)))
+        return out
+
+    @staticmethod
+    def _deltas(cursor: StreamCursor, output: RequestOutput, completion: CompletionOutput,
+                ) -> tuple[list[ChatChunkChoice], str | None]:
+        """The choice's new text (its thought as reasoning), logprobs and whole tool calls as chunk choices,
+        and its finish reason (tool_calls where a call was made and the choice was not named)."""
+        index = completion.index
         token_ids, entries = cursor.take(completion)
         new_ids = cursor.take_ids(completion)
         text, calls, finish_reason = output.delta_text, [], completion.finish_reason
@@ -274,27 +307,26 @@ class ChatServing:
         if cursor.tools is not None:  # content until a call may begin; each call whole once its end arrives
             stream = cursor.tool_stream(index)
             text, calls = stream.update(answer, finished)
-            if stream.calls and finish_reason == "stop":
-                finish_reason = "tool_calls"
+            if stream.calls:
+                finish_reason = tool_finish_reason(finish_reason, cursor.tools[0])
+        choices = []
         if text or thought or entries or new_ids:
             logprobs = chat_logprobs(token_ids, entries, cursor.num_logprobs) if entries else None
-            delta = DeltaMessage(content=text, reasoning_content=thought or None)
+            delta = DeltaMessage(content=None if thought and not text else text, reasoning=thought or None,
+                                 reasoning_content=thought or None)
             choices.append(ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, token_ids=new_ids))
         for i, call in calls:  # id and name first, then the arguments, as OpenAI streams them
             for delta in (DeltaToolCall(index=i, id=call.id, type="function",
                                         function=FunctionCall(name=call.name, arguments="")),
                           DeltaToolCall(index=i, function=FunctionCall(arguments=call.arguments))):
                 choices.append(ChatChunkChoice(index=index, delta=DeltaMessage(tool_calls=[delta])))
-        if cursor.finishes(completion):
-            choices.append(ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason=finish_reason,
-                                           token_ids=[] if cursor.return_token_ids else None))
-        usage = usage_of(output) if cursor.continuous_usage else None
-        out = [ChatCompletionChunk(id=request_id, model=model, choices=[c], usage=usage,
-                                   prompt_token_ids=cursor.prompt_ids(output, first and i == 0))
-               for i, c in enumerate(choices)]
-        if output.finished and include_usage:
-            out.append(ChatCompletionChunk(id=request_id, model=model, choices=[], usage=usage_of(output)))
-        return out
+        return choices, finish_reason
+
+
+def tool_finish_reason(finish_reason: str | None, tools: ToolRequest) -> str | None:
+    """A choice that called a tool ends with `tool_calls` (OpenAI's and vLLM's rule), except a named
+    choice, which ends with `stop`; a cut-off choice keeps `length`."""
+    return "tool_calls" if finish_reason == "stop" and tools.choice != "named" else finish_reason
 
 
 def chat_router(serving: OpenAIServing) -> APIRouter:

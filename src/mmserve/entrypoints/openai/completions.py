@@ -31,7 +31,7 @@ from mmserve.entrypoints.openai.protocol import (
     Usage,
 )
 from mmserve.entrypoints.openai.serving import OpenAIServing
-from mmserve.entrypoints.openai.streaming import StreamCursor, usage_of
+from mmserve.entrypoints.openai.streaming import StreamCursor, choice_usage, usage_of
 from mmserve.errors import at_param
 from mmserve.inputs.items import ProcessedPrompt
 from mmserve.outputs import RequestOutput
@@ -258,7 +258,8 @@ class CompletionServing:
             choice = CompletionChoice(index=index, text=echoed + output.delta_text, finish_reason=finish,
                                       logprobs=logprobs, token_ids=new_ids, prompt_token_ids=cursor.prompt_ids(output, first))
             out.append(CompletionResponse(id=request_id, model=model, choices=[choice],
-                                          usage=usage_of(output) if cursor.continuous_usage else None))
+                                          usage=choice_usage(output, len(completion.token_ids))
+                                          if cursor.continuous_usage else None))
         if output.finished and include_usage:
             out.append(CompletionResponse(id=request_id, model=model, choices=[], usage=usage_of(output)))
         return out

@@ -59,7 +59,9 @@ def completion_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Lo
         out.tokens.append(_text(sampled))
         out.token_logprobs.append(_wire(sampled.logprob))
         top = {_text(lp): _wire(lp.logprob) for lp in _top(entry, k)}
-        top.setdefault(_text(sampled), _wire(sampled.logprob))
+        # the token itself is always among its position's top logprobs (OpenAI's k + 1), with its own logprob
+        # even where another token of the k decodes to the same text (a prompt token echoed, a byte piece)
+        top[_text(sampled)] = _wire(sampled.logprob)
         out.top_logprobs.append(top)
         out.text_offset.append(text_offset)
         text_offset += len(_text(sampled))

@@ -2,11 +2,12 @@
 
 Role: errors (`RequestError` and OpenAI's error body), `GenerationRequest` — the sampling fields chat and
 text completions share, and the one mapping from them to `SamplingParams` — and the response parts both
-answer with (usage, logprobs). Each endpoint's own request and response bodies live in its module
-(chat.py, completions.py, tokens.py, models.py). Unknown request fields are accepted and ignored (clients
-send fields such as `user` that change nothing), except the OpenAI features mmserve does not implement
-(`UNSUPPORTED_FIELDS`: audio, ...): set to anything but their neutral value, they are refused with a 400
-that names them.
+answer with (usage, logprobs). A request field with a default takes `null` as that default
+(`NullMeansUnset`); a response part may leave out its null fields (`WireModel`). Each endpoint's own
+request and response bodies live in its module (chat.py, completions.py, tokens.py, models.py). Unknown
+request fields are accepted and ignored (clients send fields such as `user` that change nothing), except
+the OpenAI features mmserve does not implement (`UNSUPPORTED_FIELDS`: audio, ...): set to anything but
+their neutral value, they are refused with a 400 that names them.
 What it does not know: the engine, media, HTTP routing, any one endpoint.
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from mmserve.errors import InvalidInputError
 from mmserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -41,7 +42,21 @@ class ErrorResponse(BaseModel):
 
 
 # ---- requests -------------------------------------------------------------------------------------
-class StreamOptions(BaseModel):
+class NullMeansUnset(BaseModel):
+    """A request body in which an explicit `null` for a field with a default means the default, as OpenAI
+    and vLLM document their nullable fields (clients such as LangChain send `"n": null`). A required
+    field's null stays an error naming it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        defaulted = {name for name, f in cls.model_fields.items() if not f.is_required()}
+        return {k: v for k, v in data.items() if not (v is None and k in defaulted)}
+
+
+class StreamOptions(NullMeansUnset):
     model_config = ConfigDict(extra="allow")
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk
@@ -64,7 +79,7 @@ INT64_RANGE = (-(2**63), 2**63)  # OpenAI's seed
 UNSUPPORTED_HINTS = {"best_of": ": ask for n choices instead (vLLM removed best_of too)"}
 
 
-class GenerationRequest(BaseModel):
+class GenerationRequest(NullMeansUnset):
     """Fields shared by chat and text completions (vLLM's extensions included)."""
 
     model_config = ConfigDict(extra="allow")
@@ -139,11 +154,12 @@ class GenerationRequest(BaseModel):
             return StructuredOutputsParams(json_object=True)
         if kind == "json_schema":
             spec = value.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(spec, dict) or not isinstance(schema, (dict, bool, type(None))):
                 raise InvalidInputError("response_format json_schema must be an object with a 'schema' object",
                                         param=name)
-            # OpenAI's schema may be absent (any JSON object)
-            return StructuredOutputsParams(json=spec.get("schema", {"type": "object"}))
+            # OpenAI's schema may be absent or null (any JSON object)
+            return StructuredOutputsParams(json={"type": "object"} if schema is None else schema)
         raise InvalidInputError(f"response_format type must be text, json_object or json_schema, got {kind!r:.40}",
                                 param=name)
 
@@ -166,12 +182,15 @@ class GenerationRequest(BaseModel):
     def _logit_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:
             return None
-        bias = {}
+        bias, bad = {}, []
         for key, value in self.logit_bias.items():
             try:
                 bias[int(key)] = value
             except ValueError:
-                raise RequestError(f"logit_bias keys must be token ids, got {key!r:.40}", param="logit_bias") from None
+                bad.append(key)
+        if bad:  # every bad key named, not just the first
+            raise RequestError(f"logit_bias keys must be token ids, got {', '.join(repr(k[:40]) for k in bad)}",
+                               param="logit_bias")
         return bias
 
     def sampling_params(self, max_model_len: int, num_prompt_tokens: int) -> SamplingParams:
@@ -213,16 +232,30 @@ class GenerationRequest(BaseModel):
         except InvalidInputError as exc:
             raise RequestError(str(exc), param=exc.param) from exc
 
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
-
-    @property
-    def continuous_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+    def stream_usage(self, force: bool = False) -> tuple[bool, bool]:
+        """(a usage chunk ends the stream, every chunk carries the usage so far), as vLLM decides them:
+        `include_usage` (or the server's `force`) for the first; the second only with the first."""
+        options = self.stream_options
+        include = force or bool(options and options.include_usage)
+        return include, include and bool(options and options.continuous_usage_stats)
 
 
 # ---- responses ------------------------------------------------------------------------------------
+class WireModel(BaseModel):
+    """A response part whose fields in `omit_if_none` are left out, not sent as null, when unset (as vLLM
+    leaves them out of its stream chunks)."""
+
+    omit_if_none: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_nones(self, handler: Any) -> Any:
+        data = handler(self)
+        for name in self.omit_if_none:
+            if data.get(name) is None:
+                data.pop(name, None)
+        return data
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens served from the KV prefix cache
     # extensions: media items in the prompt, and of those, the ones whose encoder output came from the

@@ -58,6 +58,7 @@ class ServerConfig:
     request_id_headers: bool = False  # answer with X-Request-Id
     root_path: str = ""  # the prefix a proxy serves the app under
     tokenizer_info: bool = False  # GET /tokenizer_info (vLLM's; off by default: it shows the chat template)
+    force_include_usage: bool = False  # every stream ends with its usage, asked or not (vLLM's flag)
 
 
 def raise_if_failed(output: RequestOutput) -> None:
@@ -179,8 +180,9 @@ class OpenAIServing:
         """Finish one submitted request: server-sent events rendered by `chunks`, or the answer built by
         `whole`."""
         if body.stream:
-            render = partial(chunks, request_id, model, body.include_usage,
-                             StreamCursor(body.requested_logprobs(), echo, body.continuous_usage, self.names,
+            include_usage, continuous_usage = body.stream_usage(self.config.force_include_usage)
+            render = partial(chunks, request_id, model, include_usage,
+                             StreamCursor(body.requested_logprobs(), echo, continuous_usage, self.names,
                                           body.return_token_ids, tools, in_thought=in_thought))
             return StreamingResponse(stream_events(first, outputs, render), media_type="text/event-stream")
         final = first if first.finished else await unless_disconnected(last_output(outputs), raw)

@@ -51,6 +51,14 @@ def usage_of(output: RequestOutput) -> Usage:
                      prefix_cached_mm_items=output.num_prefix_cached_mm_items))
 
 
+def choice_usage(output: RequestOutput, num_completion_tokens: int) -> Usage:
+    """The usage so far that a stream chunk carries with continuous_usage_stats: the prompt and the
+    tokens of the chunk's choice so far (as vLLM counts them: its role chunk, none)."""
+    prompt = len(output.prompt_token_ids)
+    return Usage(prompt_tokens=prompt, completion_tokens=num_completion_tokens,
+                 total_tokens=prompt + num_completion_tokens)
+
+
 @dataclass
 class StreamCursor:
     """What a stream has sent of each choice: its role chunk, its logprob entries (each chunk carries the

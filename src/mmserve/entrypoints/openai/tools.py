@@ -5,7 +5,8 @@ Role: `parse_tools` validates `tools` / `tool_choice` / `parallel_tool_calls` in
 Hermes' `<tool_call>{"name": ..., "arguments": ...}</tool_call>`, which the bundled demo model's template
 and Qwen2.5/Qwen3's render); `ToolFormat.parse` splits a finished answer into content and calls (text that
 only looks like a call stays content); `ToolFormat.structural_tag` is the xgrammar structural tag that makes
-`required` and named choices always parse and match the tool's parameters; `ToolCallStream` turns a
+`required` and named choices always parse and match the tool's parameters (whatever `strict` says, as
+vLLM constrains them); `ToolCallStream` turns a
 growing answer into content deltas and whole-call deltas for streaming.
 What it does not know: the engine, HTTP, sampling, pictures.
 """
@@ -26,8 +27,9 @@ from mmserve.errors import InvalidInputError
 @dataclass(frozen=True)
 class ToolSpec:
     name: str
-    parameters: dict[str, Any]  # a JSON schema of the arguments object
-    strict: bool  # arguments are held to `parameters` by the grammar (else: any JSON object)
+    # a JSON schema of the arguments object, which a forced call's arguments are held to (OpenAI's
+    # `strict` changes nothing here: a forced call is always held to it, as vLLM holds it)
+    parameters: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -79,13 +81,14 @@ def parse_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> ToolR
         if name in names:
             raise InvalidInputError(f"{where}: two tools are named {name!r}", param=where)
         names.add(name)
-        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        parameters = function.get("parameters")
+        parameters = {"type": "object", "properties": {}} if parameters is None else parameters
         if not isinstance(parameters, dict):
             raise InvalidInputError(f"{where}.function.parameters must be a JSON schema object", param=where)
-        strict = function.get("strict", False)
-        if not isinstance(strict, bool):
-            raise InvalidInputError(f"{where}.function.strict must be true or false", param=where)
-        specs.append(ToolSpec(name, parameters, strict))
+        if function.get("strict") is not None and not isinstance(function["strict"], bool):
+            raise InvalidInputError(f"{where}.function.strict must be true, false or null", param=where)
+        # `strict` written inside the schema (a common slip) is no JSON-schema keyword: not a constraint
+        specs.append(ToolSpec(name, {k: v for k, v in parameters.items() if k != "strict"}))
     choice, named = tool_choice if tool_choice is not None else "auto", None
     if isinstance(choice, dict):
         function = choice.get("function")
@@ -144,11 +147,10 @@ class ToolFormat:
 
     def structural_tag(self, tools: ToolRequest) -> dict[str, Any]:
         """xgrammar's structural tag for a forced choice: one call (or, with parallel_tool_calls, one or
-        more) of the forced tools, arguments held to a strict tool's parameters (else any object), with
-        no free whitespace (a small model pads forever)."""
+        more) of the forced tools, arguments held to the tool's parameters, with no free whitespace (a
+        small model pads forever)."""
         tags = [{"type": "tag", "begin": self.begin + json.dumps({"name": t.name})[:-1] + ', "arguments": ',
-                 "content": {"type": "grammar", "grammar": json_schema_ebnf(
-                     t.parameters if t.strict else {"type": "object"}, "tools")},
+                 "content": {"type": "grammar", "grammar": json_schema_ebnf(t.parameters, "tools")},
                  "end": "}" + self.end} for t in tools.forced]
         return {"type": "structural_tag", "format": {"type": "tags_with_separator", "tags": tags,
                                                       "separator": self.separator, "at_least_one": True,
