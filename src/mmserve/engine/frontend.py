@@ -6,22 +6,47 @@ structured-output compiler, and process prompts and chats with them. The engine 
 API server in front of many replicas holds one of its own, so that it processes, hashes and routes
 a request before any replica sees it. `max_model_len` is the engine's (it depends on the KV cache):
 the engine sets it, and a server in front of replicas takes the one they report.
+It also holds the sampling defaults of the checkpoint's generation_config.json (`default_sampling`).
 What it does not know: weights, the KV cache, scheduling, requests.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from mmserve.config import EngineConfig
+from mmserve.config import EngineConfig, resolve_model
+from mmserve.engine.generation_defaults import generation_defaults
 from mmserve.engine.prompts import parse_prompt
 from mmserve.engine.structured_outputs import StructuredOutputs
+from mmserve.inputs.chat_template import read_chat_template_arg
 from mmserve.inputs.items import ProcessedPrompt
+from mmserve.inputs.tokenizer import TextTokenizer
 from mmserve.models.loader import generation_eos_ids, read_config
 from mmserve.models.registry import resolve
+
+logger = logging.getLogger("mmserve.engine")
+_said_no_remote_code = False  # trust_remote_code is answered once per process
+
+
+def _text_tokenizer(config: EngineConfig) -> TextTokenizer | None:
+    """The tokenizer of vLLM's --tokenizer / --chat-template (None: the model's own, as found there)."""
+    if config.tokenizer is None and config.chat_template is None:
+        return None
+    directory = resolve_model(config.tokenizer) if config.tokenizer else config.model
+    template = read_chat_template_arg(config.chat_template) if config.chat_template is not None else None
+    return TextTokenizer(directory, chat_template=template)
+
+
+def _answer_trust_remote_code(config: EngineConfig) -> None:
+    global _said_no_remote_code
+    if config.trust_remote_code and not _said_no_remote_code:
+        _said_no_remote_code = True
+        logger.info("trust_remote_code: accepted, but mmserve runs no code from a checkpoint (its model "
+                    "families are built in)")
 
 
 class Frontend:
@@ -31,7 +56,9 @@ class Frontend:
         family = resolve(raw)
         model_config = family.parse_config(raw) if model_config is None else model_config
         self.config = config
-        self.processor = family.processor_class(Path(config.model), model_config, config.media)
+        _answer_trust_remote_code(config)
+        self.processor = family.processor_class(Path(config.model), model_config, config.media,
+                                                tokenizer=_text_tokenizer(config))
         self.spec = family.build_spec(model_config, self.processor, config.media)
         eos = set(self.spec.eos_token_ids) | set(generation_eos_ids(config.model))
         if self.processor.tokenizer.eos_token_id is not None:
@@ -39,6 +66,8 @@ class Frontend:
         self.eos_token_ids = tuple(sorted(eos))
         self.structured = StructuredOutputs(self.processor.tokenizer, self.spec.vocab_size, self.eos_token_ids)
         self.max_model_len: int | None = None
+        # SamplingParams field -> the checkpoint's default, for a request that leaves the field unset
+        self.default_sampling: dict[str, Any] = generation_defaults(config.model, config.generation_config)
 
     def process(self, raw_prompt: Any, mm_processor_kwargs: dict[str, Any] | None = None,
                 item_params: dict[str, list[str]] | None = None) -> ProcessedPrompt:

@@ -32,6 +32,7 @@ from mmserve.entrypoints.openai.chat import chat_router
 from mmserve.entrypoints.openai.completions import completions_router
 from mmserve.entrypoints.openai.health import health_router, stats_router
 from mmserve.entrypoints.openai.http_errors import install_error_handlers
+from mmserve.entrypoints.openai.load import LoadCounter, ServerLoad, load_router
 from mmserve.entrypoints.openai.metrics import ServerMetrics
 from mmserve.entrypoints.openai.models import models_router
 from mmserve.entrypoints.openai.protocol import RequestError
@@ -96,8 +97,12 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
             response = await call_next(request)
             response.headers["X-Request-Id"] = request_id
             return response
+    load = LoadCounter()
+    if config.server_load_tracking:  # vLLM's --enable-server-load-tracking; GET /load answers either way
+        app.add_middleware(ServerLoad, counter=load)
     install_error_handlers(app)
     _include_routes(app, serving, metrics)
+    app.include_router(load_router(load))
     return app
 
 
