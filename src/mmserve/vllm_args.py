@@ -221,13 +221,15 @@ def translate_engine_kwargs(kwargs: Mapping[str, Any], engine_names: set[str]) -
     out: dict[str, Any] = {}
     for key, value in kwargs.items():
         row = BY_NAME.get(key)
-        if key in engine_names or row is None or row.support is Support.WORKS:
+        if key in engine_names or row is None:
             out[key] = value
-        elif row.support is Support.ALIAS and row.target in engine_names:
-            out[row.target] = value
         elif row.server_only:
             raise InvalidInputError(f"{key} is a server flag ({row.flag} of `mmserve serve`), not an engine "
                                     "argument", param=key, setting=key)
+        elif row.support is Support.WORKS:
+            out[key] = value
+        elif row.support is Support.ALIAS and row.target in engine_names:
+            out[row.target] = value
         else:
             check_accepted(row, value)
     return out

@@ -5,6 +5,7 @@ apply where a request leaves a field unset (vLLM's `--generation-config auto`)."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -89,3 +90,43 @@ def test_min_tokens_bans_stop_token_ids_until_reached(all_checkpoints):
     got = _greedy(llm, chat, min_tokens=4, stop_token_ids=[stop])
     assert got == ids
     assert stop not in got[:4]
+
+
+def _server(llm, **server_config):
+    from fastapi.testclient import TestClient
+
+    from mmserve.engine.async_engine import AsyncEngine
+    from mmserve.entrypoints.openai.media import MediaRules
+    from mmserve.entrypoints.openai.server import build_app
+    from mmserve.entrypoints.openai.serving import ServerConfig
+
+    config = ServerConfig("m", MediaRules(llm.engine.config.media), **server_config)
+    return TestClient(build_app(AsyncEngine(llm.engine), config))
+
+
+def test_generation_config_sampling_defaults_apply_where_a_request_leaves_them_unset(all_checkpoints, tmp_path):
+    """A checkpoint whose generation_config.json sets repetition_penalty 1.8: a greedy request that leaves
+    repetition_penalty unset answers as transformers' generate (which applies the file's), offline through
+    get_default_sampling_params and on the server; an explicit value wins; --generation-config vllm drops
+    the defaults."""
+    family = "qwen2_vl"
+    model_dir = _with_generation_config(all_checkpoints[family], tmp_path, repetition_penalty=1.8)
+    chat = parity_workload(family)[0]
+    expected = _reference_ids(model_dir, family, chat, max_new_tokens=NUM_TOKENS, min_new_tokens=NUM_TOKENS)
+    plain = _greedy(LLM(str(model_dir), generation_config="vllm"), chat, min_tokens=NUM_TOKENS)
+    assert plain != expected, "the penalty changes nothing on this prompt: the test could not fail"
+    llm = LLM(str(model_dir))
+    defaults = llm.get_default_sampling_params()
+    assert defaults.repetition_penalty == 1.8
+    assert LLM(str(model_dir), generation_config="vllm").get_default_sampling_params() == SamplingParams()
+    greedy = dataclasses.replace(defaults, temperature=0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS)
+    assert llm.chat([chat], greedy, use_tqdm=False)[0].outputs[0].token_ids == expected
+    body = {"model": "m", "messages": chat, "temperature": 0, "max_tokens": NUM_TOKENS, "min_tokens": NUM_TOKENS,
+            "return_token_ids": True}
+    with _server(llm) as client:
+        unset = client.post("/v1/chat/completions", json=body)
+        explicit = client.post("/v1/chat/completions", json={**body, "repetition_penalty": 1.0})
+    assert unset.status_code == 200 and explicit.status_code == 200, unset.text + explicit.text
+    assert unset.json()["choices"][0]["token_ids"] == expected
+    assert explicit.json()["choices"][0]["token_ids"] == plain
+    llm.check_integrity()
