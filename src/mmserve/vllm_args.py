@@ -68,7 +68,7 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
             "and the chat template, instead of the model's", example=("tok",)),
     VllmArg("revision", W, "the repository's branch, tag or commit", server_only=True, example=("v1",)),
     VllmArg("tokenizer_revision", NO, "give the tokenizer's files as a directory with --tokenizer DIR"),
-    VllmArg("trust_remote_code", OK, "accepted: mmserve runs no code from the checkpoint (its families are "
+    VllmArg("trust_remote_code", OK, "mmserve runs no code from the checkpoint (its families are "
             "built in); logged once", switch=True),
     VllmArg("download_dir", NO, "downloads go to Hugging Face's cache; set HF_HUB_CACHE (or HF_HOME)"),
     VllmArg("load_format", OK, "safetensors weights", accepted_values=("auto", "safetensors")),
@@ -249,6 +249,23 @@ def resolve_dtype(dtype: str, model_dir: str, device: str) -> str:
     if stored not in ("float32", "bfloat16", "float16"):
         stored = "float32"
     return "float16" if stored == "float32" and device.startswith("cuda") else stored
+
+
+DOCS_INTRO = """# vLLM's flags in mmserve
+
+`mmserve serve` takes the flags a user of `vllm serve` passes, and `LLM(...)` the same engine arguments.
+Each one either works with vLLM's meaning (*works*), is vLLM's name for an mmserve flag (*alias*), is
+accepted for the values that mean what mmserve does anyway (*accepted*; any other value stops start-up),
+or stops start-up with the reason and what to use instead (*refused*). None is accepted and ignored.
+A vLLM flag not listed here is not known to mmserve either (argparse names it).
+
+This page is generated from `src/mmserve/vllm_args.py` (`python -c "import mmserve.vllm_args as a; print(a.docs_page(), end='')" > docs/vllm-flags.md`);
+a test keeps the two equal.
+"""
+
+
+def docs_page() -> str:
+    return f"{DOCS_INTRO}\n{markdown_table()}\n"
 
 
 def markdown_table() -> str:

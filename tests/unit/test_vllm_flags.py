@@ -7,17 +7,19 @@ reads the same table."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import torch
 
-from mmserve.config import TOP_LEVEL_ARGS, EngineConfig
+from mmserve.config import TOP_LEVEL_ARGS, CacheConfig, EngineConfig
 from mmserve.engine.generation_defaults import generation_defaults, with_defaults
-from mmserve.engine.sizing import resolve_max_model_len
+from mmserve.engine.sizing import resolve_max_model_len, resolve_num_kv_blocks
 from mmserve.entrypoints import cli, cli_args
 from mmserve.envs import ALLOW_LONG_MAX_MODEL_LEN, VLLM_ALLOW_LONG_MAX_MODEL_LEN
 from mmserve.errors import InvalidInputError
 from mmserve.sampling_params import SamplingParams
-from mmserve.vllm_args import BY_NAME, VLLM_ARGS, Support, markdown_table, resolve_dtype
+from mmserve.vllm_args import BY_NAME, VLLM_ARGS, Support, docs_page, markdown_table, resolve_dtype
 
 ROWS = {row.name: row for row in VLLM_ARGS}
 
@@ -158,3 +160,23 @@ def test_generation_defaults_fill_only_what_a_request_left_unset(tmp_path):
     # max_new_tokens only lowers the room a request has, never under its min_tokens
     assert with_defaults(SamplingParams(max_tokens=5), ["max_tokens"], defaults).max_tokens == 5
     assert with_defaults(SamplingParams(max_tokens=50, min_tokens=20), ["max_tokens"], defaults).max_tokens == 20
+
+
+def test_the_docs_page_is_the_table():
+    page = (Path(__file__).resolve().parents[2] / "docs" / "vllm-flags.md").read_text()
+    assert page == docs_page(), "regenerate docs/vllm-flags.md (the command is on the page)"
+
+
+def test_gpu_memory_utilization_gives_the_kv_cache_what_the_fraction_leaves(monkeypatch):
+    """On CUDA (the device's memory figures planted): 0.5 of 80 GiB with 10 GiB in use leaves 40 - 10 - 2
+    (the activation share) = 28 GiB for the KV cache; a fraction under what is in use is refused."""
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * gib, 80 * gib))
+    cache = CacheConfig(gpu_memory_utilization=0.5)
+    per_token = 1024
+    blocks = resolve_num_kv_blocks(cache, per_token, torch.device("cuda"))
+    assert blocks == int(28 * gib) // (per_token * cache.block_size)
+    with pytest.raises(ValueError, match="already in use"):
+        resolve_num_kv_blocks(CacheConfig(gpu_memory_utilization=0.1), per_token, torch.device("cuda"))
+    # on the CPU the config refuses it before this is reached; kv_cache_bytes sizes the cache there
+    assert resolve_num_kv_blocks(CacheConfig(kv_cache_bytes=2**20), 64, torch.device("cpu")) == 2**20 // (64 * 16)

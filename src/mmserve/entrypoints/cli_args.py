@@ -305,7 +305,7 @@ class _Checked(argparse.Action):
 def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     """Every row of vllm_args.py's table that the parser does not define itself: vLLM's aliases set the
     mmserve flag they name; accepted ones check their value; refused ones stop start-up saying why."""
-    group = parser.add_argument_group("vLLM's flags (what each does here: docs/server.md)")
+    group = parser.add_argument_group("vLLM's flags (what each does here: docs/vllm-flags.md)")
     defined = parser._option_string_actions
     for row in VLLM_ARGS:
         if row.flag in defined or row.support is Support.WORKS:
