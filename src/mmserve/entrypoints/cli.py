@@ -93,7 +93,8 @@ def _serve(args: argparse.Namespace) -> int:
     config = EngineConfig.from_kwargs(model, **engine_kwargs(args))
     fetch = FetchPolicy(timeout_s=args.media_fetch_timeout, allowed_domains=tuple(args.allowed_media_domains),
                         allow_private=args.allow_private_media_urls)
-    error = _replica_args_error(args) or _tracing_error(config.otlp_traces_endpoint)
+    error = (_served_names_error(args) or _replica_args_error(args)
+             or _tracing_error(config.otlp_traces_endpoint))
     if error is not None:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -105,6 +106,18 @@ def _serve(args: argparse.Namespace) -> int:
     serve(client, server_config, args.host, args.port, args.log_level, args.shutdown_timeout,
           on_ready=lambda: print(summary, file=sys.stderr, flush=True))
     return 0
+
+
+def _served_names_error(args: argparse.Namespace) -> str | None:
+    """--served-model-name takes one or more names, so a MODEL written after it is read as a name: say so
+    rather than serve the demo model under that name."""
+    if args.model or args.model_flag or not args.served_model_name:
+        return None
+    swallowed = [n for n in args.served_model_name[1:] if Path(n).expanduser().is_dir()]
+    if swallowed:
+        return (f"--served-model-name read {swallowed[0]!r} as a name; write MODEL before --served-model-name, "
+                "or give it with --model")
+    return None
 
 
 def _disaggregated(args: argparse.Namespace) -> bool:
