@@ -182,6 +182,7 @@ def test_gpu_memory_utilization_gives_the_kv_cache_what_the_fraction_leaves(monk
     assert resolve_num_kv_blocks(CacheConfig(kv_cache_bytes=2**20), 64, torch.device("cpu")) == 2**20 // (64 * 16)
 
 
-def test_a_model_read_as_a_served_name_is_refused(tmp_path, capsys):
+def test_a_model_read_as_a_served_name_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_log_to_stderr", lambda level: None)  # no handler left on a captured stream
     assert cli.main(["serve", "--served-model-name", "qwen", str(tmp_path)]) == 2
     assert f"--served-model-name read '{tmp_path}' as a name; write MODEL before" in capsys.readouterr().err
