@@ -186,3 +186,12 @@ def test_a_model_read_as_a_served_name_is_refused(tmp_path, capsys, monkeypatch)
     monkeypatch.setattr(cli, "_log_to_stderr", lambda level: None)  # no handler left on a captured stream
     assert cli.main(["serve", "--served-model-name", "qwen", str(tmp_path)]) == 2
     assert f"--served-model-name read '{tmp_path}' as a name; write MODEL before" in capsys.readouterr().err
+
+
+def test_a_generation_config_default_out_of_range_fails_at_start(tmp_path):
+    from mmserve.errors import ModelLoadError
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 1.5}))
+    with pytest.raises(ModelLoadError, match="top_p"):
+        generation_defaults(str(tmp_path), "auto")
+    assert generation_defaults(str(tmp_path), "vllm") == {}

@@ -15,7 +15,7 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-from mmserve.errors import ModelLoadError
+from mmserve.errors import InvalidInputError, ModelLoadError
 from mmserve.sampling_params import SamplingParams
 
 # generation_config.json's name -> SamplingParams' (vLLM's ModelConfig.get_diff_sampling_param reads these)
@@ -35,7 +35,12 @@ def generation_defaults(model_dir: str, mode: str) -> dict[str, Any]:
             raise ModelLoadError(f"--generation-config {mode}: no generation_config.json in that folder")
         return {}
     raw = json.loads(path.read_text())
-    return {ours: raw[theirs] for theirs, ours in SAMPLING_FIELDS.items() if raw.get(theirs) is not None}
+    defaults = {ours: raw[theirs] for theirs, ours in SAMPLING_FIELDS.items() if raw.get(theirs) is not None}
+    try:  # checked once at start, not by the first request that leaves a field unset
+        SamplingParams(**defaults)
+    except InvalidInputError as exc:
+        raise ModelLoadError(f"{path}: {exc} (--generation-config vllm ignores the file)") from exc
+    return defaults
 
 
 def with_defaults(params: SamplingParams, unset: Collection[str], defaults: Mapping[str, Any]) -> SamplingParams:
