@@ -194,7 +194,7 @@ class GraphConfig:
 
 # the engine arguments EngineConfig holds itself, not in one of its groups
 TOP_LEVEL_ARGS = ("dtype", "device", "seed", "quantization", "logprobs_mode", "otlp_traces_endpoint", "tokenizer",
-                  "chat_template", "generation_config", "trust_remote_code")
+                  "chat_template", "generation_config", "trust_remote_code", "mm_processor_kwargs")
 GENERATION_CONFIG_MODES = ("auto", "vllm")  # or a folder holding a generation_config.json
 
 
@@ -214,6 +214,8 @@ class EngineConfig:
     # generation_config.json, vLLM's default), "vllm" (none: SamplingParams' own), or a folder's file
     generation_config: str = "auto"
     trust_remote_code: bool = False  # vLLM's; mmserve runs no remote code and says so once
+    # processor kwargs every request starts from (vLLM's --mm-processor-kwargs); a request's own win
+    mm_processor_kwargs: dict[str, Any] | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     encoder: EncoderConfig = field(default_factory=EncoderConfig)

@@ -151,7 +151,8 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     # multimodal
     VllmArg("limit_mm_per_prompt", W, "most images and videos in one prompt: image=N,video=M or vLLM's JSON",
             server_only=True, example=('{"image": 2}',)),
-    VllmArg("mm_processor_kwargs", NO, "pass mm_processor_kwargs in each request"),
+    VllmArg("mm_processor_kwargs", W, "processor kwargs (JSON) every request starts from, e.g. "
+            '{"max_pixels": 401408}; a request\'s own mm_processor_kwargs win', example=('{"max_pixels": 401408}',)),
     VllmArg("mm_processor_cache_gb", NO, "mmserve caches encoder outputs, not processor inputs: "
             "--encoder-cache-bytes"),
     VllmArg("allowed_local_media_path", W, "local files may be read only below this directory",

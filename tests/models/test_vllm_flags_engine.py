@@ -103,3 +103,19 @@ def test_server_load_tracking_and_forced_usage(checkpoint_dirs):
             events = _events(reply)
         assert all(e.get("usage") is None for e in events)
     llm.check_integrity()
+
+
+def test_mm_processor_kwargs_are_every_requests_defaults(checkpoint_dirs):
+    from PIL import Image
+
+    model_dir = str(checkpoint_dirs["qwen2_vl"])
+    image = Image.new("RGB", (224, 224), "red")
+    chat = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image}, {"type": "text", "text": "hi"}]}]
+    plain = Frontend(EngineConfig.from_kwargs(model_dir)).process_chat(chat)
+    small = Frontend(EngineConfig.from_kwargs(model_dir, mm_processor_kwargs={"max_pixels": 56 * 56}))
+    assert small.process_chat(chat).num_tokens < plain.num_tokens
+    # a request's own kwargs win over the defaults
+    assert small.process_chat(chat, {"max_pixels": 224 * 224}).num_tokens == plain.num_tokens
+    with pytest.raises(InvalidInputError, match="mm_processor_kwargs: unsupported") as refused:
+        Frontend(EngineConfig.from_kwargs(model_dir, mm_processor_kwargs={"no_such_kwarg": 1}))
+    assert refused.value.param == "mm_processor_kwargs"

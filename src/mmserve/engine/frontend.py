@@ -22,6 +22,7 @@ from mmserve.config import EngineConfig, resolve_model
 from mmserve.engine.generation_defaults import generation_defaults
 from mmserve.engine.prompts import parse_prompt
 from mmserve.engine.structured_outputs import StructuredOutputs
+from mmserve.errors import InvalidInputError
 from mmserve.inputs.chat_template import read_chat_template_arg
 from mmserve.inputs.items import ProcessedPrompt
 from mmserve.inputs.tokenizer import TextTokenizer
@@ -39,6 +40,19 @@ def _text_tokenizer(config: EngineConfig) -> TextTokenizer | None:
     directory = resolve_model(config.tokenizer) if config.tokenizer else config.model
     template = read_chat_template_arg(config.chat_template) if config.chat_template is not None else None
     return TextTokenizer(directory, chat_template=template)
+
+
+def _checked_processor_kwargs(frontend: Frontend, kwargs: Any) -> dict[str, Any]:
+    """vLLM's --mm-processor-kwargs, checked once at start by processing a text prompt with them."""
+    if not isinstance(kwargs, dict):
+        raise InvalidInputError("mm_processor_kwargs must be a dict (JSON object)", param="mm_processor_kwargs",
+                                setting="mm_processor_kwargs")
+    try:
+        frontend.processor.process("x", None, [], [], dict(kwargs))
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"mm_processor_kwargs: {exc}", param="mm_processor_kwargs",
+                                setting="mm_processor_kwargs") from exc
+    return dict(kwargs)
 
 
 def _answer_trust_remote_code(config: EngineConfig) -> None:
@@ -68,11 +82,14 @@ class Frontend:
         self.max_model_len: int | None = None
         # SamplingParams field -> the checkpoint's default, for a request that leaves the field unset
         self.default_sampling: dict[str, Any] = generation_defaults(config.model, config.generation_config)
+        self.default_processor_kwargs: dict[str, Any] = {}
+        if config.mm_processor_kwargs:
+            self.default_processor_kwargs = _checked_processor_kwargs(self, config.mm_processor_kwargs)
 
     def process(self, raw_prompt: Any, mm_processor_kwargs: dict[str, Any] | None = None,
                 item_params: dict[str, list[str]] | None = None) -> ProcessedPrompt:
         """`item_params`: the request fields the media items came from (errors name them)."""
-        p = parse_prompt(raw_prompt, mm_processor_kwargs)
+        p = parse_prompt(raw_prompt, self._with_default_kwargs(mm_processor_kwargs))
         processed = self.processor.process(p.prompt, p.prompt_token_ids, p.images, p.videos, p.mm_processor_kwargs,
                                            p.uuids, item_params)
         processed.cache_salt = p.cache_salt
@@ -81,8 +98,14 @@ class Frontend:
     def process_chat(self, messages: list[dict[str, Any]], mm_processor_kwargs: dict[str, Any] | None = None,
                      **template_kwargs: Any) -> ProcessedPrompt:
         chat = self.processor.render_chat(messages, **template_kwargs)
-        return self.processor.process(chat.prompt, None, chat.images, chat.videos, mm_processor_kwargs, chat.uuids,
-                                      chat.params)
+        return self.processor.process(chat.prompt, None, chat.images, chat.videos,
+                                      self._with_default_kwargs(mm_processor_kwargs), chat.uuids, chat.params)
+
+    def _with_default_kwargs(self, given: Any) -> Any:
+        """A request's mm_processor_kwargs over the engine's defaults (a non-dict is left for the check)."""
+        if not self.default_processor_kwargs or (given is not None and not isinstance(given, dict)):
+            return given
+        return {**self.default_processor_kwargs, **(given or {})}
 
     async def process_off_loop(self, raw_prompt: Any, mm_processor_kwargs: dict[str, Any] | None = None,
                                item_params: dict[str, list[str]] | None = None) -> ProcessedPrompt:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 import typing
 from typing import Any
@@ -152,6 +153,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             _add_field_flag(group, f, hints[f.name])
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def _add_text_flags(top: argparse._ArgumentGroup) -> None:
     """The tokenizer, chat template and sampling defaults (vLLM's flags, same meaning)."""
     top.add_argument("--tokenizer", default=argparse.SUPPRESS, metavar="DIR",
@@ -159,6 +170,9 @@ def _add_text_flags(top: argparse._ArgumentGroup) -> None:
                           "chat template) to use instead of the model's (default: the model's)")
     top.add_argument("--chat-template", default=argparse.SUPPRESS, metavar="FILE_OR_TEMPLATE",
                      help="a Jinja chat template file, or the template itself, instead of the tokenizer's")
+    top.add_argument("--mm-processor-kwargs", default=argparse.SUPPRESS, type=_json_object, metavar="JSON",
+                     help="processor kwargs every request starts from, e.g. '{\"max_pixels\": 401408}'; a "
+                          "request's own mm_processor_kwargs win (default: none)")
     top.add_argument("--generation-config", default=argparse.SUPPRESS, metavar="auto|vllm|FOLDER",
                      help="sampling defaults for what a request leaves unset (temperature, top_p, top_k, min_p, "
                           "repetition_penalty, max_new_tokens as max_tokens): auto, the checkpoint's "
