@@ -194,7 +194,8 @@ class GraphConfig:
 
 # the engine arguments EngineConfig holds itself, not in one of its groups
 TOP_LEVEL_ARGS = ("dtype", "device", "seed", "quantization", "logprobs_mode", "otlp_traces_endpoint", "tokenizer",
-                  "chat_template", "generation_config", "trust_remote_code", "mm_processor_kwargs")
+                  "chat_template", "generation_config", "trust_remote_code", "mm_processor_kwargs",
+                  "default_chat_template_kwargs")
 GENERATION_CONFIG_MODES = ("auto", "vllm")  # or a folder holding a generation_config.json
 
 
@@ -216,6 +217,8 @@ class EngineConfig:
     trust_remote_code: bool = False  # vLLM's; mmserve runs no remote code and says so once
     # processor kwargs every request starts from (vLLM's --mm-processor-kwargs); a request's own win
     mm_processor_kwargs: dict[str, Any] | None = None
+    # chat template variables every chat starts from (vLLM's --default-chat-template-kwargs); a request's win
+    default_chat_template_kwargs: dict[str, Any] | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     encoder: EncoderConfig = field(default_factory=EncoderConfig)

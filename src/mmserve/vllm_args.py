@@ -85,7 +85,8 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
             example=("{{ messages[0]['content'] }}",)),
     VllmArg("chat_template_content_format", OK, "message content is given to the template as it expects",
             accepted_values=("auto",)),
-    VllmArg("default_chat_template_kwargs", NO, "pass chat_template_kwargs in each request"),
+    VllmArg("default_chat_template_kwargs", W, "chat template variables (JSON) every chat starts from, e.g. "
+            '{"enable_thinking": false}; a request\'s chat_template_kwargs win', example=('{"enable_thinking": false}',)),
     VllmArg("generation_config", W, "auto: generation_config.json's sampling defaults apply where a request "
             "leaves them unset; vllm: none; a folder: that folder's generation_config.json", example=("vllm",)),
     VllmArg("override_generation_config", NO, "write the values into a generation_config.json in a folder "

@@ -119,3 +119,11 @@ def test_mm_processor_kwargs_are_every_requests_defaults(checkpoint_dirs):
     with pytest.raises(InvalidInputError, match="mm_processor_kwargs: unsupported") as refused:
         Frontend(EngineConfig.from_kwargs(model_dir, mm_processor_kwargs={"no_such_kwarg": 1}))
     assert refused.value.param == "mm_processor_kwargs"
+
+
+def test_default_chat_template_kwargs_are_every_chats_defaults(checkpoint_dirs):
+    config = EngineConfig.from_kwargs(str(checkpoint_dirs["qwen2_vl"]), chat_template="{{ greeting }}!",
+                                      default_chat_template_kwargs={"greeting": "hi"})
+    frontend = Frontend(config)
+    assert frontend.processor.tokenizer.decode(frontend.process_chat(HELLO).prompt_token_ids) == "hi!"
+    assert frontend.processor.tokenizer.decode(frontend.process_chat(HELLO, greeting="yo").prompt_token_ids) == "yo!"

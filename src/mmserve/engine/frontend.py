@@ -97,7 +97,8 @@ class Frontend:
 
     def process_chat(self, messages: list[dict[str, Any]], mm_processor_kwargs: dict[str, Any] | None = None,
                      **template_kwargs: Any) -> ProcessedPrompt:
-        chat = self.processor.render_chat(messages, **template_kwargs)
+        chat = self.processor.render_chat(messages, **{**(self.config.default_chat_template_kwargs or {}),
+                                                       **template_kwargs})
         return self.processor.process(chat.prompt, None, chat.images, chat.videos,
                                       self._with_default_kwargs(mm_processor_kwargs), chat.uuids, chat.params)
 

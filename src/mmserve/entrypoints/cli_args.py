@@ -173,6 +173,9 @@ def _add_text_flags(top: argparse._ArgumentGroup) -> None:
     top.add_argument("--mm-processor-kwargs", default=argparse.SUPPRESS, type=_json_object, metavar="JSON",
                      help="processor kwargs every request starts from, e.g. '{\"max_pixels\": 401408}'; a "
                           "request's own mm_processor_kwargs win (default: none)")
+    top.add_argument("--default-chat-template-kwargs", default=argparse.SUPPRESS, type=_json_object, metavar="JSON",
+                     help="chat template variables every chat starts from, e.g. '{\"enable_thinking\": false}'; "
+                          "a request's chat_template_kwargs win (default: none)")
     top.add_argument("--generation-config", default=argparse.SUPPRESS, metavar="auto|vllm|FOLDER",
                      help="sampling defaults for what a request leaves unset (temperature, top_p, top_k, min_p, "
                           "repetition_penalty, max_new_tokens as max_tokens): auto, the checkpoint's "
