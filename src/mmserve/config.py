@@ -15,6 +15,7 @@ from mmserve.envs import compile_cpu_decode_by_default
 from mmserve.errors import ModelLoadError
 from mmserve.inputs.media import MediaLimits
 from mmserve.options import option
+from mmserve.vllm_args import resolve_dtype, translate_engine_kwargs
 
 # the bundled demo VLM, installed as package data
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "demo-model"
@@ -49,6 +50,9 @@ class CacheConfig:
                                         shown="256MiB")
     num_kv_blocks: int | None = option(None, "KV blocks to allocate (instead of kv_cache_bytes)",
                                        shown="from kv_cache_bytes")
+    gpu_memory_utilization: float | None = option(
+        None, "CUDA: the fraction of the device's memory the weights and the KV cache may take; the KV cache "
+              "gets what the weights leave (instead of kv_cache_bytes; refused on the CPU)", shown="none")
     enable_prefix_caching: bool = option(True, "reuse KV blocks of earlier requests' identical prefixes (images "
                                                "included)")
     kv_cache_dtype: str = option("auto", "how keys and values are stored: the model dtype (auto), or int8 / fp8_e4m3 "
@@ -68,6 +72,12 @@ class CacheConfig:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if self.cross_kv_cache_bytes is not None and self.cross_kv_cache_bytes <= 0:
             raise ValueError(f"cross_kv_cache_bytes must be positive, got {self.cross_kv_cache_bytes}")
+        if self.gpu_memory_utilization is not None:
+            if not 0 < self.gpu_memory_utilization <= 1:
+                raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            if self.kv_cache_bytes is not None or self.num_kv_blocks is not None:
+                raise ValueError("give one of gpu_memory_utilization, kv_cache_bytes and num_kv_blocks: each sizes "
+                                 "the KV cache")
 
 
 @dataclass(frozen=True)
@@ -141,6 +151,8 @@ class GraphConfig:
     compile_cpu_decode: bool | None = option(None, "CPU: compile the decode step with TorchInductor; on: before "
                                                    "serving (start-up waits), off: never",
                                              shown="in the background while serving eagerly")
+    # vLLM's --enforce-eager: every graph and compile switch off (one that is asked on is a contradiction)
+    enforce_eager: bool = option(False, "run every step eagerly: no CUDA graphs, no compiled CPU decode step")
 
     def __post_init__(self) -> None:
         if self.encoder_graph_memory_bytes <= 0:
@@ -150,14 +162,21 @@ class GraphConfig:
             raise ValueError(f"decode_graph_batch_sizes must be positive, got {self.decode_graph_batch_sizes}")
         if self.encoder_graph_buckets is not None and not all(len(b) >= 2 for b in self.encoder_graph_buckets):
             raise ValueError("encoder_graph_buckets entries are (total_tokens, contexts[, contexts per kind...])")
+        asked = [n for n in ("enable_encoder_cuda_graphs", "enable_decode_cuda_graphs", "compile_cpu_decode")
+                 if getattr(self, n)]
+        if self.enforce_eager and asked:
+            raise ValueError(f"enforce_eager runs every step eagerly, but {', '.join(asked)} asks for graphs")
 
     def encoder_graphs_on(self, device_type: str) -> bool:
+        if self.enforce_eager:
+            return False
         on = self.enable_encoder_cuda_graphs
         return device_type == "cuda" if on is None else on
 
     def cpu_decode_compile(self, device_type: str, kv_cache_dtype: str) -> str:
         """How the CPU's decode step is compiled: "off", "startup" (before serving) or "background"."""
-        if device_type != "cpu" or self.enable_decode_cuda_graphs is False or self.compile_cpu_decode is False:
+        if (device_type != "cpu" or self.enforce_eager or self.enable_decode_cuda_graphs is False
+                or self.compile_cpu_decode is False):
             return "off"
         if self.compile_cpu_decode:
             return "startup"
@@ -165,6 +184,8 @@ class GraphConfig:
         return "background" if kv_cache_dtype != "fp8_e4m3" and compile_cpu_decode_by_default() else "off"
 
     def decode_graphs_on(self, device_type: str, kv_cache_dtype: str = "auto") -> bool:
+        if self.enforce_eager:
+            return False
         on = self.enable_decode_cuda_graphs
         if device_type == "cpu" and self.cpu_decode_compile(device_type, kv_cache_dtype) != "off":
             return True
@@ -172,7 +193,10 @@ class GraphConfig:
 
 
 # the engine arguments EngineConfig holds itself, not in one of its groups
-TOP_LEVEL_ARGS = ("dtype", "device", "seed", "quantization", "logprobs_mode", "otlp_traces_endpoint")
+TOP_LEVEL_ARGS = ("dtype", "device", "seed", "quantization", "logprobs_mode", "otlp_traces_endpoint", "tokenizer",
+                  "chat_template", "generation_config", "trust_remote_code", "mm_processor_kwargs",
+                  "default_chat_template_kwargs")
+GENERATION_CONFIG_MODES = ("auto", "vllm")  # or a folder holding a generation_config.json
 
 
 @dataclass(frozen=True)
@@ -185,6 +209,16 @@ class EngineConfig:
     logprobs_mode: str = "raw_logprobs"  # one of LOGPROBS_MODES; prompt logprobs are always raw_logprobs
     # OTLP collector for request traces (mmserve/tracing.py); None: no tracing, nothing recorded
     otlp_traces_endpoint: str | None = None
+    tokenizer: str | None = None  # a directory with the tokenizer's files (and chat template); None: the model's
+    chat_template: str | None = None  # a template file's path or the template itself; None: the tokenizer's
+    # whose sampling defaults apply where a request leaves a field unset: "auto" (the checkpoint's
+    # generation_config.json, vLLM's default), "vllm" (none: SamplingParams' own), or a folder's file
+    generation_config: str = "auto"
+    trust_remote_code: bool = False  # vLLM's; mmserve runs no remote code and says so once
+    # processor kwargs every request starts from (vLLM's --mm-processor-kwargs); a request's own win
+    mm_processor_kwargs: dict[str, Any] | None = None
+    # chat template variables every chat starts from (vLLM's --default-chat-template-kwargs); a request's win
+    default_chat_template_kwargs: dict[str, Any] | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
@@ -197,13 +231,20 @@ class EngineConfig:
                              f"got {self.quantization!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}; got {self.logprobs_mode!r}")
+        if self.cache.gpu_memory_utilization is not None and not self.device.startswith("cuda"):
+            raise ValueError("gpu_memory_utilization sizes the KV cache from a CUDA device's memory; on the "
+                             f"{self.device} give kv_cache_bytes (--kv-cache-bytes, e.g. 4GiB) instead (vLLM's CPU "
+                             "build: VLLM_CPU_KVCACHE_SPACE)")
+        if self.generation_config not in GENERATION_CONFIG_MODES and not Path(self.generation_config).is_dir():
+            raise ValueError(f"generation_config must be auto, vllm or a folder; {self.generation_config!r} is none")
         if self.graphs.compile_cpu_decode and self.cache.kv_cache_dtype == "fp8_e4m3":
             # TorchInductor (torch 2.13) cannot lower the float8 quantization on the CPU
             raise ValueError("compile_cpu_decode does not support kv_cache_dtype='fp8_e4m3'; use 'int8' or 'auto'")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
-        """Flat vLLM-style engine args (max_num_seqs=..., block_size=...) -> nested config."""
+        """Flat vLLM-style engine args (max_num_seqs=..., block_size=...) -> nested config; vLLM's own names
+        (vllm_args.py's table) mean what they mean in vLLM or are refused naming why."""
         groups: dict[str, dict[str, Any]] = {"cache": {}, "scheduler": {}, "encoder": {}, "media": {}, "graphs": {},
                                              "top": {}}
         owners = {
@@ -214,6 +255,9 @@ class EngineConfig:
             "graphs": {f.name for f in dataclasses.fields(GraphConfig)},
             "top": set(TOP_LEVEL_ARGS),
         }
+        kwargs = translate_engine_kwargs(kwargs, set().union(*owners.values()))
+        if "dtype" in kwargs:
+            kwargs["dtype"] = resolve_dtype(kwargs["dtype"], model, kwargs.get("device", "cpu"))
         for key, value in kwargs.items():
             owner = next((g for g, names in owners.items() if key in names), None)
             if owner is None:

@@ -3,8 +3,9 @@
 Role: name each variable once and read it when asked (not at import), so a test or a user that sets
 one before building an engine is heard. Engine behaviour is configured by `config.py`'s engine args;
 what lives here is only what belongs to the machine rather than to an engine: where built kernels are
-cached, which C++ compiler builds them, the switch that keeps mmserve's native kernels off, and the one
-that keeps the CPU's decode step from being compiled by default.
+cached, which C++ compiler builds them, the switch that keeps mmserve's native kernels off, the one
+that keeps the CPU's decode step from being compiled by default, and the one that allows a max_model_len
+past the checkpoint's positions (mmserve's name and vLLM's).
 
 Hugging Face's own variables are read here too (`HF_HOME`, `HF_HUB_CACHE`, `HF_HUB_OFFLINE`), at call
 time, and handed to `huggingface_hub` as arguments: its constants are fixed when it is imported.
@@ -24,6 +25,10 @@ CXX = "CXX"  # the C++ compiler that builds them (default g++, as TorchInductor'
 # "0": engines that are not asked (compile_cpu_decode unset) run the CPU's decode step eagerly instead of
 # compiling it in the background (a test suite building many short-lived engines, a machine short of cores)
 COMPILE_CPU_DECODE = "MMSERVE_COMPILE_CPU_DECODE"
+# "1": a max_model_len above the checkpoint's positions (max_position_embeddings) is allowed, as vLLM's
+# VLLM_ALLOW_LONG_MAX_MODEL_LEN allows it (read too, so a vLLM user's environment means the same here)
+ALLOW_LONG_MAX_MODEL_LEN = "MMSERVE_ALLOW_LONG_MAX_MODEL_LEN"
+VLLM_ALLOW_LONG_MAX_MODEL_LEN = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
 
 
 def native_kernels_enabled() -> bool:
@@ -32,6 +37,11 @@ def native_kernels_enabled() -> bool:
 
 def compile_cpu_decode_by_default() -> bool:
     return os.environ.get(COMPILE_CPU_DECODE, "1") != "0"
+
+
+def allow_long_max_model_len() -> bool:
+    return any(os.environ.get(name, "0").strip().lower() in ("1", "true")
+               for name in (ALLOW_LONG_MAX_MODEL_LEN, VLLM_ALLOW_LONG_MAX_MODEL_LEN))
 
 
 def cache_dir() -> Path:

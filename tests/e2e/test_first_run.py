@@ -38,6 +38,8 @@ def test_serve_prints_its_summary_once_the_port_answers_and_logs_refusals(checkp
         summary = log[log.index("mmserve is ready"):]
         assert re.search(r"model\s+\S+ \(qwen2_vl, float32 on cpu\)", summary), summary
         assert re.search(r"context\s+\d+ tokens per request", summary), summary
+        # the tiny checkpoint's generation_config.json sets no sampling default
+        assert re.search(r"defaults\s+none \(generation_config: auto; --generation-config vllm", summary), summary
         assert re.search(r"KV cache\s+1024 tokens \(auto\)", summary), summary  # 64 blocks of 16
         assert re.search(r"image cache\s+\d+ MiB; encoder in the engine's step", summary), summary
         assert f"{server.url}/v1" in summary and f"chat in your browser: {server.url}/" in summary

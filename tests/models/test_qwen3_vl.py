@@ -218,6 +218,22 @@ def test_greedy_generation_matches_reference(ckpt, loaded, reference, ref_proces
     assert got == expected
 
 
+def test_an_mrope_section_past_the_bands_builds_and_matches(tmp_path):
+    """[3, 3, 2] with head_dim 16 (8 bands): the h bands at 1, 4, 7 reach past 3 * 3 > 8 and are clipped,
+    as transformers' interleaved M-RoPE clips them; the checkpoint loads and its logits match."""
+    ckpt = build_qwen3_vl_checkpoint(tmp_path / "narrow", seed=3, head_dim=16, mrope_section=(3, 3, 2))
+    model, processor, spec = load_family(ckpt)
+    reference = Qwen3VLForConditionalGeneration.from_pretrained(ckpt).eval()
+    ref_processor = _ReferenceProcessor(image_processor=Qwen2VLImageProcessorPil.from_pretrained(ckpt),
+                                        tokenizer=AutoTokenizer.from_pretrained(ckpt),
+                                        video_processor=Qwen3VLVideoProcessor.from_pretrained(ckpt))
+    for case in ("one_image", "text"):
+        ours, ref = _both(processor, ref_processor, _cases()[case])
+        with torch.no_grad():
+            ref_logits = reference(**_ref_inputs(ref)).logits[0]
+        assert (full_logits(model, ours, spec) - ref_logits).abs().max().item() <= 1e-4
+
+
 def test_every_deepstack_stream_is_encoded_and_used(loaded, reference, ref_processor):
     model, processor, spec = loaded
     assert spec.num_embedding_streams == 1 + len(model.config.vision.deepstack_visual_indexes) == 3

@@ -136,3 +136,9 @@ class Request:
         if not self.sampling_params.ignore_eos:
             ids.update(self.eos_token_ids)
         return frozenset(ids)
+
+    @property
+    def min_tokens_banned_ids(self) -> frozenset[int]:
+        """What `min_tokens` bans until it is reached: every stop id and every EOS id, also under
+        `ignore_eos` (transformers' min_new_tokens and vLLM ban the EOS ids whatever ignore_eos says)."""
+        return frozenset(self.sampling_params.stop_token_ids or ()) | frozenset(self.eos_token_ids)

@@ -84,7 +84,7 @@ def assemble(config: EngineConfig, faults: FaultPlan) -> EngineParts:
     spec = frontend.spec
     fmt = kv_format(config.cache.kv_cache_dtype, loaded.dtype)
     kv_bytes_per_token = PagedKVStorage.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, fmt)
-    num_blocks = resolve_num_kv_blocks(config.cache, kv_bytes_per_token)
+    num_blocks = resolve_num_kv_blocks(config.cache, kv_bytes_per_token, loaded.device)
     max_model_len = resolve_max_model_len(config.scheduler.max_model_len, spec.max_position_embeddings,
                                           num_blocks * config.cache.block_size)
     frontend.max_model_len = max_model_len

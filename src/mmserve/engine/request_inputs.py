@@ -42,7 +42,7 @@ def runner_prompt(prompt: ProcessedPrompt, request: Request, bidirectional_media
     spans = embed_runs(prompt.embed_mask) if bidirectional_media and prompt.items else ()
     return RunnerPrompt(prompt.positions, prompt.embed_mask, prompt.embed_cumsum,
                         tuple(i.content_hash for i in prompt.items), tuple(i.output_rows for i in prompt.items),
-                        tuple(sorted(request.stop_token_ids)), spans, bad_words,
+                        tuple(sorted(request.min_tokens_banned_ids)), spans, bad_words,
                         tuple(i.cross_attention for i in prompt.items if i.cross_attention is not None))
 
 

@@ -1,7 +1,7 @@
 """What an engine's pools and limits come to, resolved once at start from the engine args and the family.
 
 Role: the KV cache's blocks (from `kv_cache_bytes` and the bytes a token takes in the KV format, or
-`num_kv_blocks`), the context a request may reach (`max_model_len`: the configured one, else the
+`num_kv_blocks`, or on CUDA `gpu_memory_utilization`: a fraction of the device's memory), the context a request may reach (`max_model_len`: the configured one, else the
 model's, never more than the KV cache holds), and the encoder budgets (lifted to the largest legal
 item, logged once), and the cross-attention KV pool of a family that cross-attends (`cross_kv_cache_bytes`,
 else as many bytes as the KV cache, lifted to one largest image).
@@ -17,16 +17,41 @@ import torch
 
 from mmserve.config import DEFAULT_KV_CACHE_BYTES, CacheConfig, EncoderConfig
 from mmserve.core.budget import EncoderBudget, bytes_per_embedding_row
+from mmserve.envs import ALLOW_LONG_MAX_MODEL_LEN, VLLM_ALLOW_LONG_MAX_MODEL_LEN, allow_long_max_model_len
+from mmserve.errors import InvalidInputError
 from mmserve.models.spec import FamilySpec
 
 logger = logging.getLogger("mmserve.engine")
 
 
-def resolve_num_kv_blocks(cache: CacheConfig, kv_bytes_per_token: int) -> int:
+# of the memory gpu_memory_utilization grants, the share kept for activations (vLLM measures them by
+# profiling a forward pass; mmserve keeps this share free instead)
+ACTIVATION_SHARE = 0.05
+
+
+def kv_bytes_from_utilization(fraction: float, device: torch.device) -> int:
+    """vLLM's --gpu-memory-utilization: of the device's memory, `fraction` may be taken by this engine;
+    what the device already holds (the weights just loaded, the CUDA context, other processes) comes out
+    of it, and so does ACTIVATION_SHARE of it; the KV cache gets the rest."""
+    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+    granted = total_bytes * fraction
+    kv_bytes = int(granted - (total_bytes - free_bytes) - ACTIVATION_SHARE * granted)
+    if kv_bytes <= 0:
+        raise ValueError(f"gpu_memory_utilization={fraction} grants {granted / 2**30:.1f} GiB of the device's "
+                         f"{total_bytes / 2**30:.1f} GiB, but {(total_bytes - free_bytes) / 2**30:.1f} GiB is "
+                         "already in use (weights, CUDA context, other processes): raise it")
+    logger.info("KV cache from gpu_memory_utilization=%.2f: %d bytes", fraction, kv_bytes)
+    return kv_bytes
+
+
+def resolve_num_kv_blocks(cache: CacheConfig, kv_bytes_per_token: int, device: torch.device | None = None) -> int:
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
     per_block = kv_bytes_per_token * cache.block_size
-    num = (cache.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // per_block
+    kv_bytes = cache.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
+    if cache.gpu_memory_utilization is not None and device is not None and device.type == "cuda":
+        kv_bytes = kv_bytes_from_utilization(cache.gpu_memory_utilization, device)
+    num = kv_bytes // per_block
     if num < 1:
         raise ValueError(f"kv_cache_bytes={cache.kv_cache_bytes} is smaller than one block ({per_block} bytes)")
     return int(num)
@@ -47,7 +72,17 @@ def resolve_cross_kv_bytes(cache: CacheConfig, spec: FamilySpec, dtype: torch.dt
 def resolve_max_model_len(configured: int | None, model_len: int, kv_capacity_tokens: int) -> int:
     """The longest sequence (prompt plus output) one request may reach: the configured length, else the
     model's, but never more than the KV cache holds — a request that cannot fit it alone could never
-    run (vLLM refuses such a configuration at start too)."""
+    run (vLLM refuses such a configuration at start too). A configured length past the model's positions
+    is refused unless the environment says it is meant (as vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN)."""
+    if configured and configured > model_len:
+        if not allow_long_max_model_len():
+            raise InvalidInputError(
+                f"max_model_len={configured} is longer than the model's {model_len} positions "
+                "(max_position_embeddings in config.json): outputs past them are likely wrong. Lower max_model_len, "
+                f"or set {ALLOW_LONG_MAX_MODEL_LEN}=1 (or vLLM's {VLLM_ALLOW_LONG_MAX_MODEL_LEN}=1) if you mean it",
+                param="max_model_len", setting="max_model_len")
+        logger.warning("max_model_len=%d is past the model's %d positions (allowed by the environment)",
+                       configured, model_len)
     length = configured or model_len
     if length <= kv_capacity_tokens:
         return length

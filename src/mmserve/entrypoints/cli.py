@@ -10,6 +10,7 @@ What it does not know: model logic, HTTP, how requests are scheduled.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -20,6 +21,7 @@ from typing import Any
 
 from mmserve.config import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 from mmserve.engine.client import EngineClient
+from mmserve.engine.generation_defaults import describe
 from mmserve.entrypoints.cli_args import build_parser, default_device, engine_kwargs, resolved_model
 from mmserve.errors import InvalidInputError, ModelLoadError
 from mmserve.inputs.media import MediaLimits
@@ -58,6 +60,15 @@ def _read_image(path: Path, limits: MediaLimits) -> bytes:
 
 
 def _limit_per_prompt(text: str) -> dict[str, int]:
+    """image=N,video=M, or vLLM's JSON {"image": N, "video": M}."""
+    if text.strip().startswith("{"):
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InvalidInputError(f"--limit-mm-per-prompt: not JSON: {exc}") from exc
+        if not all(k in ("image", "video") and isinstance(v, int) and v >= 0 for k, v in parsed.items()):
+            raise InvalidInputError(f"--limit-mm-per-prompt takes image and video counts; got {text!r}")
+        return parsed
     limits = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = item.partition("=")
@@ -82,7 +93,8 @@ def _serve(args: argparse.Namespace) -> int:
     config = EngineConfig.from_kwargs(model, **engine_kwargs(args))
     fetch = FetchPolicy(timeout_s=args.media_fetch_timeout, allowed_domains=tuple(args.allowed_media_domains),
                         allow_private=args.allow_private_media_urls)
-    error = _replica_args_error(args) or _tracing_error(config.otlp_traces_endpoint)
+    error = (_served_names_error(args) or _replica_args_error(args)
+             or _tracing_error(config.otlp_traces_endpoint))
     if error is not None:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -94,6 +106,18 @@ def _serve(args: argparse.Namespace) -> int:
     serve(client, server_config, args.host, args.port, args.log_level, args.shutdown_timeout,
           on_ready=lambda: print(summary, file=sys.stderr, flush=True))
     return 0
+
+
+def _served_names_error(args: argparse.Namespace) -> str | None:
+    """--served-model-name takes one or more names, so a MODEL written after it is read as a name: say so
+    rather than serve the demo model under that name."""
+    if args.model or args.model_flag or not args.served_model_name:
+        return None
+    swallowed = [n for n in args.served_model_name[1:] if Path(n).expanduser().is_dir()]
+    if swallowed:
+        return (f"--served-model-name read {swallowed[0]!r} as a name; write MODEL before --served-model-name, "
+                "or give it with --model")
+    return None
 
 
 def _disaggregated(args: argparse.Namespace) -> bool:
@@ -146,15 +170,19 @@ def _server_config(args: argparse.Namespace, model: str, client: EngineClient, f
     from mmserve.entrypoints.openai.media import MediaRules
     from mmserve.entrypoints.openai.serving import ServerConfig
 
-    name = args.served_model_name or args.model or args.model_flag or DEMO_MODEL_NAME
+    names = args.served_model_name or [args.model or args.model_flag or DEMO_MODEL_NAME]
+    name = names[0]
+    extra = tuple(dict.fromkeys(n for n in (*names[1:], model) if n != name))
     rules = MediaRules(client.frontend.config.media, fetch, args.max_video_bytes, limits,
                        client.frontend.spec.default_video_fps)
-    return ServerConfig(name, rules, args.api_key, extra_model_names=(model,) if name != model else (),
+    return ServerConfig(name, rules, args.api_key, extra_model_names=extra,
                         max_request_bytes=args.max_request_bytes, web_ui=args.web_ui,
                         demo_model=Path(model).resolve() == DEMO_MODEL_DIR.resolve(),
                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                         request_id_headers=args.enable_request_id_headers, root_path=args.root_path,
-                        tokenizer_info=args.enable_tokenizer_info_endpoint)
+                        tokenizer_info=args.enable_tokenizer_info_endpoint,
+                        force_include_usage=args.enable_force_include_usage,
+                        server_load_tracking=args.enable_server_load_tracking)
 
 
 def _log_to_stderr(level: str) -> None:
@@ -177,6 +205,8 @@ def startup_summary(client: EngineClient, served_name: str, base_url: str, *, we
     lines = [
         f"model         {served_name} ({frontend.spec.name}, {config.dtype} on {config.device})",
         f"context       {frontend.max_model_len} tokens per request",
+        f"defaults      {describe(frontend.default_sampling)} (generation_config: {config.generation_config}; "
+        "--generation-config vllm turns them off)",
         f"KV cache      {stats['kv_capacity_tokens']} tokens ({stats['kv_cache_dtype']})",
         f"image cache   {_mib(stats['budget_encoder_cache_bytes'])}; encoder {encoder}",
         f"API           {base_url}/v1  (OpenAI-compatible: /v1/chat/completions, /v1/completions)",

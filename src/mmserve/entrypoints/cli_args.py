@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 import typing
 from typing import Any
@@ -28,11 +29,13 @@ from mmserve.config import (
 )
 from mmserve.errors import InvalidInputError
 from mmserve.inputs.media import MediaLimits
+from mmserve.vllm_args import VLLM_ARGS, Support, VllmArg, check_accepted
 
 ENGINE_ARG_GROUPS = (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("encoder budgets", EncoderConfig),
                      ("media limits", MediaLimits), ("captured graphs (CUDA), compiled decode (CPU)", GraphConfig))
 
 
+DTYPE_CHOICES = ["float32", "bfloat16", "float16", "auto", "half", "float"]
 SIZE_SUFFIXES = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
 
 
@@ -123,8 +126,9 @@ def default_device() -> str:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One flag per engine argument of EngineConfig.from_kwargs; unset flags keep the config's defaults."""
     top = parser.add_argument_group("engine")
-    top.add_argument("--dtype", default=argparse.SUPPRESS, choices=["float32", "bfloat16", "float16"],
-                     help="weights and activations (default: float32)")
+    top.add_argument("--dtype", default=argparse.SUPPRESS, choices=DTYPE_CHOICES,
+                     help="weights and activations; vLLM's half/float name float16/float32, auto the checkpoint's "
+                          "dtype (a float32 checkpoint: float16 on CUDA, float32 on the CPU) (default: float32)")
     top.add_argument("--device", default=argparse.SUPPRESS,
                      help="torch device, e.g. cpu, cuda or cuda:1 (default: cuda where it is available, else cpu)")
     top.add_argument("--seed", type=int, default=argparse.SUPPRESS, help="random seed (default: 0)")
@@ -141,11 +145,41 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                           "encode, prefill chunks and decode) to this OTLP collector, e.g. http://localhost:4318 "
                           "(OTLP/HTTP; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc for gRPC); needs mmserve[otel] "
                           "(default: no tracing)")
+    _add_text_flags(top)
     for title, cls in ENGINE_ARG_GROUPS:
         group = parser.add_argument_group(title)
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             _add_field_flag(group, f, hints[f.name])
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _add_text_flags(top: argparse._ArgumentGroup) -> None:
+    """The tokenizer, chat template and sampling defaults (vLLM's flags, same meaning)."""
+    top.add_argument("--tokenizer", default=argparse.SUPPRESS, metavar="DIR",
+                     help="a directory or Hugging Face id holding the tokenizer (tokenizer.json, tokenizer_config.json, "
+                          "chat template) to use instead of the model's (default: the model's)")
+    top.add_argument("--chat-template", default=argparse.SUPPRESS, metavar="FILE_OR_TEMPLATE",
+                     help="a Jinja chat template file, or the template itself, instead of the tokenizer's")
+    top.add_argument("--mm-processor-kwargs", default=argparse.SUPPRESS, type=_json_object, metavar="JSON",
+                     help="processor kwargs every request starts from, e.g. '{\"max_pixels\": 401408}'; a "
+                          "request's own mm_processor_kwargs win (default: none)")
+    top.add_argument("--default-chat-template-kwargs", default=argparse.SUPPRESS, type=_json_object, metavar="JSON",
+                     help="chat template variables every chat starts from, e.g. '{\"enable_thinking\": false}'; "
+                          "a request's chat_template_kwargs win (default: none)")
+    top.add_argument("--generation-config", default=argparse.SUPPRESS, metavar="auto|vllm|FOLDER",
+                     help="sampling defaults for what a request leaves unset (temperature, top_p, top_k, min_p, "
+                          "repetition_penalty, max_new_tokens as max_tokens): auto, the checkpoint's "
+                          "generation_config.json; vllm, none; or a folder's generation_config.json (default: auto)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -185,6 +219,7 @@ def _add_serve_parser(sub: Any) -> None:
     _add_http_flags(http)
     _add_replica_flags(serve.add_argument_group("replicas"))
     add_engine_args(serve)
+    add_vllm_flags(serve)
 
 
 def _add_listen_flags(http: argparse._ArgumentGroup) -> None:
@@ -192,7 +227,9 @@ def _add_listen_flags(http: argparse._ArgumentGroup) -> None:
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     http.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     http.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    http.add_argument("--served-model-name", default=None, help=f"the model name clients send (default: MODEL, or {DEMO_MODEL_NAME} for the demo model)")
+    http.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                      help="the model name(s) clients send; the first is the one answered (default: MODEL, or "
+                           f"{DEMO_MODEL_NAME} for the demo model)")
     http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                       help="what the server logs: at info, each request and each refused one with its reason "
                            "(default: info)")
@@ -203,7 +240,8 @@ def _add_listen_flags(http: argparse._ArgumentGroup) -> None:
 def _add_media_flags(media: argparse._ArgumentGroup) -> None:
     """What media the server fetches, from where, how much."""
     media.add_argument("--limit-mm-per-prompt", default="image=16,video=4", metavar="image=N,video=M",
-                       help="most media items of each kind in one prompt (default: image=16,video=4)")
+                       help="most media items of each kind in one prompt, or vLLM's JSON '{\"image\": N}' "
+                            "(default: image=16,video=4)")
     media.add_argument("--allowed-media-domains", nargs="+", default=(), metavar="DOMAIN",
                        help="fetch media URLs only from these hosts (and subdomains), which are trusted")
     media.add_argument("--allow-private-media-urls", action="store_true",
@@ -235,6 +273,10 @@ def _add_http_flags(http: argparse._ArgumentGroup) -> None:
     http.add_argument("--reasoning-parser", default=None, metavar="NAME",
                       help="accepted for vLLM compatibility: a chat template that thinks (<think>...</think>) has "
                            "its thought returned as reasoning (and reasoning_content), and grammars apply after it, whatever the name")
+    http.add_argument("--enable-force-include-usage", action="store_true",
+                      help="every streamed answer ends with its usage, as if stream_options.include_usage were set")
+    http.add_argument("--enable-server-load-tracking", action="store_true",
+                      help="count the generation requests in flight: GET /load answers {\"server_load\": N}")
     http.add_argument("--root-path", default="", metavar="PATH",
                       help="the path prefix a proxy serves the API under, e.g. /llm: every route answers with "
                            "and without it (/llm/v1/models and /v1/models; default: none)")
@@ -260,6 +302,44 @@ def _add_replica_flags(replicas: argparse._ArgumentGroup) -> None:
                                "outputs and its prompt's prefix, balanced by load (cache_aware, the default), "
                                "round_robin, or least_loaded")
 
+class _Checked(argparse.Action):
+    """A vLLM flag mmserve accepts for some values or none: any other stops start-up with why and what to
+    use instead."""
+
+    def __init__(self, option_strings: list[str], dest: str, row: VllmArg, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.row = row
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        try:
+            check_accepted(self.row, True if self.row.switch else values)
+        except InvalidInputError as exc:
+            parser.error(str(exc))
+        if self.dest != argparse.SUPPRESS:  # an accepted flag the engine answers (trust_remote_code)
+            setattr(namespace, self.dest, True if self.row.switch else values)
+
+
+def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
+    """Every row of vllm_args.py's table that the parser does not define itself: vLLM's aliases set the
+    mmserve flag they name; accepted ones check their value; refused ones stop start-up saying why."""
+    group = parser.add_argument_group("vLLM's flags (what each does here: docs/vllm-flags.md)")
+    defined = parser._option_string_actions
+    for row in VLLM_ARGS:
+        if row.flag in defined or row.support is Support.WORKS:
+            continue
+        if row.support is Support.ALIAS:
+            target = next(a for a in parser._actions if a.dest == row.target)
+            group.add_argument(row.flag, *row.short, dest=row.target, type=target.type, choices=target.choices,
+                               metavar=target.metavar, default=argparse.SUPPRESS,
+                               help=f"vLLM's name for --{row.target.replace('_', '-')}")
+            continue
+        keeps = row.name in TOP_LEVEL_ARGS  # trust_remote_code: the engine logs its answer once
+        group.add_argument(row.flag, *row.short, action=_Checked, row=row, nargs=0 if row.switch else None,
+                           dest=row.name if keeps else argparse.SUPPRESS, default=argparse.SUPPRESS,
+                           help=f"{row.support.value}: {row.note}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mmserve",
@@ -278,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True, help="the question or instruction")
     gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default 64)")
     gen.add_argument("--min-tokens", type=int, default=0, help="generate at least this many tokens")
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+    gen.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
                      help="weights and activations (default: float32)")
     gen.add_argument("--device", default=None,
                      help="torch device, e.g. cpu or cuda (default: cuda where it is available, else cpu)")

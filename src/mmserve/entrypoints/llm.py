@@ -49,10 +49,17 @@ class LLM:
         self.engine = Engine(EngineConfig.from_kwargs(resolve_model(model, revision), **engine_args), faults)
         self._ids = itertools.count()
 
-    @staticmethod
-    def _per_prompt_params(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams with the checkpoint's generation_config.json defaults (temperature, top_p,
+        top_k, min_p, repetition_penalty, max_new_tokens as max_tokens) unless the engine was built with
+        generation_config="vllm"; what `generate` and `chat` use when given no sampling params."""
+        defaults = self.engine.frontend.default_sampling
+        return SamplingParams(**defaults) if defaults else SamplingParams()
+
+    def _per_prompt_params(self, params: SamplingParams | Sequence[SamplingParams] | None,
+                           n: int) -> list[SamplingParams]:
         if params is None:
-            return [SamplingParams()] * n
+            return [self.get_default_sampling_params()] * n
         if isinstance(params, SamplingParams):
             return [params] * n
         params = list(params)

@@ -17,6 +17,7 @@ What it does not know: media (a part is `{"type": "image"}` by the time it gets 
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Mapping
 from datetime import datetime
@@ -63,6 +64,18 @@ def load_chat_templates(model_dir: Path) -> dict[str, str]:
     if isinstance(config, list):
         return {t["name"]: t["template"] for t in config}
     return {DEFAULT: config} if config else {}
+
+
+def read_chat_template_arg(value: str) -> str:
+    """vLLM's --chat-template: a file's path (its text), else the template itself inline (its backslash
+    escapes decoded, as vLLM decodes them)."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if any(marker in value for marker in ("{{", "{%")):
+        return codecs.decode(value, "unicode_escape")
+    raise InvalidInputError(f"chat_template {value!r}: no such file, and not a template inline (no {{{{ or {{%)",
+                            param="chat_template", setting="chat_template")
 
 
 def load_chat_template(model_dir: Path) -> str | None:

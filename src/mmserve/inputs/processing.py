@@ -106,11 +106,12 @@ class MultimodalProcessor:
     modalities: tuple[str, ...] = (IMAGE, VIDEO)  # what the family takes; others are refused up front
 
     def __init__(self, model_dir: str | Path, placeholder_ids: Mapping[str, int], vocab_size: int,
-                 limits: MediaLimits | None = None, embed_ids: Mapping[str, int] | None = None) -> None:
+                 limits: MediaLimits | None = None, embed_ids: Mapping[str, int] | None = None,
+                 tokenizer: TextTokenizer | None = None) -> None:  # tokenizer: --tokenizer's; None: the model's
         root = Path(model_dir)
         self.limits = limits or MediaLimits()
         self.media_refs = MediaRefs(self.limits.media_uuid_cache_bytes)  # media a later request names by uuid alone
-        self.tokenizer = TextTokenizer(root)
+        self.tokenizer = tokenizer or TextTokenizer(root)
         self.vocab_size = vocab_size
         self.pad_ids = dict(placeholder_ids)
         self.embed_ids = dict(embed_ids or placeholder_ids)
@@ -303,8 +304,7 @@ class MultimodalProcessor:
                 what = repr(self.pad_text.get(modality, "")) if modality in self.pad_ids else "none: not supported"
                 raise InvalidInputError(
                     f"the prompt has {found} {modality} placeholder(s) ({what}) but {given} "
-                    f"{modality}(s) were given; put one placeholder per {modality} in the prompt", param="prompt"
-                )
+                    f"{modality}(s) were given; put one placeholder per {modality} in the prompt", param="prompt")
 
     def _expand(self, pieces: list[str | list[int]], expanded: dict[str, list[tuple[ItemExpansion, list[str]]]],
                 params: dict[str, list[str]]) -> tuple[list[int], list[MMItem]]:

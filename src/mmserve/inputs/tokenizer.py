@@ -41,7 +41,8 @@ def special_tokens(config: Mapping[str, Any]) -> dict[str, str]:
 
 
 class TextTokenizer:
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, chat_template: str | None = None) -> None:
+        """`chat_template`: a template that replaces the directory's (vLLM's --chat-template, read)."""
         root = Path(model_dir)
         path = root / "tokenizer.json"
         if not path.is_file():
@@ -53,7 +54,7 @@ class TextTokenizer:
         self.bos_token: str | None = _token_content(config.get("bos_token"))
         self.eos_token_id: int | None = self.token_to_id(self.eos_token) if self.eos_token else None
         self.special_token_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
-        self.chat_template = load_chat_template(root)
+        self.chat_template = chat_template or load_chat_template(root)
         self._template = None if self.chat_template is None else ChatTemplate(self.chat_template,
                                                                                 special_tokens(config))
 

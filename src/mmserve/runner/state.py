@@ -35,6 +35,7 @@ class RunnerPrompt:
     embed_cumsum: np.ndarray | None  # (num_prompt_tokens,) int64
     item_keys: tuple[str, ...]  # content key of each item, in item order
     item_rows: tuple[int, ...]
+    # banned while min_tokens is not reached: the stop ids and every EOS id (also under ignore_eos)
     stop_token_ids: tuple[int, ...]
     attention_spans: tuple[tuple[int, int], ...] = ()  # [start, end) runs of tokens attending bidirectionally
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # SamplingParams.bad_words, tokenized

@@ -34,6 +34,7 @@ from mmserve.entrypoints.openai.completions import completions_router
 from mmserve.entrypoints.openai.head_requests import HeadAsGet
 from mmserve.entrypoints.openai.health import health_router, stats_router
 from mmserve.entrypoints.openai.http_errors import install_error_handlers
+from mmserve.entrypoints.openai.load import LoadCounter, ServerLoad, load_router
 from mmserve.entrypoints.openai.metrics import ServerMetrics, cache_info
 from mmserve.entrypoints.openai.models import models_router
 from mmserve.entrypoints.openai.protocol import RequestError
@@ -100,8 +101,12 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
             response.headers["X-Request-Id"] = request_id
             return response
     app.add_middleware(HeadAsGet)
+    load = LoadCounter()
+    if config.server_load_tracking:  # vLLM's --enable-server-load-tracking; GET /load answers either way
+        app.add_middleware(ServerLoad, counter=load)
     install_error_handlers(app)
     _include_routes(app, serving, metrics)
+    app.include_router(load_router(load))
     # vLLM's --root-path: FastAPI's root_path, read at routing time, so the app answers both under the
     # prefix (/llm/v1/models: a proxy that passes the path on) and without it (a proxy that strips it)
     app.root_path = config.root_path

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
 from mmserve.engine.client import EngineClient
+from mmserve.engine.generation_defaults import SAMPLING_FIELDS, with_defaults
 from mmserve.engine.prompts import check_cache_salt, truncated_token_ids
 from mmserve.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from mmserve.entrypoints.openai.logprobs import named_by_id
@@ -59,6 +60,7 @@ class ServerConfig:
     root_path: str = ""  # the prefix a proxy serves the app under
     tokenizer_info: bool = False  # GET /tokenizer_info (vLLM's; off by default: it shows the chat template)
     force_include_usage: bool = False  # every stream ends with its usage, asked or not (vLLM's flag)
+    server_load_tracking: bool = False  # count generation requests in flight for GET /load (vLLM's flag)
 
 
 def raise_if_failed(output: RequestOutput) -> None:
@@ -156,6 +158,10 @@ class OpenAIServing:
         grammar of a forced tool choice."""
         prompt = await self._truncated(prompt, body.truncate_prompt_tokens)
         params = body.sampling_params(self.max_model_len, prompt.num_tokens)
+        # generation_config.json's defaults where the request left a field unset (vLLM's --generation-config)
+        unset = [name for name in SAMPLING_FIELDS.values() if name != "max_tokens" and getattr(body, name) is None]
+        unset += ["max_tokens"] if body.requested_max_tokens() is None else []
+        params = with_defaults(params, unset, self.client.frontend.default_sampling)
         if tool_grammar is not None:
             params = replace(params, structured_outputs=tool_grammar)
         prompt.cache_salt = check_cache_salt(body.cache_salt)

@@ -37,7 +37,7 @@ from mmserve.inputs.image_ops import rescale_normalize, resize_exact, to_rgb
 from mmserve.inputs.items import IMAGE
 from mmserve.inputs.media import MediaLimits
 from mmserve.inputs.processing import ItemExpansion, MultimodalProcessor
-from mmserve.inputs.tokenizer import read_json
+from mmserve.inputs.tokenizer import TextTokenizer, read_json
 from mmserve.models.gemma3.config import Gemma3Config
 from mmserve.models.gemma3.pan_and_scan import (
     DEFAULT_MAX_NUM_CROPS,
@@ -94,9 +94,10 @@ class Preprocessing:
 class Gemma3Processor(MultimodalProcessor):
     modalities = (IMAGE,)
 
-    def __init__(self, model_dir: str | Path, config: Gemma3Config, limits: MediaLimits | None = None) -> None:
+    def __init__(self, model_dir: str | Path, config: Gemma3Config, limits: MediaLimits | None = None,
+                 tokenizer: TextTokenizer | None = None) -> None:
         super().__init__(model_dir, {IMAGE: config.boi_token_id}, config.text.vocab_size, limits,
-                         embed_ids={IMAGE: config.image_token_id})
+                         embed_ids={IMAGE: config.image_token_id}, tokenizer=tokenizer)
         root = Path(model_dir)
         self.config = config
         processor_config = read_json(root / "processor_config.json")

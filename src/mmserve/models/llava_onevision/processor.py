@@ -28,6 +28,7 @@ from mmserve.inputs.image_ops import rescale_normalize, resize_exact, to_rgb
 from mmserve.inputs.items import IMAGE, VIDEO
 from mmserve.inputs.media import MediaLimits
 from mmserve.inputs.processing import ItemExpansion, MultimodalProcessor
+from mmserve.inputs.tokenizer import TextTokenizer
 from mmserve.models.llava_onevision.anyres import AnyresLayout, anyres_layout, fit_size, largest_rows
 from mmserve.models.llava_onevision.config import LlavaOnevisionConfig
 
@@ -81,9 +82,10 @@ class Preprocessing:
 
 
 class LlavaOnevisionProcessor(MultimodalProcessor):
-    def __init__(self, model_dir: str | Path, config: LlavaOnevisionConfig, limits: MediaLimits | None = None) -> None:
+    def __init__(self, model_dir: str | Path, config: LlavaOnevisionConfig, limits: MediaLimits | None = None,
+                 tokenizer: TextTokenizer | None = None) -> None:
         super().__init__(model_dir, {IMAGE: config.image_token_id, VIDEO: config.video_token_id},
-                         config.text.vocab_size, limits)
+                         config.text.vocab_size, limits, tokenizer=tokenizer)
         self.config = config
         self.prep = Preprocessing.from_dict(self.preprocessor_config, config.vision.image_size)
         self.side = config.vision.patches_per_side

@@ -34,7 +34,7 @@ from mmserve.inputs.image_ops import rescale_normalize, resize_exact, to_rgb
 from mmserve.inputs.items import IMAGE
 from mmserve.inputs.media import MediaLimits
 from mmserve.inputs.processing import ItemExpansion, MultimodalProcessor
-from mmserve.inputs.tokenizer import read_json
+from mmserve.inputs.tokenizer import TextTokenizer, read_json
 from mmserve.models.mistral3.config import Mistral3Config
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -97,8 +97,10 @@ class Preprocessing:
 class Mistral3Processor(MultimodalProcessor):
     modalities = (IMAGE,)
 
-    def __init__(self, model_dir: str | Path, config: Mistral3Config, limits: MediaLimits | None = None) -> None:
-        super().__init__(model_dir, {IMAGE: config.image_token_id}, config.text.vocab_size, limits)
+    def __init__(self, model_dir: str | Path, config: Mistral3Config, limits: MediaLimits | None = None,
+                 tokenizer: TextTokenizer | None = None) -> None:
+        super().__init__(model_dir, {IMAGE: config.image_token_id}, config.text.vocab_size, limits,
+                         tokenizer=tokenizer)
         root = Path(model_dir)
         self.config = config
         self.prep = Preprocessing.from_dict(self.preprocessor_config)

@@ -31,7 +31,7 @@ from mmserve.errors import ModelLoadError
 from mmserve.inputs.items import IMAGE, CrossAttentionSpan, MMItem
 from mmserve.inputs.media import MediaLimits
 from mmserve.inputs.processing import ItemExpansion, MultimodalProcessor
-from mmserve.inputs.tokenizer import read_json
+from mmserve.inputs.tokenizer import TextTokenizer, read_json
 from mmserve.models.mllama.config import MllamaConfig
 from mmserve.models.mllama.image_processing import Preprocessing, preprocess_image
 from mmserve.models.mllama.model import MllamaImage
@@ -55,9 +55,11 @@ class MllamaProcessor(MultimodalProcessor):
     modalities = (IMAGE,)
     fuses_rows = False
 
-    def __init__(self, model_dir: str | Path, config: MllamaConfig, limits: MediaLimits | None = None) -> None:
+    def __init__(self, model_dir: str | Path, config: MllamaConfig, limits: MediaLimits | None = None,
+                 tokenizer: TextTokenizer | None = None) -> None:
         assert config.text is not None
-        super().__init__(model_dir, {IMAGE: config.image_token_index}, config.text.num_embeddings, limits)
+        super().__init__(model_dir, {IMAGE: config.image_token_index}, config.text.num_embeddings, limits,
+                         tokenizer=tokenizer)
         raw = self.preprocessor_config or read_json(Path(model_dir) / "processor_config.json").get("image_processor", {})
         self.prep = Preprocessing.from_dict(raw)
         vision = config.vision

@@ -23,6 +23,7 @@ from PIL import Image
 from mmserve.inputs.items import IMAGE, VIDEO, MMItem, PromptPositions
 from mmserve.inputs.media import MediaLimits
 from mmserve.inputs.processing import ItemExpansion, MultimodalProcessor
+from mmserve.inputs.tokenizer import TextTokenizer
 from mmserve.models.qwen2_vl.config import Qwen2VLConfig
 from mmserve.models.qwen2_vl.mrope import VisionSpan, mrope_positions
 from mmserve.models.vision.qwen_image_processor import (
@@ -43,9 +44,10 @@ class VisionInput:
 
 class Qwen2VLProcessor(MultimodalProcessor):
     def __init__(self, model_dir: str | Path, config: Qwen2VLConfig, limits: MediaLimits | None = None,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None,
+                 tokenizer: TextTokenizer | None = None) -> None:
         super().__init__(model_dir, {IMAGE: config.image_token_id, VIDEO: config.video_token_id},
-                         config.text.vocab_size, limits)
+                         config.text.vocab_size, limits, tokenizer=tokenizer)
         self.config = config
         self.image_processor = Qwen2VLImageProcessor(ImageProcessorConfig.from_dict(self.preprocessor_config),
                                                      num_threads)

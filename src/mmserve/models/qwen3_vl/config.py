@@ -29,13 +29,12 @@ class TextConfig(DecoderTextConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if len(self.mrope_section) != 3 or sum(self.mrope_section) * 2 != self.head_dim:
-            raise ModelLoadError(f"mrope_section {list(self.mrope_section)} must be three sections summing to "
-                                 f"head_dim/2 = {self.head_dim // 2}")
-        t, h, w = self.mrope_section
-        if 3 * max(h, w) > self.head_dim // 2:  # h bands sit at 1, 4, ..., w bands at 2, 5, ...
-            raise ModelLoadError(f"mrope_section {list(self.mrope_section)}: interleaved h/w bands run past "
-                                 f"head_dim/2 = {self.head_dim // 2}")
+        # the model's own bound (transformers' Qwen3VLTextRotaryEmbedding): three sections; the h and w
+        # bands interleave at 1, 4, ... and 2, 5, ... up to 3 * section, clipped to head_dim / 2 bands,
+        # and every other band follows t: no sum and no upper bound is required
+        if len(self.mrope_section) != 3 or min(self.mrope_section) < 0:
+            raise ModelLoadError(f"mrope_section {list(self.mrope_section)} must be three non-negative sections "
+                                 "(t, h, w)")
 
 
 @dataclass(frozen=True)

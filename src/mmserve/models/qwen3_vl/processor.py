@@ -29,7 +29,7 @@ from mmserve.errors import InvalidInputError
 from mmserve.inputs.items import IMAGE, VIDEO, MMItem, PromptPositions
 from mmserve.inputs.media import MediaLimits
 from mmserve.inputs.processing import ItemExpansion, MultimodalProcessor
-from mmserve.inputs.tokenizer import read_json
+from mmserve.inputs.tokenizer import TextTokenizer, read_json
 from mmserve.models.qwen3_vl.config import Qwen3VLConfig
 from mmserve.models.qwen3_vl.mrope import FrameRun, mrope_positions
 from mmserve.models.vision.qwen_image_processor import (
@@ -106,9 +106,10 @@ class Qwen3VLVideoProcessor(Qwen2VLImageProcessor):
 
 class Qwen3VLProcessor(MultimodalProcessor):
     def __init__(self, model_dir: str | Path, config: Qwen3VLConfig, limits: MediaLimits | None = None,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None,
+                 tokenizer: TextTokenizer | None = None) -> None:
         super().__init__(model_dir, {IMAGE: config.image_token_id, VIDEO: config.video_token_id},
-                         config.text.vocab_size, limits)
+                         config.text.vocab_size, limits, tokenizer=tokenizer)
         self.config = config
         self.merge = config.vision.spatial_merge_size
         self.image_processor = Qwen2VLImageProcessor(ImageProcessorConfig.from_dict(self.preprocessor_config),
