@@ -296,5 +296,6 @@ def markdown_table() -> str:
             what = f"same as --{row.target.replace('_', '-')}: {row.note}"
         elif row.support is Support.ACCEPTED and row.accepted_values:
             what = f"{' or '.join(row.accepted_values)} accepted ({row.note}); other values refused"
-        lines.append(f"| `{row.flag}` | {row.support.value} | {what} |")
+        spellings = ", ".join(f"`{flag}`" for flag in (row.flag, *row.short))
+        lines.append(f"| {spellings} | {row.support.value} | {what} |")
     return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""docs/server.md names every flag of `mmserve serve` (walked from the parser in cli_args.py) and every route
+"""docs/server.md names every flag of `mmserve serve` (walked from the parser in cli_args.py; vLLM's flags may
+have their row on docs/vllm-flags.md, the page generated from vllm_args.py, instead) and every route
 of the app (walked from `build_app`'s routes, optional routes on), so a flag or route added without its row
 fails here; the checks run on planted pages too, so they can fail."""
 
@@ -12,6 +13,7 @@ from mmserve.entrypoints.cli_args import build_parser
 from tests.docs.snippets import ROOT
 
 SERVER_PAGE = ROOT / "docs" / "server.md"
+VLLM_FLAGS_PAGE = ROOT / "docs" / "vllm-flags.md"
 
 
 def serve_flags() -> list[str]:
@@ -27,7 +29,11 @@ def serve_flags() -> list[str]:
 
 
 def undocumented_flags(page: str, flags: list[str]) -> list[str]:
-    return [flag for flag in flags if f"`{flag}`" not in page]
+    """Flags the page does not name; a switch's `--no-X` (argparse's BooleanOptionalAction) is named by its
+    `--X` row."""
+    def named(flag: str) -> bool:
+        return f"`{flag}`" in page or (flag.startswith("--no-") and f"`--{flag[5:]}`" in page)
+    return [flag for flag in flags if not named(flag)]
 
 
 def undocumented_routes(page: str, routes: list[str]) -> list[str]:
@@ -69,8 +75,8 @@ def app_routes() -> list[str]:
 def test_every_serve_flag_has_its_row_on_the_server_page():
     flags = serve_flags()
     assert {"--port", "--max-num-seqs", "--no-enable-prefix-caching", "--encoder-timeout", "MODEL"} <= set(flags)
-    missing = undocumented_flags(SERVER_PAGE.read_text(), flags)
-    assert not missing, f"docs/server.md does not name these flags of `mmserve serve`: {missing}"
+    missing = undocumented_flags(SERVER_PAGE.read_text() + VLLM_FLAGS_PAGE.read_text(), flags)
+    assert not missing, f"docs/server.md (or docs/vllm-flags.md) does not name these flags of `mmserve serve`: {missing}"
 
 
 def test_every_route_has_its_row_on_the_server_page(app_routes):
