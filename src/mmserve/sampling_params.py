@@ -274,3 +274,44 @@ def _normalise_stop_token_ids(stop_token_ids: Sequence[int] | None) -> tuple[int
         _check(_is_int(token_id) and token_id >= 0,
                f"stop_token_ids must be non-negative integers, got {token_id!r}")
     return ids
+
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """Beam search (vLLM's `BeamSearchParams`, scored as transformers' `generate(num_beams=...)`).
+
+    `beam_width` beams are kept and the `beam_width` best hypotheses returned, best first. Each step every live
+    beam is extended by one token; of the top candidates (sums of the model's raw log-probabilities) the best
+    that end (an EOS id, or `max_tokens`) become hypotheses scored `sum / generated_tokens ** length_penalty`
+    (the generated tokens counted with the EOS, the prompt not). `early_stopping`: True stops once
+    `beam_width` hypotheses are found; False stops when the best live beam, at its current length, can no
+    longer beat the worst hypothesis; "never" estimates that with the longest length (`max_tokens`) where
+    `length_penalty > 0`. `ignore_eos`: EOS ends nothing. `temperature` (vLLM's field): beam search scores
+    the raw distribution, so only 0 and 1 (which leave it as it is) are accepted.
+    `include_stop_str_in_output`: the EOS token's text is kept in the text (its id is always in the tokens).
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.beam_width) and 1 <= self.beam_width <= MAX_N,
+               f"beam_width must be an integer in [1, {MAX_N}], got {self.beam_width!r}")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
+               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check(isinstance(self.ignore_eos, bool), f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        _check(isinstance(self.include_stop_str_in_output, bool),
+               f"include_stop_str_in_output must be true or false, got {self.include_stop_str_in_output!r}")
+        _check(_is_number(self.temperature) and self.temperature in (0, 1),
+               f"temperature must be 0 or 1 with beam search (beams are scored by the model's raw "
+               f"log-probabilities, as transformers' num_beams), got {self.temperature!r}")
+        _check(_is_number(self.length_penalty) and math.isfinite(self.length_penalty),
+               f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        _check(isinstance(self.early_stopping, bool) or self.early_stopping == "never",
+               f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}")
