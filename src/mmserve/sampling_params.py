@@ -134,7 +134,8 @@ class SamplingParams:
     `structured_outputs` (a `StructuredOutputsParams`): the output must match a JSON schema, a regex, a
     choice or a grammar; only tokens that keep it matchable are sampled, and EOS only where it is complete.
     `truncate_prompt_tokens` (vLLM's): a text prompt longer than this keeps its last this many tokens (-1: as
-    many as the context holds with room for one generated token); a prompt with images or video is not cut.
+    many as the context holds with room for one generated token; `truncation_side` "right": its first this
+    many); a prompt with images or video is not cut.
     After construction `logit_bias` is a `dict[int, float]`, `allowed_token_ids` a tuple or None and
     `bad_words` a tuple of strings.
     """
@@ -162,6 +163,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
     truncate_prompt_tokens: int | None = None
+    truncation_side: str | None = None
 
     def __post_init__(self) -> None:
         self._validate_numbers()
@@ -201,6 +203,9 @@ class SamplingParams:
                and self.repetition_penalty > 0,
                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
+        check_truncation_side(self.truncation_side)
+        _check(self.truncation_side is None or self.truncate_prompt_tokens is not None,
+               "truncation_side says which end truncate_prompt_tokens cuts: set truncate_prompt_tokens too")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
@@ -215,6 +220,10 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """True when the choice is deterministic argmax: temperature ~0 or top_k == 1."""
         return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
+
+
+def check_truncation_side(value: object) -> None:
+    _check(value in (None, "left", "right"), f"truncation_side must be null, \"left\" or \"right\", got {value!r:.40}")
 
 
 def check_truncate_prompt_tokens(value: object) -> None:

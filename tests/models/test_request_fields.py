@@ -1,0 +1,201 @@
+"""Request fields of the OpenAI routes that change what happens, over the app in process (one tiny Qwen2-VL
+engine): beam search (`use_beam_search`, `n`, `length_penalty`, `early_stopping`) answers what the offline
+`LLM.beam_search` finds (tests/models/test_beam_search.py holds that against transformers), streamed at its
+end; `return_tokens_as_token_ids` per request; chat `echo`; `truncation_side`; `chat_template_kwargs`; and
+the refusals: a field beam search cannot honour, a modifier without what it modifies, a field no one
+defines — each a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from mmserve import LLM, BeamSearchParams, InvalidInputError, SamplingParams
+from mmserve.engine.async_engine import AsyncEngine
+from mmserve.entrypoints.openai.media import MediaRules
+from mmserve.entrypoints.openai.server import build_app
+from mmserve.entrypoints.openai.serving import ServerConfig
+from testkit.conversations import random_image
+
+QUESTION = [{"role": "user", "content": "Tell me a story about a fox."}]
+
+
+@pytest.fixture(scope="module")
+def offline(checkpoint_dirs):
+    """What the offline API answers, computed before the engine is handed to the server."""
+    llm = LLM(str(checkpoint_dirs["qwen2_vl"]))
+    chat = llm.engine.processor.render_chat(QUESTION)
+    found = {}
+    for width, lp, es in ((2, 1.0, False), (3, 0.5, True)):
+        (out,) = llm.beam_search([chat.prompt], BeamSearchParams(beam_width=width, max_tokens=6, length_penalty=lp,
+                                                                 early_stopping=es))
+        found[width] = out
+    (text_out,) = llm.beam_search(["The fox"], BeamSearchParams(beam_width=2, max_tokens=5, early_stopping="never"))
+    found["completion"] = text_out
+    return llm, found
+
+
+@pytest.fixture(scope="module")
+def client(offline):
+    llm, _ = offline
+    app = build_app(AsyncEngine(llm.engine), ServerConfig("m", MediaRules(llm.engine.config.media)))
+    with TestClient(app) as test_client:
+        yield test_client
+
+
+def _chat(client, **body):
+    return client.post("/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 6, **body})
+
+
+def _refused(response, param):
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.text
+
+
+def _stream(client, route, body):
+    with client.stream("POST", route, json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_use_beam_search_chat_answers_the_offline_beams(client, offline):
+    """n beams, length_penalty and early_stopping: the choices are LLM.beam_search's hypotheses, best first."""
+    _, found = offline
+    for width, lp, es in ((2, 1.0, False), (3, 0.5, True)):
+        reply = _chat(client, use_beam_search=True, n=width, length_penalty=lp, early_stopping=es,
+                      return_token_ids=True, logprobs=True, top_logprobs=2)
+        assert reply.status_code == 200, reply.text
+        choices = reply.json()["choices"]
+        expected = [s.tokens[-len(c["token_ids"]):] for s, c in zip(found[width].sequences, choices)]
+        assert [c["token_ids"] for c in choices] == expected and len(choices) == width
+        assert [c["message"]["content"] for c in choices] == [s.text for s in found[width].sequences]
+        first = choices[0]["logprobs"]["content"]
+        assert len(first) == len(choices[0]["token_ids"]) and len(first[0]["top_logprobs"]) == 2
+    chunks = _stream(client, "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 6, "use_beam_search": True,
+                                                      "n": 2})
+    texts = {}
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + (c["delta"].get("content") or "")
+    assert [texts[0], texts[1]] == [s.text for s in found[2].sequences]
+
+
+def test_use_beam_search_completions(client, offline):
+    _, found = offline
+    body = {"prompt": "The fox", "max_tokens": 5, "use_beam_search": True, "n": 2, "early_stopping": "never"}
+    reply = client.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    assert [c["text"] for c in reply.json()["choices"]] == [s.text for s in found["completion"].sequences]
+    assert reply.json()["usage"]["completion_tokens"] == sum(len(s.logprobs) for s in found["completion"].sequences)
+    streamed = {}
+    for chunk in _stream(client, "/v1/completions", body):
+        for c in chunk["choices"]:
+            streamed[c["index"]] = streamed.get(c["index"], "") + c["text"]
+    assert [streamed[0], streamed[1]] == [c["text"] for c in reply.json()["choices"]]
+
+
+@pytest.mark.parametrize("field,value", [("top_p", 0.5), ("top_k", 3), ("min_p", 0.1), ("seed", 1), ("stop", ["x"]),
+                                         ("stop_token_ids", [3]), ("min_tokens", 2), ("presence_penalty", 0.5),
+                                         ("frequency_penalty", 0.5), ("repetition_penalty", 1.2),
+                                         ("logit_bias", {"3": 1}), ("allowed_token_ids", [3, 4]),
+                                         ("bad_words", ["fox"]), ("prompt_logprobs", 1),
+                                         ("response_format", {"type": "json_object"}), ("temperature", 0.7),
+                                         ("n", 9)])
+def test_use_beam_search_refuses_what_it_cannot_honour(client, field, value):
+    _refused(_chat(client, **{"use_beam_search": True, "n": 2, field: value}), field)
+
+
+def test_length_penalty_and_early_stopping_need_use_beam_search(client):
+    _refused(_chat(client, length_penalty=2.0), "length_penalty")
+    _refused(_chat(client, early_stopping=True), "early_stopping")
+    _refused(client.post("/v1/completions", json={"prompt": "a", "echo": True, "logprobs": 1, "use_beam_search": True,
+                                                  "max_tokens": 2}), "echo")
+
+
+def test_return_tokens_as_token_ids_per_request(client):
+    named = _chat(client, max_tokens=3, temperature=0, logprobs=True, top_logprobs=1, return_token_ids=True,
+                  return_tokens_as_token_ids=True).json()["choices"][0]
+    assert [e["token"] for e in named["logprobs"]["content"]] == [f"token_id:{t}" for t in named["token_ids"]]
+    plain = _chat(client, max_tokens=3, temperature=0, logprobs=True, return_tokens_as_token_ids=False).json()
+    assert not any(e["token"].startswith("token_id:") for e in plain["choices"][0]["logprobs"]["content"])
+    completion = client.post("/v1/completions", json={"prompt": "The fox", "max_tokens": 2, "logprobs": 1,
+                                                      "echo": True, "return_tokens_as_token_ids": True}).json()
+    assert all(t.startswith("token_id:") for t in completion["choices"][0]["logprobs"]["tokens"])
+    _refused(_chat(client, return_tokens_as_token_ids=True), "return_tokens_as_token_ids")
+
+
+def test_chat_echo_prepends_the_last_message_of_the_answers_role(client):
+    prefill = [*QUESTION, {"role": "assistant", "content": "Once upon"}]
+    body = {"messages": prefill, "max_tokens": 3, "temperature": 0, "continue_final_message": True,
+            "add_generation_prompt": False}
+    plain = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    echoed = client.post("/v1/chat/completions", json={**body, "echo": True}).json()["choices"][0]["message"]
+    assert echoed["content"] == "Once upon" + plain["content"] and echoed["role"] == "assistant"
+    chunks = _stream(client, "/v1/chat/completions", {**body, "echo": True})
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert streamed == echoed["content"]
+    # the last message is the user's, the answer the assistant's: nothing to echo
+    reply = _chat(client, max_tokens=3, temperature=0, echo=True).json()["choices"][0]["message"]
+    assert reply["content"] == _chat(client, max_tokens=3, temperature=0).json()["choices"][0]["message"]["content"]
+    # with add_generation_prompt false the answer takes the last message's role, so it is echoed
+    user_turn = _chat(client, max_tokens=2, temperature=0, echo=True, add_generation_prompt=False).json()
+    message = user_turn["choices"][0]["message"]
+    assert message["role"] == "user" and message["content"].startswith(QUESTION[0]["content"])
+
+
+def test_truncation_side_keeps_the_first_or_the_last_tokens(client, offline):
+    ids = list(range(20, 40))
+    for side, kept in (("left", ids[-5:]), ("right", ids[:5]), (None, ids[-5:])):
+        body = {"prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": 5, "return_token_ids": True,
+                **({} if side is None else {"truncation_side": side})}
+        reply = client.post("/v1/completions", json=body)
+        assert reply.json()["choices"][0]["prompt_token_ids"] == kept, reply.text
+    _refused(client.post("/v1/completions", json={"prompt": ids, "max_tokens": 1, "truncation_side": "right"}),
+             "truncation_side")
+    _refused(client.post("/v1/completions", json={"prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": 5,
+                                                  "truncation_side": "middle"}), "truncation_side")
+
+
+def test_offline_truncation_side(checkpoint_dirs):
+    llm = LLM(str(checkpoint_dirs["qwen2_vl"]))
+    ids = list(range(20, 40))
+    for side, kept in (("left", ids[-4:]), ("right", ids[:4])):
+        params = SamplingParams(max_tokens=1, truncate_prompt_tokens=4, truncation_side=side)
+        (out,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        assert out.prompt_token_ids == kept
+    for bad in ({"truncation_side": "right"}, {"truncate_prompt_tokens": 4, "truncation_side": "up"}):
+        with pytest.raises(InvalidInputError) as exc:
+            SamplingParams(**bad)
+        assert exc.value.param == "truncation_side"
+    llm.check_integrity()
+
+
+def test_chat_template_kwargs_reach_the_template(client):
+    image = random_image(np.random.default_rng(0), 32, 32)
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    uri = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}},
+                                             {"type": "text", "text": "What is it?"}]}]
+    plain = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()
+    numbered = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1,
+                                                         "chat_template_kwargs": {"add_vision_id": True}}).json()
+    # "Picture 1: " before the image
+    assert numbered["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
+
+
+def test_unknown_fields_are_refused_and_identity_fields_taken(client):
+    _refused(_chat(client, max_tokens=1, colour="red"), "colour")
+    _refused(_chat(client, max_tokens=1, priority=3), "priority")
+    _refused(client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "add_special_tokens": False}),
+             "add_special_tokens")
+    for neutral in ({"user": "u-7"}, {"priority": 0}, {"store": False}, {"spaces_between_special_tokens": True}):
+        assert _chat(client, max_tokens=1, **neutral).status_code == 200
