@@ -8,6 +8,7 @@ defines — each a 400 naming the field."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -15,7 +16,10 @@ from fastapi.testclient import TestClient
 
 from mmserve import LLM, BeamSearchParams, InvalidInputError, SamplingParams
 from mmserve.engine.async_engine import AsyncEngine
+from mmserve.entrypoints.openai.chat import ChatCompletionRequest
+from mmserve.entrypoints.openai.completions import CompletionRequest
 from mmserve.entrypoints.openai.media import MediaRules
+from mmserve.entrypoints.openai.protocol import GUIDED_FIELDS, IDENTITY_FIELDS, UNSUPPORTED_FIELDS
 from mmserve.entrypoints.openai.server import build_app
 from mmserve.entrypoints.openai.serving import ServerConfig
 from testkit.conversations import random_image
@@ -199,3 +203,75 @@ def test_unknown_fields_are_refused_and_identity_fields_taken(client):
              "add_special_tokens")
     for neutral in ({"user": "u-7"}, {"priority": 0}, {"store": False}, {"spaces_between_special_tokens": True}):
         assert _chat(client, max_tokens=1, **neutral).status_code == 200
+
+
+def _greedy(client, **body):
+    reply = _chat(client, **{"temperature": 0, "ignore_eos": True, "return_token_ids": True, **body})
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]
+
+
+def test_sampling_fields_change_the_answer(client):
+    """top_k, top_p and min_p at their tightest leave only the most likely token: a sampled answer is then the
+    greedy one; a seed repeats an answer; max_completion_tokens bounds it; stop_token_ids end it."""
+    greedy = _greedy(client, max_tokens=5)
+    for tight in ({"top_k": 1}, {"top_p": 1e-9}, {"min_p": 1.0}):
+        assert _greedy(client, max_tokens=5, **tight, temperature=1.5)["token_ids"] == greedy["token_ids"], tight
+    seeded = [_greedy(client, max_tokens=5, temperature=1.5, seed=s)["token_ids"] for s in (11, 11, 12, 13)]
+    assert seeded[0] == seeded[1] and len({tuple(t) for t in seeded}) > 1
+    assert len(_greedy(client, max_tokens=5, max_completion_tokens=2)["token_ids"]) == 2
+    stopped = _chat(client, max_tokens=5, temperature=0, return_token_ids=True,
+                    stop_token_ids=[greedy["token_ids"][2]]).json()["choices"][0]
+    assert stopped["token_ids"] == greedy["token_ids"][:3] and stopped["finish_reason"] == "stop"
+
+
+def test_stop_strings_and_special_tokens_in_the_text(client, offline):
+    llm, _ = offline
+    greedy = _greedy(client, max_tokens=6)
+    text = greedy["message"]["content"]
+    stop = next(text[i:i + 2] for i in range(1, len(text) - 1) if not any(c.isspace() for c in text[i:i + 2]))
+    cut = _chat(client, max_tokens=6, temperature=0, ignore_eos=True,
+                stop=[stop]).json()["choices"][0]["message"]["content"]
+    kept = _chat(client, max_tokens=6, temperature=0, ignore_eos=True, stop=[stop],
+                 include_stop_str_in_output=True).json()["choices"][0]["message"]["content"]
+    assert kept == cut + stop and cut == text[:text.index(stop)]
+    special = llm.engine.eos_token_ids[0]  # a special token, forced: its text shows only unskipped
+    shown = _greedy(client, max_tokens=2, allowed_token_ids=[special], skip_special_tokens=False)
+    hidden = _greedy(client, max_tokens=2, allowed_token_ids=[special], skip_special_tokens=True)
+    assert shown["token_ids"] == hidden["token_ids"] == [special, special]
+    assert shown["message"]["content"] and not hidden["message"]["content"]
+
+
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED_FIELDS))
+def test_unsupported_fields_are_refused_unless_neutral(client, name):
+    """OpenAI's and vLLM's fields mmserve does not implement: what asks for nothing passes, the rest is a 400."""
+    for neutral in UNSUPPORTED_FIELDS[name]:
+        assert _chat(client, max_tokens=1, **{name: neutral}).status_code == 200, (name, neutral)
+    _refused(_chat(client, max_tokens=1, **{name: "not-neutral"}), name)
+
+
+@pytest.mark.parametrize("route,request_class", [("/v1/chat/completions", ChatCompletionRequest),
+                                                 ("/v1/completions", CompletionRequest)])
+def test_route_unsupported_fields(client, route, request_class):
+    base = {"messages": QUESTION} if route.endswith("chat/completions") else {"prompt": "The fox"}
+    for name, neutrals in request_class.route_unsupported_fields.items():
+        for neutral in neutrals:
+            assert client.post(route, json={**base, "max_tokens": 1, name: neutral}).status_code == 200, name
+        _refused(client.post(route, json={**base, "max_tokens": 1, name: "not-neutral"}), name)
+
+
+@pytest.mark.parametrize("name", IDENTITY_FIELDS)
+def test_identity_fields_change_no_answer(client, name):
+    plain = _greedy(client, max_tokens=3)
+    assert _greedy(client, max_tokens=3, **{name: "caller-7"})["token_ids"] == plain["token_ids"]
+
+
+@pytest.mark.parametrize("name,value,pattern", [("guided_regex", "[0-9]{3}", r"[0-9]{3}"),
+                                                ("guided_choice", ["yes", "no"], r"yes|no"),
+                                                ("guided_json", {"type": "integer"}, r"-?[0-9]+"),
+                                                ("guided_grammar", 'root ::= "up" | "down"', r"up|down")])
+def test_guided_fields_constrain_the_output(client, name, value, pattern):
+    """vLLM's older names of structured_outputs (GUIDED_FIELDS) constrain the answer as their new names do."""
+    assert GUIDED_FIELDS[name] in ("json", "regex", "choice", "grammar")
+    content = _chat(client, max_tokens=8, temperature=0, **{name: value}).json()["choices"][0]["message"]["content"]
+    assert re.fullmatch(pattern, content), content
