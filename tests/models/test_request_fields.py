@@ -7,6 +7,8 @@ defines — each a 400 naming the field."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import re
 
@@ -179,14 +181,14 @@ def test_offline_truncation_side(checkpoint_dirs):
     llm.check_integrity()
 
 
-def test_chat_template_kwargs_reach_the_template(client):
-    image = random_image(np.random.default_rng(0), 32, 32)
-    import base64
-    import io
-
+def _png_uri(width: int, height: int) -> str:
     buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    uri = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    random_image(np.random.default_rng(0), width, height).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_chat_template_kwargs_reach_the_template(client):
+    uri = _png_uri(32, 32)
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}},
                                              {"type": "text", "text": "What is it?"}]}]
     plain = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()
@@ -275,3 +277,38 @@ def test_guided_fields_constrain_the_output(client, name, value, pattern):
     assert GUIDED_FIELDS[name] in ("json", "regex", "choice", "grammar")
     content = _chat(client, max_tokens=8, temperature=0, **{name: value}).json()["choices"][0]["message"]["content"]
     assert re.fullmatch(pattern, content), content
+
+
+def test_model_names_the_served_model(client):
+    """`model`: the served name (or none) answers; another is a 404 naming the field, on every route."""
+    for route, body in (("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 1}),
+                        ("/v1/completions", {"prompt": "a", "max_tokens": 1}), ("/tokenize", {"prompt": "a"}),
+                        ("/detokenize", {"tokens": [5]})):
+        assert client.post(route, json={**body, "model": "m"}).status_code == 200, route
+        assert client.post(route, json=body).status_code == 200, route
+        reply = client.post(route, json={**body, "model": "another"})
+        assert reply.status_code == 404 and reply.json()["error"]["param"] == "model", route
+
+
+def test_ignore_eos_runs_past_the_eos(client, offline):
+    llm, _ = offline
+    eos = llm.engine.eos_token_ids[0]
+    ended = _chat(client, max_tokens=3, temperature=0, allowed_token_ids=[eos], return_token_ids=True).json()
+    assert ended["choices"][0]["token_ids"] == [eos] and ended["choices"][0]["finish_reason"] == "stop"
+    kept = _chat(client, max_tokens=3, temperature=0, allowed_token_ids=[eos], return_token_ids=True,
+                 ignore_eos=True).json()
+    assert kept["choices"][0]["token_ids"] == [eos] * 3 and kept["choices"][0]["finish_reason"] == "length"
+
+
+def test_tokenize_fields(client):
+    """/tokenize: add_special_tokens where it says what the routes do (else refused), mm_processor_kwargs
+    reshape the pictures as they do for generation."""
+    plain = client.post("/tokenize", json={"prompt": "Hello"}).json()
+    assert client.post("/tokenize", json={"prompt": "Hello", "add_special_tokens": True}).json() == plain
+    _refused(client.post("/tokenize", json={"prompt": "Hello", "add_special_tokens": False}), "add_special_tokens")
+    uri = _png_uri(200, 160)
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}}]}]
+    full = client.post("/tokenize", json={"messages": messages}).json()["count"]
+    small = client.post("/tokenize", json={"messages": messages,
+                                           "mm_processor_kwargs": {"max_pixels": 56 * 56}}).json()["count"]
+    assert small < full
