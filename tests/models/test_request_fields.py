@@ -111,7 +111,7 @@ def test_use_beam_search_completions(client, offline):
                                          ("logit_bias", {"3": 1}), ("allowed_token_ids", [3, 4]),
                                          ("bad_words", ["fox"]), ("prompt_logprobs", 1),
                                          ("response_format", {"type": "json_object"}), ("temperature", 0.7),
-                                         ("n", 9)])
+                                         ("n", 11)])
 def test_use_beam_search_refuses_what_it_cannot_honour(client, field, value):
     _refused(_chat(client, **{"use_beam_search": True, "n": 2, field: value}), field)
 
@@ -203,6 +203,8 @@ def test_unknown_fields_are_refused_and_identity_fields_taken(client):
     _refused(_chat(client, max_tokens=1, priority=3), "priority")
     _refused(client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "add_special_tokens": False}),
              "add_special_tokens")
+    _refused(_chat(client, max_tokens=1, stream=True, stream_options={"include_usage": True, "colour": 1}),
+             "stream_options.colour")
     for neutral in ({"user": "u-7"}, {"priority": 0}, {"store": False}, {"spaces_between_special_tokens": True}):
         assert _chat(client, max_tokens=1, **neutral).status_code == 200
 

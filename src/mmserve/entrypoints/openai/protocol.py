@@ -43,7 +43,7 @@ class ErrorResponse(BaseModel):
 
 # ---- requests -------------------------------------------------------------------------------------
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")  # an option no one defines is a 400, never ignored
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk
 
