@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from mmserve import LLM, BeamSearchParams, InvalidInputError
+from mmserve.engine.beam_driver import BeamStepFailed
+from mmserve.faults import FaultPlan
 from testkit.conversations import image_part, random_image, text_part, user
 from testkit.families import FAMILIES
 from tests.models.helpers import load_processor
@@ -133,3 +135,18 @@ def test_beam_search_refuses_what_it_cannot_do(beam_setup):
     assert exc.value.param == "max_tokens"
     llm.check_integrity()
 
+
+
+def test_a_failed_step_fails_the_search_and_leaks_nothing(all_checkpoints):
+    """A beam's step that fails (a planted model-step fault) ends the search with that error; the other
+    beams' requests are aborted, and the engine serves on."""
+    source = str(all_checkpoints["qwen2_vl"])
+    fault = LLM(source).engine.processor.tokenizer.encode("zebra")[0]
+    llm = LLM(source, faults=FaultPlan(step_fault_token_id=fault))
+    params = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
+    with pytest.raises(BeamStepFailed, match="test fault"):
+        llm.beam_search(["Count to ten.", "a zebra"], params)
+    llm.check_integrity()
+    (out,) = llm.beam_search(["Count to ten."], params)
+    assert len(out.sequences) == 2 and all(len(s.logprobs) == 4 for s in out.sequences)
+    llm.check_integrity()

@@ -50,6 +50,7 @@ def client(offline):
     app = build_app(AsyncEngine(llm.engine), ServerConfig("m", MediaRules(llm.engine.config.media)))
     with TestClient(app) as test_client:
         yield test_client
+    llm.check_integrity()  # every beam's step request, every refusal: nothing leaked
 
 
 def _chat(client, **body):
