@@ -1,4 +1,4 @@
-"""The offline API, vLLM-compatible: `LLM(model, **engine_args).generate(...)` and `.chat(...)`.
+"""The offline API, vLLM-compatible: `LLM(model, **engine_args).generate(...)`, `.chat(...)` and `.beam_search(...)`.
 
 Role: validate and process every prompt first (bad input raises `InvalidInputError` before any
 request is added, so nothing runs half-way), submit them all, step the engine until they finish,
