@@ -177,3 +177,18 @@ def test_every_named_test_exists_and_names_its_field():
             elif field not in source and not any(table in source for table in TABLES):
                 problems.append(f"{key}: {node_id} never names {field!r}")
     assert not problems, "\n".join(problems)
+
+
+def test_the_walk_sees_a_new_field(monkeypatch):
+    """A field added to a request model, or to one of the undeclared-field tables, is missing from
+    FIELD_TESTS until a test is named for it (the walk fails honestly)."""
+    from mmserve.entrypoints.openai import chat
+
+    class ProbeRequest(chat.ChatCompletionRequest):
+        brand_new_knob: int = 0
+
+    ProbeRequest.__module__ = chat.__name__
+    monkeypatch.setattr(chat, "ProbeRequest", ProbeRequest, raising=False)
+    monkeypatch.setattr(protocol, "IDENTITY_FIELDS", (*protocol.IDENTITY_FIELDS, "brand_new_id"))
+    missing = _request_fields() - set(FIELD_TESTS)
+    assert missing == {"ProbeRequest.brand_new_knob", "extra.brand_new_id"}
