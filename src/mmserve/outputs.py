@@ -66,3 +66,23 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: one entry per prompt token (None for the first, which nothing
     # predicts); complete once the prompt is computed
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+@dataclass
+class BeamSearchSequence:
+    """One hypothesis of a beam search (vLLM's shape): `tokens` are the prompt's then the generated ones."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]]  # one entry per generated token: the top candidates of its step
+    cum_logprob: float  # the generated tokens' summed logprobs
+    score: float  # cum_logprob / generated_tokens ** length_penalty (the ranking, as transformers')
+    text: str | None = None
+    finish_reason: str | None = None  # "stop" (an EOS id) or "length"
+    stop_reason: int | None = None  # the EOS id that ended it
+
+
+@dataclass
+class BeamSearchOutput:
+    """The best `beam_width` hypotheses of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]

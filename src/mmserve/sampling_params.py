@@ -134,7 +134,8 @@ class SamplingParams:
     `structured_outputs` (a `StructuredOutputsParams`): the output must match a JSON schema, a regex, a
     choice or a grammar; only tokens that keep it matchable are sampled, and EOS only where it is complete.
     `truncate_prompt_tokens` (vLLM's): a text prompt longer than this keeps its last this many tokens (-1: as
-    many as the context holds with room for one generated token); a prompt with images or video is not cut.
+    many as the context holds with room for one generated token; `truncation_side` "right": its first this
+    many); a prompt with images or video is not cut.
     After construction `logit_bias` is a `dict[int, float]`, `allowed_token_ids` a tuple or None and
     `bad_words` a tuple of strings.
     """
@@ -162,6 +163,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
     truncate_prompt_tokens: int | None = None
+    truncation_side: str | None = None
 
     def __post_init__(self) -> None:
         self._validate_numbers()
@@ -201,6 +203,9 @@ class SamplingParams:
                and self.repetition_penalty > 0,
                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
+        check_truncation_side(self.truncation_side)
+        _check(self.truncation_side is None or self.truncate_prompt_tokens is not None,
+               "truncation_side says which end truncate_prompt_tokens cuts: set truncate_prompt_tokens too")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
@@ -215,6 +220,10 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """True when the choice is deterministic argmax: temperature ~0 or top_k == 1."""
         return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
+
+
+def check_truncation_side(value: object) -> None:
+    _check(value in (None, "left", "right"), f"truncation_side must be null, \"left\" or \"right\", got {value!r:.40}")
 
 
 def check_truncate_prompt_tokens(value: object) -> None:
@@ -274,3 +283,44 @@ def _normalise_stop_token_ids(stop_token_ids: Sequence[int] | None) -> tuple[int
         _check(_is_int(token_id) and token_id >= 0,
                f"stop_token_ids must be non-negative integers, got {token_id!r}")
     return ids
+
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """Beam search (vLLM's `BeamSearchParams`, scored as transformers' `generate(num_beams=...)`).
+
+    `beam_width` beams are kept and the `beam_width` best hypotheses returned, best first. Each step every live
+    beam is extended by one token; of the top candidates (sums of the model's raw log-probabilities) the best
+    that end (an EOS id, or `max_tokens`) become hypotheses scored `sum / generated_tokens ** length_penalty`
+    (the generated tokens counted with the EOS, the prompt not). `early_stopping`: True stops once
+    `beam_width` hypotheses are found; False stops when the best live beam, at its current length, can no
+    longer beat the worst hypothesis; "never" estimates that with the longest length (`max_tokens`) where
+    `length_penalty > 0`. `ignore_eos`: EOS ends nothing. `temperature` (vLLM's field): beam search scores
+    the raw distribution, so only 0 and 1 (which leave it as it is) are accepted.
+    `include_stop_str_in_output`: the EOS token's text is kept in the text (its id is always in the tokens).
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.beam_width) and 1 <= self.beam_width <= MAX_N,
+               f"beam_width must be an integer in [1, {MAX_N}], got {self.beam_width!r}")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
+               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check(isinstance(self.ignore_eos, bool), f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        _check(isinstance(self.include_stop_str_in_output, bool),
+               f"include_stop_str_in_output must be true or false, got {self.include_stop_str_in_output!r}")
+        _check(_is_number(self.temperature) and self.temperature in (0, 1),
+               f"temperature must be 0 or 1 with beam search (beams are scored by the model's raw "
+               f"log-probabilities, as transformers' num_beams), got {self.temperature!r}")
+        _check(_is_number(self.length_penalty) and math.isfinite(self.length_penalty),
+               f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        _check(isinstance(self.early_stopping, bool) or self.early_stopping == "never",
+               f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}")

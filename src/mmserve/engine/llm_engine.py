@@ -106,7 +106,8 @@ class Engine:
         parent a traced request starts its own trace). `hand_off` (a prefill replica): after its first
         token the request parks, holding its KV for `send_kv` (a request of n > 1 choices or with a grammar
         decodes here: its first output says whether it parked, `kv_parked`)."""
-        cut = truncated_token_ids(prompt, params.truncate_prompt_tokens, self.max_model_len)
+        cut = truncated_token_ids(prompt, params.truncate_prompt_tokens, self.max_model_len,
+                                params.truncation_side)
         if cut is not None:  # processed again as token ids, keeping its cache salt
             salt = prompt.cache_salt
             prompt = self.process({"prompt_token_ids": cut})

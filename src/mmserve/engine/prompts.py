@@ -21,7 +21,7 @@ from mmserve.errors import InvalidInputError, out_of_vocabulary
 from mmserve.inputs.chat import require_unicode
 from mmserve.inputs.items import ProcessedPrompt
 from mmserve.inputs.media import VideoFrames
-from mmserve.sampling_params import SamplingParams, check_truncate_prompt_tokens
+from mmserve.sampling_params import SamplingParams, check_truncate_prompt_tokens, check_truncation_side
 
 _PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids",
                 "cache_salt"}
@@ -101,11 +101,14 @@ def check_cache_salt(salt: Any) -> str | None:
     return salt
 
 
-def truncated_token_ids(prompt: ProcessedPrompt, keep: int | None, max_model_len: int) -> list[int] | None:
-    """vLLM's truncate_prompt_tokens: the last `keep` token ids of a longer prompt (-1: as many as the
-    context holds with room for one generated token); None when the prompt stays as it is. A prompt with
-    images or video is refused rather than cut, since a cut could fall inside an item's rows."""
+def truncated_token_ids(prompt: ProcessedPrompt, keep: int | None, max_model_len: int,
+                        side: str | None = None) -> list[int] | None:
+    """vLLM's truncate_prompt_tokens: `keep` token ids of a longer prompt (-1: as many as the context holds
+    with room for one generated token), cut on `side` (vLLM's truncation_side: "left", the default, keeps
+    the last ones; "right" the first ones); None when the prompt stays as it is. A prompt with images or
+    video is refused rather than cut, since a cut could fall inside an item's rows."""
     check_truncate_prompt_tokens(keep)
+    check_truncation_side(side)
     if keep is None:
         return None
     keep = max_model_len - 1 if keep == -1 else keep
@@ -114,7 +117,7 @@ def truncated_token_ids(prompt: ProcessedPrompt, keep: int | None, max_model_len
     if prompt.items:
         raise InvalidInputError(f"truncate_prompt_tokens={keep} would cut a prompt with images or video: only "
                                 "text prompts are truncated", param="truncate_prompt_tokens")
-    return list(prompt.prompt_token_ids[-keep:])
+    return list(prompt.prompt_token_ids[:keep] if side == "right" else prompt.prompt_token_ids[-keep:])
 
 
 def check_prompt_fits(prompt: ProcessedPrompt, max_model_len: int) -> None:

@@ -1,4 +1,4 @@
-"""The offline API, vLLM-compatible: `LLM(model, **engine_args).generate(...)` and `.chat(...)`.
+"""The offline API, vLLM-compatible: `LLM(model, **engine_args).generate(...)`, `.chat(...)` and `.beam_search(...)`.
 
 Role: validate and process every prompt first (bad input raises `InvalidInputError` before any
 request is added, so nothing runs half-way), submit them all, step the engine until they finish,
@@ -14,12 +14,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from mmserve.config import EngineConfig, resolve_model
+from mmserve.engine.beam_driver import run_offline
 from mmserve.engine.llm_engine import Engine
 from mmserve.errors import InvalidInputError
 from mmserve.faults import FaultPlan
 from mmserve.inputs.items import ProcessedPrompt
-from mmserve.outputs import RequestOutput
-from mmserve.sampling_params import SamplingParams
+from mmserve.outputs import BeamSearchOutput, RequestOutput
+from mmserve.sampling_params import BeamSearchParams, SamplingParams
 
 
 class _Progress:
@@ -92,6 +93,29 @@ class LLM:
             except InvalidInputError as exc:
                 raise exc.reworded(f"conversation {i}: {exc}") from exc
         return self._run(processed, self._per_prompt_params(sampling_params, len(processed)), use_tqdm)
+
+    def beam_search(self, prompts: Any, params: BeamSearchParams, use_tqdm: bool = False,
+                    mm_processor_kwargs: dict[str, Any] | None = None) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: each prompt's `params.beam_width` best hypotheses, best first, as
+        transformers' `generate(num_beams=..., num_return_sequences=...)` finds them (engine/beam_search.py).
+        Prompts are what `generate` takes (text, token ids, media)."""
+        if not isinstance(params, BeamSearchParams):
+            raise InvalidInputError("params must be a mmserve.BeamSearchParams", param="params")
+        del use_tqdm  # vLLM's argument; the search reports no progress
+        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        processed = []
+        for i, raw in enumerate(prompt_list):
+            try:
+                prompt = self.engine.process(raw, mm_processor_kwargs)
+            except InvalidInputError as exc:
+                raise exc.reworded(f"prompt {i}: {exc}") from exc
+            if prompt.num_tokens + params.max_tokens > self.engine.max_model_len:
+                raise InvalidInputError(f"prompt {i}: its {prompt.num_tokens} tokens and max_tokens="
+                                        f"{params.max_tokens} exceed the context ({self.engine.max_model_len} "
+                                        "tokens)", param="max_tokens")
+            processed.append(prompt)
+        decode = self.engine.processor.tokenizer.decode
+        return run_offline(self.engine, processed, params, decode, f"offline-{next(self._ids)}")
 
     def _run(self, processed: list[ProcessedPrompt], params: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:

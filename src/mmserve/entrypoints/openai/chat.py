@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
@@ -43,6 +43,8 @@ from mmserve.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
 
 # ---- the wire format -------------------------------------------------------------------------------
 class ChatCompletionRequest(GenerationRequest):
+    # vLLM's: the chat template writes the special tokens (none more); the prompt is what /tokenize shows
+    route_unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {"add_special_tokens": (None, False)}
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
     tools: list[Any] | None = None  # OpenAI's: [{"type": "function", "function": {name, parameters, strict}}]
@@ -51,6 +53,9 @@ class ChatCompletionRequest(GenerationRequest):
     # vLLM's: end the prompt with the assistant's turn opened (the default), or continue the last message
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: the answer starts with the last message's content where that message has the answer's role
+    echo: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
     logprobs: bool | None = None
     top_logprobs: int | None = None
 
@@ -91,7 +96,7 @@ class DeltaToolCall(WireModel):
 
 class ChatMessage(WireModel):
     omit_if_none = ("tool_calls",)
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # the last message's, with add_generation_prompt false (as vLLM)
     content: str | None
     reasoning: str | None = None  # a thinking model's thought (vLLM's field)
     reasoning_content: str | None = None  # the same thought under vLLM's older name, which clients still read
@@ -149,6 +154,26 @@ class ChatCompletionChunk(WireModel):
 
 
 # ---- serving ---------------------------------------------------------------------------------------
+def _role(body: ChatCompletionRequest) -> str:
+    """The answer's role: the assistant's, or with add_generation_prompt false the last message's (vLLM's)."""
+    last = body.messages[-1] if body.messages else {}
+    if body.add_generation_prompt or not isinstance(last, dict) or not isinstance(last.get("role"), str):
+        return "assistant"
+    return last["role"]
+
+
+def _echoed(body: ChatCompletionRequest) -> str:
+    """With echo: the last message's text (its text parts joined by newlines) where its role is the
+    answer's, else nothing (vLLM's rule)."""
+    last = body.messages[-1] if body.messages else None
+    if not body.echo or not isinstance(last, dict) or last.get("role") != _role(body):
+        return ""
+    content = last.get("content") or ""
+    if isinstance(content, list):
+        content = "\n".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return content if isinstance(content, str) else ""
+
+
 def _parsed_tool_arguments(messages: Any) -> Any:
     """The messages with assistant tool calls' `arguments` as objects, as templates render them (OpenAI
     sends them as JSON text; vLLM parses them the same way); text that is not JSON is left as it is."""
@@ -181,7 +206,9 @@ class ChatServing:
     async def _chat_prompt(self, body: ChatCompletionRequest, tools: ToolRequest | None = None) -> ProcessedPrompt:
         messages = await self.serving.in_worker(resolve_messages, _parsed_tool_arguments(body.messages),
                                                 self.serving.config.media, body.mm_processor_kwargs)
-        template_kwargs = {} if tools is None else {"tools": list(tools.template_tools)}
+        template_kwargs = dict(body.chat_template_kwargs or {})
+        if tools is not None:
+            template_kwargs["tools"] = list(tools.template_tools)
         return await self.serving.client.process_chat(messages, body.mm_processor_kwargs,
                                                       add_generation_prompt=body.add_generation_prompt,
                                                       continue_final_message=body.continue_final_message,
@@ -245,24 +272,29 @@ class ChatServing:
 
         num_logprobs = body.requested_logprobs()
         in_thought = self._in_thought(first)
+        role, echoed = _role(body), _echoed(body)
 
         def whole(final: RequestOutput) -> BaseModel:
             choices = []
             for c in final.outputs:
                 message, finish_reason = self._message(c, tools, in_thought)
+                message.role = role
+                if echoed:
+                    message.content = echoed + (message.content or "")
                 choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason,
                                           logprobs=None if num_logprobs is None else chat_logprobs(
-                                              c.token_ids, self.serving.names(c.logprobs), num_logprobs),
+                                              c.token_ids, self.serving.names(c.logprobs, body), num_logprobs),
                                           token_ids=list(c.token_ids) if body.return_token_ids else None))
             return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage_of(final),
                                           prompt_logprobs=None if body.prompt_logprobs is None
-                                          else prompt_logprobs(self.serving.names(final.prompt_logprobs)),
+                                          else prompt_logprobs(self.serving.names(final.prompt_logprobs, body)),
                                           prompt_token_ids=list(final.prompt_token_ids) if body.return_token_ids
                                           else None)
 
         return await self.serving.respond(request_id, model, body, raw, first, outputs, self._chunks, whole,
+                                          echo=(lambda _: (echoed, None)) if echoed else None,
                                           tools=tools if tools is not None and tools[0].choice != "none" else None,
-                                          in_thought=in_thought)
+                                          in_thought=in_thought, role=role)
 
     @staticmethod
     def _chunks(request_id: str, model: str, include_usage: bool, cursor: StreamCursor,
@@ -275,8 +307,10 @@ class ChatServing:
         no_ids = [] if cursor.return_token_ids else None
         first = cursor.first_chunk(index)
         # (choice, completion tokens its usage counts): the role chunk counts none, as vLLM's
-        choices = [(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""), token_ids=no_ids),
+        choices = [(ChatChunkChoice(index=index, delta=DeltaMessage(role=cursor.role, content=""), token_ids=no_ids),
                     0)] if first else []
+        if first and cursor.echo is not None:  # the echoed message, before anything generated (as vLLM)
+            choices.append((ChatChunkChoice(index=index, delta=DeltaMessage(content=cursor.echo(output)[0])), 0))
         deltas, finish_reason = ChatServing._deltas(cursor, output, completion)
         if cursor.finishes(completion):
             deltas = deltas or [ChatChunkChoice(index=index, delta=DeltaMessage(), token_ids=no_ids)]

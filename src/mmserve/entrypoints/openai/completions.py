@@ -40,7 +40,8 @@ from mmserve.outputs import RequestOutput
 # ---- the wire format -------------------------------------------------------------------------------
 class CompletionRequest(GenerationRequest):
     route_unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,)}  # chat only
+        "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),  # chat only
+        "add_special_tokens": (None, True)}  # vLLM's: the tokenizer's own (a BOS where it adds one)
     prompt: str | list[str] | list[int] | list[list[int]]  # one prompt, or several (one choice each, x n)
     # extension: media for the prompt's placeholders, as chat content parts (image_url / video_url)
     media: list[dict[str, Any]] | None = None
@@ -200,7 +201,7 @@ class CompletionServing:
             first, outputs = await self._start_several(request_id, raw_prompts, body, raw, arrival_time)
 
         num_logprobs = body.requested_logprobs()
-        echo = self._echo(num_logprobs) if body.echo else None
+        echo = self._echo(num_logprobs, body) if body.echo else None
 
         def whole(final: RequestOutput) -> BaseModel:
             echoed, echoed_logprobs = echo(final) if echo else ("", None)
@@ -208,19 +209,20 @@ class CompletionServing:
             for c in final.outputs:
                 logprobs = None
                 if num_logprobs is not None:
-                    logprobs = completion_logprobs(c.token_ids, self.serving.names(c.logprobs), num_logprobs)
+                    logprobs = completion_logprobs(c.token_ids, self.serving.names(c.logprobs, body), num_logprobs)
                     logprobs = joined(echoed_logprobs, logprobs) if echoed_logprobs else logprobs
                 choices.append(CompletionChoice(
                     index=c.index, text=echoed + c.text, finish_reason=c.finish_reason, logprobs=logprobs,
                     prompt_logprobs=None if body.prompt_logprobs is None
-                    else prompt_logprobs(self.serving.names(final.prompt_logprobs)),
+                    else prompt_logprobs(self.serving.names(final.prompt_logprobs, body)),
                     token_ids=list(c.token_ids) if body.return_token_ids else None,
                     prompt_token_ids=list(final.prompt_token_ids) if body.return_token_ids else None))
             return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage_of(final))
 
         return await self.serving.respond(request_id, model, body, raw, first, outputs, self._chunks, whole, echo)
 
-    def _echo(self, num_logprobs: int | None) -> Callable[[RequestOutput], tuple[str, CompletionLogprobs | None]]:
+    def _echo(self, num_logprobs: int | None,
+              body: CompletionRequest) -> Callable[[RequestOutput], tuple[str, CompletionLogprobs | None]]:
         """The prompt's text as echoed, and its logprobs in the legacy shape (with logprobs)."""
         tokenizer = self.serving.client.frontend.processor.tokenizer
 
@@ -229,9 +231,9 @@ class CompletionServing:
             text = output.prompt if output.prompt is not None else tokenizer.decode(ids, skip_special_tokens=False)
             if num_logprobs is None or output.prompt_logprobs is None:
                 return text, None
-            first = f"token_id:{ids[0]}" if self.serving.config.return_tokens_as_token_ids else tokenizer.decode(
+            first = f"token_id:{ids[0]}" if self.serving.token_ids_named(body) else tokenizer.decode(
                 ids[:1], skip_special_tokens=False)
-            return text, echo_logprobs(ids, self.serving.names(output.prompt_logprobs), num_logprobs, first)
+            return text, echo_logprobs(ids, self.serving.names(output.prompt_logprobs, body), num_logprobs, first)
         return echo
 
     @staticmethod

@@ -4,16 +4,17 @@ Role: errors (`RequestError` and OpenAI's error body), `GenerationRequest` — t
 text completions share, and the one mapping from them to `SamplingParams` — and the response parts both
 answer with (usage, logprobs). A request field with a default takes `null` as that default
 (`NullMeansUnset`); a response part may leave out its null fields (`WireModel`). Each endpoint's own
-request and response bodies live in its module (chat.py, completions.py, tokens.py, models.py). Unknown
-request fields are accepted and ignored (clients send fields such as `user` that change nothing), except
-the OpenAI features mmserve does not implement (`UNSUPPORTED_FIELDS`: audio, ...): set to anything but
-their neutral value, they are refused with a 400 that names them.
+request and response bodies live in its module (chat.py, completions.py, tokens.py, models.py). No field
+is accepted and ignored: OpenAI's and vLLM's fields mmserve does not implement (`UNSUPPORTED_FIELDS`:
+audio, priority, ...) are accepted only at their neutral value (what a client sends when it asks for
+nothing), anything else is refused with a 400 that names them, and so is a field no one defines; only
+`IDENTITY_FIELDS` (`user`: who asks, never what is generated, as at OpenAI) are taken whatever they say.
 What it does not know: the engine, media, HTTP routing, any one endpoint.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
@@ -57,7 +58,7 @@ class NullMeansUnset(BaseModel):
 
 
 class StreamOptions(NullMeansUnset):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")  # an option no one defines is a 400, never ignored
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk
 
@@ -68,7 +69,17 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "functions": (None, []), "function_call": (None, "none"), "best_of": (None, 1),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
     "guided_decoding_backend": (None, "xgrammar", "auto"),  # vLLM's older name for the one backend there is
+    # OpenAI's: stored completions, service tiers
+    "store": (None, False), "metadata": (None, {}), "service_tier": (None, "auto", "default"),
+    "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,),
+    # vLLM's
+    "spaces_between_special_tokens": (None, True), "priority": (None, 0), "include_reasoning": (None, True),
+    "documents": (None, []), "chat_template": (None,), "media_io_kwargs": (None, {}), "vllm_xargs": (None, {}),
+    "kv_transfer_params": (None,), "logprob_token_ids": (None,), "prompt_embeds": (None,), "request_id": (None,),
+    "thinking_token_budget": (None,), "watermarking": (None, False), "logits_processors": (None, []),
 }
+# OpenAI's fields that say who asks, never what is generated (OpenAI uses them to watch for abuse)
+IDENTITY_FIELDS = ("user", "safety_identifier", "prompt_cache_key")
 # vLLM's older names of structured_outputs' keys
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
@@ -114,6 +125,14 @@ class GenerationRequest(NullMeansUnset):
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: the context)
     response_format: dict[str, Any] | None = None  # OpenAI's: text, json_object, json_schema
     structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar, json_object
+    # vLLM's: which end truncate_prompt_tokens keeps ("left" cuts the left: the last tokens stay; the default)
+    truncation_side: Literal["left", "right"] | None = None
+    # vLLM's: logprobs name tokens "token_id:N" (None: the server's --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool | None = None
+    # vLLM's beam search (beam.py): the n best of n beams, scored as transformers' num_beams
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     def structured(self) -> tuple[StructuredOutputsParams | None, str | None]:
         """What the output must match, and the field that asked (errors name it): response_format,
@@ -200,11 +219,8 @@ class GenerationRequest(NullMeansUnset):
             raise RequestError("stream_options needs stream set to true", param="stream_options")
         if self.seed is not None and not INT64_RANGE[0] <= self.seed < INT64_RANGE[1]:
             raise RequestError(f"seed must be a 64-bit signed integer, got {self.seed}", param="seed")
-        extra = self.model_extra or {}
-        for name, harmless in {**UNSUPPORTED_FIELDS, **self.route_unsupported_fields}.items():
-            if name in extra and extra[name] not in harmless:
-                raise RequestError(f"'{name}' is not supported by this server (got {extra[name]!r:.80})"
-                                   f"{UNSUPPORTED_HINTS.get(name, '')}", param=name, code="unsupported_parameter")
+        self._check_extra_fields()
+        self._check_modifiers()
         room = max_model_len - num_prompt_tokens
         requested = self.requested_max_tokens()
         if room < 1 or (requested is not None and requested > room):
@@ -238,6 +254,34 @@ class GenerationRequest(NullMeansUnset):
         options = self.stream_options
         include = force or bool(options and options.include_usage)
         return include, include and bool(options and options.continuous_usage_stats)
+
+    def _check_extra_fields(self) -> None:
+        """The fields no model field declares: known ones at their neutral value, else a 400 naming them."""
+        extra = self.model_extra or {}
+        for name, harmless in {**UNSUPPORTED_FIELDS, **self.route_unsupported_fields}.items():
+            if name in extra and extra[name] not in harmless:
+                raise RequestError(f"'{name}' is not supported by this server (got {extra[name]!r:.80})"
+                                   f"{UNSUPPORTED_HINTS.get(name, '')}", param=name, code="unsupported_parameter")
+        unknown = sorted(set(extra) - set(UNSUPPORTED_FIELDS) - set(self.route_unsupported_fields)
+                         - set(GUIDED_FIELDS) - set(IDENTITY_FIELDS))
+        if unknown:
+            raise RequestError(f"unknown field{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))}: this server "
+                               "neither implements nor ignores fields it does not know", param=unknown[0],
+                               code="unsupported_parameter")
+
+    def _check_modifiers(self) -> None:
+        """Fields that only modify another: refused (400) where that other is not asked for."""
+        if not self.use_beam_search:
+            for name, neutral in (("length_penalty", 1.0), ("early_stopping", False)):
+                if getattr(self, name) != neutral:
+                    raise RequestError(f"{name} applies to beam search only: set use_beam_search to true",
+                                       param=name)
+        if self.truncation_side is not None and self.truncate_prompt_tokens is None:
+            raise RequestError("truncation_side says which end truncate_prompt_tokens cuts: set "
+                               "truncate_prompt_tokens too", param="truncation_side")
+        if self.return_tokens_as_token_ids and self.requested_logprobs() is None and self.prompt_logprobs is None:
+            raise RequestError("return_tokens_as_token_ids names the tokens of logprobs: ask for logprobs (or "
+                               "prompt_logprobs) too", param="return_tokens_as_token_ids")
 
 
 # ---- responses ------------------------------------------------------------------------------------

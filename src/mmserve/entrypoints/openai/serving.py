@@ -28,6 +28,7 @@ from pydantic import BaseModel
 from mmserve.engine.client import EngineClient
 from mmserve.engine.generation_defaults import SAMPLING_FIELDS, with_defaults
 from mmserve.engine.prompts import check_cache_salt, truncated_token_ids
+from mmserve.entrypoints.openai.beam import run_beam
 from mmserve.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from mmserve.entrypoints.openai.logprobs import named_by_id
 from mmserve.entrypoints.openai.media import MediaRules
@@ -111,9 +112,14 @@ class OpenAIServing:
         self.max_model_len = client.frontend.max_model_len
         self.tracing = client.tracing  # None: no spans (trace_middleware.py opens the request's)
 
-    def names(self, entries: list) -> list:
-        """Logprob entries as the responses name their tokens: text, or "token_id:N" with the flag."""
-        return named_by_id(entries) if self.config.return_tokens_as_token_ids else entries
+    def names(self, entries: list, body: Any = None) -> list:
+        """Logprob entries as the responses name their tokens: text, or "token_id:N" with the request's
+        return_tokens_as_token_ids (unset: the server's flag)."""
+        return named_by_id(entries) if self.token_ids_named(body) else entries
+
+    def token_ids_named(self, body: Any = None) -> bool:
+        asked = getattr(body, "return_tokens_as_token_ids", None)
+        return self.config.return_tokens_as_token_ids if asked is None else asked
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -137,11 +143,11 @@ class OpenAIServing:
         """`fn(*args)` on a worker thread (media fetching and decoding block)."""
         return await asyncio.get_running_loop().run_in_executor(None, partial(fn, *args))
 
-    async def _truncated(self, prompt: ProcessedPrompt, keep: int | None) -> ProcessedPrompt:
-        """The prompt cut by truncate_prompt_tokens before its max_tokens default is taken (the engine's
-        rule: engine/prompts.py), processed again as token ids."""
+    async def _truncated(self, prompt: ProcessedPrompt, keep: int | None, side: str | None = None) -> ProcessedPrompt:
+        """The prompt cut by truncate_prompt_tokens (at `side`) before its max_tokens default is taken (the
+        engine's rule: engine/prompts.py), processed again as token ids."""
         try:
-            cut = truncated_token_ids(prompt, keep, self.max_model_len)
+            cut = truncated_token_ids(prompt, keep, self.max_model_len, side)
         except InvalidInputError as exc:
             raise RequestError(str(exc), param=exc.param,
                                code="unsupported_parameter" if prompt.items else None) from exc
@@ -156,7 +162,14 @@ class OpenAIServing:
                     ) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
         """Submit and wait for the first output, so refusals are still HTTP errors. `tool_grammar`: the
         grammar of a forced tool choice."""
-        prompt = await self._truncated(prompt, body.truncate_prompt_tokens)
+        prompt = await self._truncated(prompt, body.truncate_prompt_tokens, body.truncation_side)
+        prompt.cache_salt = check_cache_salt(body.cache_salt)
+        if body.use_beam_search:
+            if tool_grammar is not None:
+                raise RequestError("a required or named tool_choice is not supported with use_beam_search",
+                                   param="tool_choice", code="unsupported_parameter")
+            return await unless_disconnected(run_beam(self.client, request_id, prompt, body, self.max_model_len,
+                                                      getattr(raw.state, "trace_parent", None)), raw)
         params = body.sampling_params(self.max_model_len, prompt.num_tokens)
         # generation_config.json's defaults where the request left a field unset (vLLM's --generation-config)
         unset = [name for name in SAMPLING_FIELDS.values() if name != "max_tokens" and getattr(body, name) is None]
@@ -164,7 +177,6 @@ class OpenAIServing:
         params = with_defaults(params, unset, self.client.frontend.default_sampling)
         if tool_grammar is not None:
             params = replace(params, structured_outputs=tool_grammar)
-        prompt.cache_salt = check_cache_salt(body.cache_salt)
         if params.structured_outputs is not None:  # compiled off the engine's loop; refused as a 400
             try:
                 await asyncio.wrap_future(self.client.frontend.structured.compile(params.structured_outputs))
@@ -182,14 +194,16 @@ class OpenAIServing:
     async def respond(self, request_id: str, model: str, body: Any, raw: Request, first: RequestOutput,
                       outputs: AsyncIterator[RequestOutput], chunks: Callable[..., list[BaseModel]],
                       whole: Callable[[RequestOutput], BaseModel], echo: Callable | None = None,
-                      tools: tuple[ToolRequest, ToolFormat] | None = None, in_thought: bool | None = None) -> Any:
+                      tools: tuple[ToolRequest, ToolFormat] | None = None, in_thought: bool | None = None,
+                      role: str = "assistant") -> Any:
         """Finish one submitted request: server-sent events rendered by `chunks`, or the answer built by
         `whole`."""
         if body.stream:
             include_usage, continuous_usage = body.stream_usage(self.config.force_include_usage)
             render = partial(chunks, request_id, model, include_usage,
-                             StreamCursor(body.requested_logprobs(), echo, continuous_usage, self.names,
-                                          body.return_token_ids, tools, in_thought=in_thought))
+                             StreamCursor(body.requested_logprobs(), echo, continuous_usage,
+                                          partial(self.names, body=body),
+                                          body.return_token_ids, tools, in_thought=in_thought, role=role))
             return StreamingResponse(stream_events(first, outputs, render), media_type="text/event-stream")
         final = first if first.finished else await unless_disconnected(last_output(outputs), raw)
         raise_if_failed(final)

@@ -65,7 +65,8 @@ class StreamCursor:
     entries of the tokens new since the last), its text offset (completions) and its finish chunk."""
 
     num_logprobs: int | None  # top logprobs asked for (None: no logprobs)
-    echo: Callable[[RequestOutput], tuple[str, CompletionLogprobs | None]] | None = None  # completions' echo
+    # the echoed text (and, completions, its logprobs) sent before the choice's own
+    echo: Callable[[RequestOutput], tuple[str, CompletionLogprobs | None]] | None = None
     continuous_usage: bool = False  # every chunk carries the usage so far
     names: Callable[[list], list] = list  # how entries name their tokens (text, or token ids)
     return_token_ids: bool = False  # chunks carry their new token ids (and the first, the prompt's)
@@ -73,6 +74,7 @@ class StreamCursor:
     tool_streams: dict[int, ToolCallStream] = field(default_factory=dict)
     in_thought: bool | None = None  # a thinking template: does the answer start inside a thought?
     reasoning_streams: dict[int, ReasoningStream] = field(default_factory=dict)
+    role: str = "assistant"  # chat: the role its first chunk announces
     announced: set[int] = field(default_factory=set)
     finished: set[int] = field(default_factory=set)
     sent: dict[int, int] = field(default_factory=dict)
