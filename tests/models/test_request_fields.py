@@ -304,11 +304,14 @@ def test_ignore_eos_runs_past_the_eos(client, offline):
 
 
 def test_tokenize_fields(client):
-    """/tokenize: add_special_tokens where it says what the routes do (else refused), mm_processor_kwargs
-    reshape the pictures as they do for generation."""
+    """/tokenize: add_special_tokens false is what the routes do (the demo tokenizer adds no special token
+    either way), true with messages is refused; mm_processor_kwargs reshape the pictures as they do for
+    generation."""
     plain = client.post("/tokenize", json={"prompt": "Hello"}).json()
     assert client.post("/tokenize", json={"prompt": "Hello", "add_special_tokens": True}).json() == plain
-    _refused(client.post("/tokenize", json={"prompt": "Hello", "add_special_tokens": False}), "add_special_tokens")
+    assert client.post("/tokenize", json={"prompt": "Hello", "add_special_tokens": False}).json() == plain
+    hello = [{"role": "user", "content": "Hello"}]
+    _refused(client.post("/tokenize", json={"messages": hello, "add_special_tokens": True}), "add_special_tokens")
     uri = _png_uri(200, 160)
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}}]}]
     full = client.post("/tokenize", json={"messages": messages}).json()["count"]

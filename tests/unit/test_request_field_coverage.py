@@ -30,9 +30,11 @@ RESPONSE_MODELS = {
     "CompletionChoice", "CompletionResponse", "ModelCard", "ModelList", "TokenizeResponse", "DetokenizeResponse",
     "DemoSample", "WebUIConfig",
 }
+BASE_MODELS = {"NullMeansUnset", "WireModel"}  # bases that declare no field of their own
 RF = "tests/models/test_request_fields.py::"
 SRV = "tests/e2e/test_server.py::"
 BEAM = "tests/models/test_beam_search.py::"
+CONF = "tests/models/test_server_conformance.py::"
 UNSUPPORTED = [RF + "test_unsupported_fields_are_refused_unless_neutral"]
 ROUTE = [RF + "test_route_unsupported_fields"]
 # "Model.field" (the model that declares it) or "extra.field" (taken undeclared) -> the tests that exercise it
@@ -101,6 +103,8 @@ FIELD_TESTS: dict[str, list[str]] = {
     "TokenizeRequest.continue_final_message": [SRV + "test_request_conformance"],
     "TokenizeRequest.add_special_tokens": [RF + "test_tokenize_fields"],
     "TokenizeRequest.mm_processor_kwargs": [RF + "test_tokenize_fields"],
+    "TokenizeRequest.return_token_strs": [CONF + "test_tokenize_token_strs_special_tokens_and_tools"],
+    "TokenizeRequest.tools": [CONF + "test_tokenize_token_strs_special_tokens_and_tools"],
     "DetokenizeRequest.model": [RF + "test_model_names_the_served_model"],
     "DetokenizeRequest.tokens": [SRV + "test_tokenize_and_detokenize"],
     **{f"extra.{name}": UNSUPPORTED for name in protocol.UNSUPPORTED_FIELDS},
@@ -153,7 +157,7 @@ def _test_source(node_id: str) -> str | None:
 
 
 def test_every_model_is_classified():
-    unclassified = sorted(set(_models()) - RESPONSE_MODELS - {k.split(".")[0] for k in FIELD_TESTS}
+    unclassified = sorted(set(_models()) - RESPONSE_MODELS - BASE_MODELS - {k.split(".")[0] for k in FIELD_TESTS}
                           - {k.split(".")[1] for k in FIELD_TESTS if k.startswith("route.")})
     assert not unclassified, (f"{unclassified}: add each to RESPONSE_MODELS, or map its fields in FIELD_TESTS")
     assert not RESPONSE_MODELS - set(_models()), f"RESPONSE_MODELS names models that are gone: {RESPONSE_MODELS - set(_models())}"
