@@ -4,7 +4,8 @@ uv reads neither pip.conf nor PIP_* variables, so a machine whose packages come 
 configuration (find-links with a local CPU torch, extra indexes, a constraints file) would send uv to
 PyPI alone. This reads pip's merged configuration (`pip config list`: the files, then PIP_* over them,
 as pip itself ranks them) and prints, one per line, the uv flags naming the same sources; with
-`--has-wheel GLOB` it instead says (exit 0 or 1) whether a local find-links folder holds such a wheel.
+`--has-wheel GLOB` a last line says whether a local find-links folder holds such a wheel
+(`has-wheel: yes` or `has-wheel: no`). One call, since asking pip is most of its time.
 
 What it does not know: which packages are installed, or whether a named index answers.
 """
@@ -66,12 +67,13 @@ def local_wheel(config: dict[str, str], pattern: str) -> str | None:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--python", default=sys.executable, help="the Python whose pip is asked")
-    parser.add_argument("--has-wheel", metavar="GLOB", help="exit 0 if a local find-links folder holds GLOB")
+    parser.add_argument("--has-wheel", metavar="GLOB", help="also say whether a local find-links folder holds GLOB")
     args = parser.parse_args(argv)
     config = pip_config(args.python)
+    lines = uv_flags(config)
     if args.has_wheel:
-        return 0 if local_wheel(config, args.has_wheel) else 1
-    print("\n".join(uv_flags(config)))
+        lines.append(f"has-wheel: {'yes' if local_wheel(config, args.has_wheel) else 'no'}")
+    print("\n".join(lines))
     return 0
 
 

@@ -81,13 +81,15 @@ if [ "$_mms_dry" != 1 ] && _mms_up_to_date; then
   return 0 2>/dev/null || exit 0
 fi
 
-# what to install: torch's build, then mmserve and its extras, in one call
+# what to install: torch's build, then mmserve and its extras, in one call; the sources pip is configured
+# with, as uv flags, and whether a local find-links folder holds the CPU build (its last line)
+mapfile -t _mms_sources < <("$PYTHON" scripts/pip_sources.py --python "$PYTHON" \
+  --has-wheel "torch-$MMSERVE_TORCH_VERSION+cpu-*.whl")
 _mms_index=()
 if [ "$_mms_build" = cpu ]; then
   if [ "$(uname -s)-$(uname -m)" = Linux-x86_64 ]; then
     _mms_torch_req="torch==$MMSERVE_TORCH_VERSION+cpu"  # `==2.13.0` would keep (or fetch) a CUDA build
-    "$PYTHON" scripts/pip_sources.py --python "$PYTHON" --has-wheel "torch-$MMSERVE_TORCH_VERSION+cpu-*.whl" \
-      || _mms_index=(--extra-index-url https://download.pytorch.org/whl/cpu)
+    [ "${_mms_sources[-1]}" = "has-wheel: yes" ] || _mms_index=(--extra-index-url https://download.pytorch.org/whl/cpu)
   else
     _mms_torch_req="torch==$MMSERVE_TORCH_VERSION"  # PyPI's build for this platform is the CPU one
   fi
@@ -120,10 +122,10 @@ if [ "$_mms_uv" = "$VENV/bin/uv" ] && { [ "$_mms_dry" = 1 ] || [ ! -x "$VENV/bin
   [ "$_mms_dry" = 1 ] || say "installing uv into $VENV (a faster installer; MMSERVE_INSTALLER=pip skips it) ..."
   _mms_run "$VENV/bin/python" -m pip install --quiet uv || { say "no uv: installing with pip"; _mms_uv=""; }
 fi
-[ "$_mms_dry" = 1 ] || say "installing torch $_mms_torch_req and mmserve${EXTRAS:+ with $EXTRAS} ..."
+[ "$_mms_dry" = 1 ] || say "installing $_mms_torch_req and mmserve${EXTRAS:+ with $EXTRAS} ..."
 if [ -n "$_mms_uv" ]; then
-  mapfile -t _mms_sources < <("$PYTHON" scripts/pip_sources.py --python "$PYTHON")
-  _mms_run "$_mms_uv" pip install --python "$VENV/bin/python" "${_mms_sources[@]}" "${_mms_index[@]}" \
+  _mms_run "$_mms_uv" pip install --python "$VENV/bin/python" "${_mms_sources[@]:0:${#_mms_sources[@]}-1}" \
+    "${_mms_index[@]}" \
     "$_mms_torch_req" -e "$_mms_target"
 else
   _mms_run "$VENV/bin/python" -m pip install --no-compile "${_mms_index[@]}" "$_mms_torch_req" -e "$_mms_target"
