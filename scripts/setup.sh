@@ -13,9 +13,11 @@
 # Installer: uv where it can be had (on PATH, or installed into the venv by pip: a fresh set-up takes
 # seconds instead of most of a minute), fed the package sources pip is configured with
 # (scripts/pip_sources.py); MMSERVE_INSTALLER=pip keeps to pip. One install call: torch, mmserve
-# (editable) and its extras resolved together. Bytecode is compiled at install, mmserve's own sources
-# included: where PYTHONDONTWRITEBYTECODE is set (as on the project's machines) Python would otherwise
-# compile every module it imports again on every start.
+# (editable) and its extras resolved together. Bytecode is compiled after the install, in parallel, for
+# mmserve's sources and the installed packages a start imports: where PYTHONDONTWRITEBYTECODE is set (as
+# on the project's machines) Python would otherwise compile every module it imports again on every start.
+# Left out unless the test extras are installed: what only tests or client scripts import (transformers,
+# openai, pygments) and the installers (pip, setuptools), about half of the files.
 # Sourced, it reads no arguments (they are the caller's): the caller sets MMSERVE_TORCH=auto|cpu|cuda
 # and MMSERVE_SETUP_DRY_RUN=1 instead. The stamp .venv/.mmserve-installed names what was installed
 # (hash of pyproject.toml and this script, torch build, extras): a CPU venv is never taken for a CUDA one.
@@ -125,12 +127,16 @@ if [ "$_mms_uv" = "$VENV/bin/uv" ] && { [ "$_mms_dry" = 1 ] || [ ! -x "$VENV/bin
 fi
 [ "$_mms_dry" = 1 ] || say "installing $_mms_torch_req and mmserve${EXTRAS:+ with $EXTRAS} ..."
 if [ -n "$_mms_uv" ]; then
-  _mms_run "$_mms_uv" pip install --compile-bytecode --python "$VENV/bin/python" \
-    "${_mms_sources[@]:0:${#_mms_sources[@]}-1}" "${_mms_index[@]}" "$_mms_torch_req" -e "$_mms_target"
+  _mms_run "$_mms_uv" pip install --python "$VENV/bin/python" "${_mms_sources[@]:0:${#_mms_sources[@]}-1}" \
+    "${_mms_index[@]}" "$_mms_torch_req" -e "$_mms_target"
 else
-  _mms_run "$VENV/bin/python" -m pip install "${_mms_index[@]}" "$_mms_torch_req" -e "$_mms_target"
+  _mms_run "$VENV/bin/python" -m pip install --no-compile "${_mms_index[@]}" "$_mms_torch_req" -e "$_mms_target"
 fi
-_mms_run "$VENV/bin/python" -m compileall -q -j 0 src/mmserve
+[ "$_mms_dry" = 1 ] || say "compiling bytecode ..."
+_mms_skip=(-x '/site-packages/(transformers|openai|pygments|pip|setuptools)/')
+case ",$EXTRAS," in *,test,*) _mms_skip=() ;; esac
+# a file that does not compile (some packages ship such) is Python's to report when imported, not ours
+_mms_run "$VENV/bin/python" -m compileall -qq -j 0 "${_mms_skip[@]}" "$VENV/lib" src/mmserve || true
 if [ "$_mms_dry" = 1 ]; then
   return 0 2>/dev/null || exit 0
 fi
