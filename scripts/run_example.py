@@ -3,7 +3,7 @@
 Generates one image with the demo task's generator, saves it to .run/example.png, prints the
 question, the expected answer and the model's answer (through `mmserve generate`), then starts
 `mmserve serve` on the demo model, with its chat page at http://127.0.0.1:8000/ (Ctrl-C stops it).
-`--no-serve` stops after the answer; `--port N` serves on another port. Ctrl-C ends it quietly, at any
+`--no-serve` stops after the answer; `--host H` and `--port N` serve on another address or port. Ctrl-C ends it quietly, at any
 point.
 """
 
@@ -21,6 +21,8 @@ WORK = ROOT / ".run"
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description="answer a question about a shapes picture, then serve the demo model")
     parser.add_argument("--no-serve", action="store_true", help="stop after the answer")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="the address the server listens on (default: 127.0.0.1; 0.0.0.0 for every interface)")
     parser.add_argument("--port", type=int, default=8000, help="the server's port (default: 8000)")
     args = parser.parse_args(argv)
     from mmserve.demo import shapes
@@ -40,7 +42,7 @@ def main(argv: list[str]) -> int:
         return done.returncode
     # `mmserve serve` prints what it serves and the chat page's address once its port answers
     print("\nstarting the server on the demo model (Ctrl-C stops it) ...", flush=True)
-    return subprocess.call([*cli, "serve", "--host", "127.0.0.1", "--port", str(args.port)])
+    return subprocess.call([*cli, "serve", "--host", args.host, "--port", str(args.port)])
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 # to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-MMSERVE_EXTRAS=test,ray,otel source scripts/setup.sh
+MMSERVE_EXTRAS=test,ray,otel,client source scripts/setup.sh
 if [ "${1:-}" = "--fast" ]; then
   shift
   .venv/bin/python -m ruff check src tests testkit benchmarks scripts

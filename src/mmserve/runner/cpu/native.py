@@ -10,6 +10,8 @@ built here uses what this CPU has. Where a kernel cannot run (no AVX2/FMA, no co
 build, or switched off with
 `MMSERVE_NATIVE_KERNELS=0`) the loader gets nothing and the caller keeps its fallback; the reason is
 logged once. One switch serves every kernel: a machine either builds mmserve's kernels or it does not.
+`built_kernels()` says, for this process, which sources were asked for and what became of each (how a
+test sees that an installed wheel's sources built, rather than a fallback running).
 
 What it does not know: what a kernel computes, models, the engine.
 """
@@ -41,6 +43,7 @@ AVX512_BF16_FLAGS = ("-mavx512bf16",)
 AVX512_VNNI_FLAGS = ("-mavx512vnni",)
 AMX_FLAGS = ("-mamx-tile", "-mamx-bf16", "-mamx-int8")
 BUILD_TIMEOUT_S = 300
+_BUILT: dict[str, Path | None] = {}  # source file name -> its library, or None where the fallback runs
 
 
 def _compiler() -> str | None:
@@ -92,6 +95,11 @@ def build(compiler: str, target_dir: Path, source: Path, isa: tuple[str, ...] | 
 def built_library(source: Path, fallback: str) -> Path | None:
     """The built library of `source`, or None where mmserve's native kernels cannot run (see the module
     docstring; logged, naming `fallback`, what runs instead)."""
+    _BUILT[source.name] = path = _built_library(source, fallback)
+    return path
+
+
+def _built_library(source: Path, fallback: str) -> Path | None:
     if not envs.native_kernels_enabled() or not _cpu_supports_kernels():
         return None
     compiler = _compiler()
@@ -105,6 +113,12 @@ def built_library(source: Path, fallback: str) -> Path | None:
         logger.warning("building %s failed (%s%s); %s", source.name, exc,
                        (": " + detail.decode(errors="replace")[-500:]) if detail else "", fallback)
         return None
+
+
+def built_kernels() -> dict[str, Path | None]:
+    """The kernel sources this process has asked for (file names), each with the library built from it, or
+    None where its fallback runs (switched off, no compiler, an unsuited CPU, a failed build: logged)."""
+    return dict(_BUILT)
 
 
 Loaded = TypeVar("Loaded")
