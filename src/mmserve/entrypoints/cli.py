@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -92,7 +93,13 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"error: {exc.strerror}; stop the server there or pass --port", file=sys.stderr)
         return 1
     print(f"loading {model} ...", file=sys.stderr, flush=True)
-    client = _engine_client(args, config)
+    # SIGTERM while loading stops as Ctrl-C does (exit 0, below), not by the signal; serve() takes both over
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        client = _engine_client(args, config)
+    except KeyboardInterrupt:
+        print("stopped while loading the model", file=sys.stderr)
+        return 0
     server_config = _server_config(args, model, client, fetch, limits)
     summary = startup_summary(client, server_config.served_model_name,
                               f"http://{args.host}:{sock.getsockname()[1]}", web_ui=args.web_ui)

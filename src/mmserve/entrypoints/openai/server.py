@@ -167,12 +167,15 @@ def serve(client: EngineClient, config: ServerConfig, host: str = "127.0.0.1", p
 
     sock = sock if sock is not None else bind_port(host, port)
     logger.info("serving %s on http://%s:%d", config.served_model_name, host, sock.getsockname()[1])
-    # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal under the handler it found: a
-    # handler that does nothing lets the process end normally (exit 0) instead of dying by the signal
-    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    # uvicorn shuts down gracefully on SIGTERM and SIGINT (Ctrl-C), then re-raises the signal under the handler
+    # it found: a handler that does nothing lets the process end normally (exit 0) instead of dying by the
+    # signal or raising KeyboardInterrupt (exit 130)
+    stops = (signal.SIGTERM, signal.SIGINT)
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in stops}
     try:
         GracefulServer(uvicorn.Config(app, host=host, port=port, log_level=log_level, root_path=config.root_path,
                                       timeout_graceful_shutdown=shutdown_timeout_s)).run(sockets=[sock])
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig in stops:
+            signal.signal(sig, previous[sig])
     logger.info("server stopped")
