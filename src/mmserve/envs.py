@@ -3,8 +3,9 @@
 Role: name each variable once and read it when asked (not at import), so a test or a user that sets
 one before building an engine is heard. Engine behaviour is configured by `config.py`'s engine args;
 what lives here is only what belongs to the machine rather than to an engine: where built kernels are
-cached (and TorchInductor's compiled steps), which C++ compiler builds them, the switch that keeps mmserve's native kernels off, and the one
-that keeps the CPU's decode step from being compiled by default.
+cached (and TorchInductor's compiled steps), which C++ compiler builds them, the switch that keeps
+mmserve's native kernels off, and the one that keeps the CPU's decode step from being compiled by
+default.
 
 Hugging Face's own variables are read here too (`HF_HOME`, `HF_HUB_CACHE`, `HF_HUB_OFFLINE`), at call
 time, and handed to `huggingface_hub` as arguments: its constants are fixed when it is imported.
