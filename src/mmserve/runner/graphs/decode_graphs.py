@@ -107,6 +107,7 @@ class DecodeGraphRunner:
         self._stop = threading.Event()
         self._built = threading.Event()
         self._thread: threading.Thread | None = None
+        self._holds_lock = False  # the background thread holds _COMPILE_LOCK (only it writes this)
         if settings.compile:
             if device.type != "cpu":
                 raise ValueError("compiled decode steps are for the CPU; CUDA captures graphs")
@@ -139,8 +140,10 @@ class DecodeGraphRunner:
         thread = self._thread
         if thread is None or not thread.is_alive() or thread is threading.current_thread():
             return
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(CompileStopped))
-        cancel_pending_compiles()
+        if self._holds_lock:  # compiling (waiting for the lock, it sees the stop flag): interrupted where it is
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
+                                                       ctypes.py_object(CompileStopped))
+            cancel_pending_compiles()
         thread.join(timeout_s)
         if thread.is_alive():
             logger.info("decode steps: the background compile is finishing the kernel it builds")
@@ -149,14 +152,12 @@ class DecodeGraphRunner:
         started = time.perf_counter()
         try:
             _lower_this_threads_priority(COMPILE_THREAD_NICENESS)
-            while not _COMPILE_LOCK.acquire(timeout=0.1):  # another engine's compile first
+            while not self._take_compile_lock():  # another engine's compile first
                 if self._stop.is_set():
                     raise CompileStopped
-            try:
-                before = compile_cache_counts()
-                graphs = self._capture_all()
-            finally:
-                _COMPILE_LOCK.release()
+            before = compile_cache_counts()
+            graphs = self._capture_all()
+            self._release_compile_lock()
             if graphs is None:
                 raise CompileStopped
             self._publish(graphs, started)
@@ -172,8 +173,18 @@ class DecodeGraphRunner:
                 logger.warning("decode steps: compiling in the background failed, they stay eager: %s",
                                self.stats.error)
         finally:
+            self._release_compile_lock()
             self._built.set()
             atexit.unregister(self.stop)
+
+    def _take_compile_lock(self) -> bool:
+        self._holds_lock = _COMPILE_LOCK.acquire(timeout=0.1)
+        return self._holds_lock
+
+    def _release_compile_lock(self) -> None:
+        if self._holds_lock:
+            self._holds_lock = False
+            _COMPILE_LOCK.release()
 
     def _publish(self, graphs: dict[DecodeBucket, _DecodeGraph], started: float) -> None:
         self.stats.captured = list(graphs)
