@@ -21,7 +21,8 @@ from pathlib import Path
 NATIVE_KERNELS = "MMSERVE_NATIVE_KERNELS"  # "0": never build or use mmserve's native CPU kernels
 NATIVE_KERNELS_EARLIER_NAME = "MMSERVE_CPU_GEMM"  # the same switch's earlier name, still read
 CACHE_DIR = "MMSERVE_CACHE_DIR"  # where built kernels are kept; default $XDG_CACHE_HOME/mmserve or ~/.cache/mmserve
-# where TorchInductor keeps its caches (compiled decode steps); default: the "inductor" folder of CACHE_DIR
+# where TorchInductor keeps its caches (compiled decode steps); unset or Inductor's default (under /tmp):
+# the "inductor" folder of CACHE_DIR (runner/cpu/compile.py points it there)
 INDUCTOR_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"
 CXX = "CXX"  # the C++ compiler that builds them (default g++, as TorchInductor's)
 # "0": engines that are not asked (compile_cpu_decode unset) run the CPU's decode step eagerly instead of
@@ -42,10 +43,6 @@ def cache_dir() -> Path:
         return Path(os.environ[CACHE_DIR])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "mmserve"
-
-
-def inductor_cache_dir() -> Path:
-    return Path(os.environ.get(INDUCTOR_CACHE_DIR) or cache_dir() / "inductor")
 
 
 def cxx_compiler_name() -> str:

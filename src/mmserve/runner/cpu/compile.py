@@ -22,7 +22,7 @@ care of, each measured or seen failing without it:
   `cancel_pending_compiles` cancels the queued ones, so a stopped compile ends once the kernels in flight
   (at most `compile_threads`) are built, not after every kernel of the graph.
 - **Cached on disk.** Inductor's caches (its FX graph cache keeps frozen graphs too) live in mmserve's
-  cache directory (`envs.inductor_cache_dir`), not under /tmp: a second start loads the compiled steps
+  cache directory (`use_mmserve_cache_dir`), not under /tmp: a second start loads the compiled steps
   and runs no compiler.
 
 Known limit: Inductor's own tables (its generated modules, their graphs) keep the frozen weights
@@ -67,8 +67,12 @@ def _keep_guards(entries: list) -> list[bool]:
 
 def use_mmserve_cache_dir() -> None:
     """Point Inductor's caches at mmserve's cache directory, unless the user chose theirs
-    (TORCHINDUCTOR_CACHE_DIR). Inductor reads the variable when it first compiles."""
-    os.environ.setdefault(envs.INDUCTOR_CACHE_DIR, str(envs.inductor_cache_dir()))
+    (TORCHINDUCTOR_CACHE_DIR). Importing Inductor already sets the variable to its default (under /tmp),
+    so that value counts as not chosen; Inductor reads the variable again at each cache lookup."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if os.environ.get(envs.INDUCTOR_CACHE_DIR) in (None, "", os.path.abspath(default_cache_dir())):
+        os.environ[envs.INDUCTOR_CACHE_DIR] = str(envs.cache_dir() / "inductor")
 
 
 def cancel_pending_compiles() -> None:
