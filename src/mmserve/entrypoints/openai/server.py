@@ -126,7 +126,6 @@ def bind_port(host: str, port: int) -> socket.socket:
         sock.close()
         reason = "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
         raise PortTakenError(exc.errno, f"cannot serve on {host}:{port}: {reason}") from None
-    sock.set_inheritable(True)
     return sock
 
 
