@@ -92,6 +92,16 @@ def cancel_pending_compiles() -> None:
                 os.kill(pid, signal.SIGTERM)
 
 
+def forget_unfinished_builds() -> None:
+    """Drop Inductor's in-process table of C++ builds (what it built is loaded again from its disk cache):
+    a build a stopped compile cancelled stays there as a failed future, and the next compile of the same
+    kernel (a second engine in the process) would fail on it. Called only while no compile runs."""
+    from torch._inductor.codecache import CppCodeCache, CppPythonBindingsCodeCache, CppWrapperCodeCache
+
+    for table in (CppCodeCache, CppPythonBindingsCodeCache, CppWrapperCodeCache):
+        table.cache_clear()
+
+
 def _child_pids(pid: int) -> list[int]:
     """The direct children of `pid` (Linux; none elsewhere)."""
     found: list[int] = []

@@ -37,7 +37,12 @@ import torch
 
 from mmserve.models.spec import FamilyModel
 from mmserve.runner.attention import DecodeGroup, PagedAttentionBackend, PagedAttentionMetadata
-from mmserve.runner.cpu.compile import cancel_pending_compiles, compile_cache_counts, frozen_compile
+from mmserve.runner.cpu.compile import (
+    cancel_pending_compiles,
+    compile_cache_counts,
+    forget_unfinished_builds,
+    frozen_compile,
+)
 from mmserve.runner.graphs.buckets import DecodeBucket, plan_decode_batch
 from mmserve.runner.graphs.capture import (
     CapturedGraph,
@@ -195,8 +200,10 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def _capture_all(self) -> dict[DecodeBucket, _DecodeGraph] | None:
-        """Every bucket's graph; None: stopped first."""
+        """Every bucket's graph; None: stopped first. Compiling, the caller holds _COMPILE_LOCK."""
         graphs = {}
+        if self.settings.compile:  # an earlier engine's stopped compile may have left cancelled builds
+            forget_unfinished_builds()
         for bucket in reversed(self.buckets):  # largest first: smaller graphs reuse its pool memory
             if self._stop.is_set():
                 return None
