@@ -139,13 +139,14 @@ class DecodeGraphRunner:
 
     def stop(self, timeout_s: float = STOP_WAIT_S) -> None:
         """The engine is shutting down (or the process exiting): a background compile is interrupted at
-        its next Python instruction, the kernel builds it queued are cancelled (those running finish), and
-        its thread is waited for up to `timeout_s`; a thread still building then is left to end by itself."""
+        its next Python instruction, its kernel builds are cancelled or ended (`cancel_pending_compiles`), and
+        its thread is waited for up to `timeout_s`; a thread still running then is left to end by itself."""
         self._stop.set()
         thread = self._thread
         if thread is None or not thread.is_alive() or thread is threading.current_thread():
             return
-        if self._holds_lock:  # compiling (waiting for the lock, it sees the stop flag): interrupted where it is
+        # a thread still waiting for the lock sees the stop flag; one compiling is interrupted where it is
+        if self._holds_lock:
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
                                                        ctypes.py_object(CompileStopped))
             cancel_pending_compiles()
@@ -166,8 +167,8 @@ class DecodeGraphRunner:
             if graphs is None:
                 raise CompileStopped
             self._publish(graphs, started)
-            logger.info("decode steps: %s in %.1f s, replaying from the next step",
-                        _what_was_done(before, compile_cache_counts()), self.stats.build_s)
+            logger.info("decode steps: %s, replaying from the next step",
+                        _what_was_done(before, compile_cache_counts(), self.stats.build_s))
         except CompileStopped:
             self.stats.state = "stopped"
         except Exception as e:  # noqa: BLE001 (any compiler failure leaves the eager steps serving)
@@ -270,12 +271,12 @@ class DecodeGraphRunner:
         return logits if isinstance(entry.graph, CompiledStep) else logits.clone()
 
 
-def _what_was_done(before: tuple[int, int], after: tuple[int, int]) -> str:
+def _what_was_done(before: tuple[int, int], after: tuple[int, int], took_s: float | None) -> str:
     """What a compile did, from Inductor's cache counters: compiled (and cached), or loaded from the cache."""
     hits, misses = after[0] - before[0], after[1] - before[1]
     if misses == 0:
-        return f"loaded {hits} compiled graph(s) from the cache"
-    return f"compiled {misses} graph(s) with TorchInductor (C++), cached for the next start"
+        return f"loaded {hits} compiled graph(s) from the cache in {took_s or 0:.1f} s"
+    return f"compiled {misses} graph(s) with TorchInductor (C++) in {took_s or 0:.1f} s, cached for the next start"
 
 
 class CompileStopped(BaseException):  # noqa: N818 (not an error: not caught by `except Exception`)
