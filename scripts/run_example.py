@@ -10,6 +10,7 @@ point.
 from __future__ import annotations
 
 import argparse
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -34,20 +35,45 @@ def main(argv: list[str]) -> int:
     print(f"image: {image}\nquestion: {sample.question}\nexpected: {sample.answer}", flush=True)
     cli = [sys.executable, "-m", "mmserve.entrypoints.cli"]
     # progress lines go to stderr as they happen; the answer is printed once it is complete
-    done = subprocess.run([*cli, "generate", "--image", str(image), "--prompt", sample.question, "--max-tokens",
-                           "32"], stdout=subprocess.PIPE, text=True)
-    answer = done.stdout.strip()
-    print(f"model's answer: {answer} ({'right' if answer == sample.answer else 'wrong'})", flush=True)
-    if done.returncode != 0 or args.no_serve:
-        return done.returncode
+    code, answer = _child([*cli, "generate", "--image", str(image), "--prompt", sample.question, "--max-tokens",
+                           "32"], capture=True)
+    if code == INTERRUPTED:
+        return _stopped()
+    print(f"model's answer: {answer.strip()} ({'right' if answer.strip() == sample.answer else 'wrong'})",
+          flush=True)
+    if code != 0 or args.no_serve:
+        return code
     # `mmserve serve` prints what it serves and the chat page's address once its port answers
     print("\nstarting the server on the demo model (Ctrl-C stops it) ...", flush=True)
-    return subprocess.call([*cli, "serve", "--host", args.host, "--port", str(args.port)])
+    code, _ = _child([*cli, "serve", "--host", args.host, "--port", str(args.port)])
+    return _stopped() if code == INTERRUPTED else code
+
+
+INTERRUPTED = 130  # a child's exit code after Ctrl-C
+
+
+def _child(command: list[str], capture: bool = False) -> tuple[int, str]:
+    """Run a child to its end. Ctrl-C reaches it from the terminal (same process group) and it stops by
+    itself, so this process ignores SIGINT meanwhile (an exit code and a message that do not depend on
+    which process saw the signal first); a SIGTERM sent to this process is passed on."""
+    child = subprocess.Popen(command, stdout=subprocess.PIPE if capture else None, text=True)
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),
+                signal.SIGTERM: signal.signal(signal.SIGTERM, lambda sig, _: child.send_signal(sig))}
+    try:
+        out, _ = child.communicate()
+        return child.returncode, out or ""
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _stopped() -> int:
+    print("\nstopped", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv[1:]))
-    except KeyboardInterrupt:  # the child saw the same Ctrl-C and stops on its own
-        print("\nstopped", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt:  # Ctrl-C while no child runs (making the picture)
+        sys.exit(_stopped())

@@ -3,9 +3,9 @@
 Role: name each variable once and read it when asked (not at import), so a test or a user that sets
 one before building an engine is heard. Engine behaviour is configured by `config.py`'s engine args;
 what lives here is only what belongs to the machine rather than to an engine: where built kernels are
-cached, which C++ compiler builds them, the switch that keeps mmserve's native kernels off, the one
-that keeps the CPU's decode step from being compiled by default, and the one that allows a max_model_len
-past the checkpoint's positions (mmserve's name and vLLM's).
+cached (and TorchInductor's compiled steps), which C++ compiler builds them, the switch that keeps
+mmserve's native kernels off, the one that keeps the CPU's decode step from being compiled by default,
+and the one that allows a max_model_len past the checkpoint's positions (mmserve's name and vLLM's).
 
 Hugging Face's own variables are read here too (`HF_HOME`, `HF_HUB_CACHE`, `HF_HUB_OFFLINE`), at call
 time, and handed to `huggingface_hub` as arguments: its constants are fixed when it is imported.
@@ -21,6 +21,9 @@ from pathlib import Path
 NATIVE_KERNELS = "MMSERVE_NATIVE_KERNELS"  # "0": never build or use mmserve's native CPU kernels
 NATIVE_KERNELS_EARLIER_NAME = "MMSERVE_CPU_GEMM"  # the same switch's earlier name, still read
 CACHE_DIR = "MMSERVE_CACHE_DIR"  # where built kernels are kept; default $XDG_CACHE_HOME/mmserve or ~/.cache/mmserve
+# where TorchInductor keeps its caches (compiled decode steps); unset or Inductor's default (under /tmp):
+# the "inductor" folder of CACHE_DIR (runner/cpu/compile.py points it there)
+INDUCTOR_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"
 CXX = "CXX"  # the C++ compiler that builds them (default g++, as TorchInductor's)
 # "0": engines that are not asked (compile_cpu_decode unset) run the CPU's decode step eagerly instead of
 # compiling it in the background (a test suite building many short-lived engines, a machine short of cores)

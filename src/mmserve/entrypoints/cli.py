@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -80,7 +81,7 @@ def _limit_per_prompt(text: str) -> dict[str, int]:
 
 def _serve(args: argparse.Namespace) -> int:
     from mmserve.config import EngineConfig
-    from mmserve.entrypoints.openai.server import serve
+    from mmserve.entrypoints.openai.server import PortTakenError, bind_port, serve
     from mmserve.inputs.fetch import FetchPolicy
 
     _log_to_stderr(args.log_level)
@@ -98,13 +99,24 @@ def _serve(args: argparse.Namespace) -> int:
     if error is not None:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    try:  # before the model loads: a taken port fails in a second, not after the load
+        sock = bind_port(args.host, args.port)
+    except PortTakenError as exc:
+        print(f"error: {exc.strerror}; stop the server there or pass --port", file=sys.stderr)
+        return 1
     print(f"loading {model} ...", file=sys.stderr, flush=True)
-    client = _engine_client(args, config)
+    # SIGTERM while loading stops as Ctrl-C does (exit 0, below), not by the signal; serve() takes both over
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        client = _engine_client(args, config)
+    except KeyboardInterrupt:
+        print("stopped while loading the model", file=sys.stderr)
+        return 0
     server_config = _server_config(args, model, client, fetch, limits)
-    summary = startup_summary(client, server_config.served_model_name, f"http://{args.host}:{args.port}",
-                              web_ui=args.web_ui)
+    summary = startup_summary(client, server_config.served_model_name,
+                              f"http://{args.host}:{sock.getsockname()[1]}", web_ui=args.web_ui)
     serve(client, server_config, args.host, args.port, args.log_level, args.shutdown_timeout,
-          on_ready=lambda: print(summary, file=sys.stderr, flush=True))
+          on_ready=lambda: print(summary, file=sys.stderr, flush=True), sock=sock)
     return 0
 
 

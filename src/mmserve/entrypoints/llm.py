@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import sys
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,6 +49,9 @@ class LLM:
         local cache, else downloaded); None loads the bundled demo model. `faults`: a test's planted faults
         (mmserve/faults.py), never set in production."""
         self.engine = Engine(EngineConfig.from_kwargs(resolve_model(model, revision), **engine_args), faults)
+        # an LLM dropped without `shutdown()` (a script's `del llm`, a second LLM in its place) still stops its
+        # workers and background compile; runs at most once
+        self._shutdown = weakref.finalize(self, self.engine.shutdown)
         self._ids = itertools.count()
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -149,8 +153,9 @@ class LLM:
         self.engine.check_integrity()
 
     def shutdown(self) -> None:
-        """Stop the encoder workers, if any (`with LLM(...) as llm:` does it on exit)."""
-        self.engine.shutdown()
+        """Stop the encoder workers, if any, and a background compile (`with LLM(...) as llm:` does it on exit,
+        and dropping the LLM does it too)."""
+        self._shutdown()
 
     def __enter__(self) -> LLM:
         return self

@@ -15,9 +15,11 @@ serving.py), media (media.py), or whether one engine or many are behind the `Eng
 
 from __future__ import annotations
 
+import errno
 import hmac
 import logging
 import signal
+import socket
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -119,10 +121,31 @@ def _shutdown_margin_s(timeout_s: float) -> float:
     return min(0.5, timeout_s / 4)
 
 
+class PortTakenError(OSError):
+    """The server's address cannot be bound (in use, not this machine's, or a port below 1024)."""
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port and not yet listening, as uvicorn and vLLM bind theirs (SO_REUSEADDR,
+    so a restart is not refused for the last run's connections in TIME_WAIT). The CLI binds before loading
+    the model, so a taken port fails at once; until `serve` listens, connections are refused (vLLM's
+    behaviour: a client's wait loop sees "refused" until the server is ready, never a hanging request)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        reason = "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+        raise PortTakenError(exc.errno, f"cannot serve on {host}:{port}: {reason}") from None
+    return sock
+
+
 def serve(client: EngineClient, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info", shutdown_timeout_s: float = 30.0,
-          on_ready: Callable[[], None] | None = None) -> None:
-    """Serve until interrupted (blocks); `on_ready` runs once the port is bound and requests are
+          on_ready: Callable[[], None] | None = None, sock: socket.socket | None = None) -> None:
+    """Serve until interrupted (blocks) on `sock` (bound by `bind_port`; None: host:port is bound here);
+    `on_ready` runs once the port listens and requests are
     answered (the CLI prints its start-up summary there). On SIGTERM or Ctrl-C the server stops accepting connections,
     lets the requests in flight finish for up to `shutdown_timeout_s`, then fails the rest with a 503
     `server_shutting_down` error (an error event on a stream) and aborts them in the engine, stops the
@@ -148,17 +171,23 @@ def serve(client: EngineClient, config: ServerConfig, host: str = "127.0.0.1", p
 
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets=sockets)
+            if sockets is not None and self.started:  # uvicorn's line, which it leaves out for given sockets
+                self._log_started_message(sockets)
             if on_ready is not None and self.started:  # not when binding the port failed
                 on_ready()
 
-    logger.info("serving %s on http://%s:%d", config.served_model_name, host, port)
-    # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal under the handler it found: a
-    # handler that does nothing lets the process end normally (exit 0) instead of dying by the signal
-    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    sock = sock if sock is not None else bind_port(host, port)
+    logger.info("serving %s on http://%s:%d", config.served_model_name, host, sock.getsockname()[1])
+    # uvicorn shuts down gracefully on SIGTERM and SIGINT (Ctrl-C), then re-raises the signal under the handler
+    # it found: a handler that does nothing lets the process end normally (exit 0) instead of dying by the
+    # signal or raising KeyboardInterrupt (exit 130)
+    stops = (signal.SIGTERM, signal.SIGINT)
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in stops}
     try:
         # no root_path for uvicorn: it would prepend it to every path, and /llm/v1/... would miss (the app has it)
         GracefulServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                      timeout_graceful_shutdown=shutdown_timeout_s)).run()
+                                      timeout_graceful_shutdown=shutdown_timeout_s)).run(sockets=[sock])
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig in stops:
+            signal.signal(sig, previous[sig])
     logger.info("server stopped")

@@ -18,6 +18,13 @@ care of, each measured or seen failing without it:
 - **Fewer guards.** The guards on the modules' structure are dropped (checking them is a visible share
   of a small decode step); those on the weights' identity stay. The engine never changes weights after loading.
 
+- **Stoppable.** Inductor compiles a graph's C++ kernels on a thread pool of its own and waits for them all;
+  `cancel_pending_compiles` cancels the queued ones, so a stopped compile ends once the kernels in flight
+  (at most `compile_threads`) are built, not after every kernel of the graph.
+- **Cached on disk.** Inductor's caches (its FX graph cache keeps frozen graphs too) live in mmserve's
+  cache directory (`use_mmserve_cache_dir`), not under /tmp: a second start loads the compiled steps
+  and runs no compiler.
+
 Known limit: Inductor's own tables (its generated modules, their graphs) keep the frozen weights
 alive after the caller is gone, until the process exits. A process builds one compiled engine.
 
@@ -26,17 +33,24 @@ What it does not know: what the step computes, buckets, the KV cache.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import types
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch._inductor.config
 
+from mmserve import envs
+
 _FREEZING = {"freezing": True, "cpp.weight_prepack": False, "emulate_precision_casts": True}
 
 
 def frozen_compile(step: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    use_mmserve_cache_dir()
     owner, fn = step.__self__, step.__func__  # type: ignore[attr-defined]
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     compiled = torch.compile(types.MethodType(own, owner), options={"guard_filter_fn": _keep_guards})
@@ -49,3 +63,56 @@ def frozen_compile(step: Callable[..., torch.Tensor]) -> Callable[..., torch.Ten
 
 def _keep_guards(entries: list) -> list[bool]:
     return [e.guard_type == "ID_MATCH" or not e.orig_guard.source.is_unspecialized_nn_module() for e in entries]
+
+
+def use_mmserve_cache_dir() -> None:
+    """Point Inductor's caches at mmserve's cache directory, unless the user chose theirs
+    (TORCHINDUCTOR_CACHE_DIR). Importing Inductor already sets the variable to its default (under /tmp),
+    so that value counts as not chosen; Inductor reads the variable again at each cache lookup."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if os.environ.get(envs.INDUCTOR_CACHE_DIR) in (None, "", os.path.abspath(default_cache_dir())):
+        os.environ[envs.INDUCTOR_CACHE_DIR] = str(envs.cache_dir() / "inductor")
+
+
+def cancel_pending_compiles() -> None:
+    """Cancel the C++ kernel builds Inductor has queued and end those running (a compiler process of this
+    one whose command line writes into Inductor's cache; the compiler deletes its unfinished output when
+    ended, so the cache never holds half a library): a compile waiting on them fails at once, and the
+    process can exit without waiting for a build. The next compile gets a fresh pool."""
+    from torch._inductor.async_compile import AsyncCompile
+
+    if AsyncCompile.pool.cache_info().currsize:
+        AsyncCompile.pool().shutdown(wait=False, cancel_futures=True)
+        AsyncCompile.pool.cache_clear()
+    cache = os.environ.get(envs.INDUCTOR_CACHE_DIR)
+    for pid in _child_pids(os.getpid()) if cache else ():
+        with contextlib.suppress(OSError):
+            if cache.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGTERM)
+
+
+def forget_unfinished_builds() -> None:
+    """Drop Inductor's in-process table of C++ builds (what it built is loaded again from its disk cache):
+    a build a stopped compile cancelled stays there as a failed future, and the next compile of the same
+    kernel (a second engine in the process) would fail on it. Called only while no compile runs."""
+    from torch._inductor.codecache import CppCodeCache, CppPythonBindingsCodeCache, CppWrapperCodeCache
+
+    for table in (CppCodeCache, CppPythonBindingsCodeCache, CppWrapperCodeCache):
+        table.cache_clear()
+
+
+def _child_pids(pid: int) -> list[int]:
+    """The direct children of `pid` (Linux; none elsewhere)."""
+    found: list[int] = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            found += map(int, children.read_text().split())
+    return found
+
+
+def compile_cache_counts() -> tuple[int, int]:
+    """(hits, misses) of Inductor's FX graph cache in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]

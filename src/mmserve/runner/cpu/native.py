@@ -25,6 +25,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -84,11 +85,14 @@ def build(compiler: str, target_dir: Path, source: Path, isa: tuple[str, ...] | 
     if target.exists():
         return target
     target_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    logger.info("building the native kernel %s (once per machine) ...", source.name)
     with tempfile.TemporaryDirectory(dir=target_dir) as tmp:
         built = Path(tmp) / target.name
         subprocess.run([compiler, *flags, str(source), "-o", str(built)], check=True, capture_output=True,
                        timeout=BUILD_TIMEOUT_S)
         os.replace(built, target)
+    logger.info("built %s in %.1f s, cached in %s", source.name, time.perf_counter() - started, target_dir)
     return target
 
 

@@ -37,7 +37,12 @@ import torch
 
 from mmserve.models.spec import FamilyModel
 from mmserve.runner.attention import DecodeGroup, PagedAttentionBackend, PagedAttentionMetadata
-from mmserve.runner.cpu.compile import frozen_compile
+from mmserve.runner.cpu.compile import (
+    cancel_pending_compiles,
+    compile_cache_counts,
+    forget_unfinished_builds,
+    frozen_compile,
+)
 from mmserve.runner.graphs.buckets import DecodeBucket, plan_decode_batch
 from mmserve.runner.graphs.capture import (
     CapturedGraph,
@@ -56,6 +61,10 @@ logger = logging.getLogger(__name__)
 # most of the cores (at equal priority they slowed several-fold); the compile takes somewhat longer while
 # the engine is busy, and an idle engine leaves it every core
 COMPILE_THREAD_NICENESS = 10
+# one compile at a time per process: Dynamo's tracing state is process-wide, so two engines' compiles (an
+# offline script's second LLM built while the first still compiles) wait for each other
+_COMPILE_LOCK = threading.Lock()
+STOP_WAIT_S = 2.5  # how long stopping waits for a compile's thread (the kernels in flight to be built)
 
 
 @dataclass(frozen=True)
@@ -103,6 +112,7 @@ class DecodeGraphRunner:
         self._stop = threading.Event()
         self._built = threading.Event()
         self._thread: threading.Thread | None = None
+        self._holds_lock = False  # the background thread holds _COMPILE_LOCK (only it writes this)
         if settings.compile:
             if device.type != "cpu":
                 raise ValueError("compiled decode steps are for the CPU; CUDA captures graphs")
@@ -112,7 +122,8 @@ class DecodeGraphRunner:
         """Capture (or compile) every bucket now, or in a background thread when the settings say so."""
         if not (self.settings.compile and self.settings.in_background):
             started = time.perf_counter()
-            self._publish(self._capture_all(), started)
+            with _COMPILE_LOCK:
+                self._publish(self._capture_all(), started)
             return
         self.stats.state = "compiling"
         self._thread = threading.Thread(target=self._compile_in_background, name="mmserve-decode-compile",
@@ -126,35 +137,60 @@ class DecodeGraphRunner:
         self._built.wait(timeout_s)
         return self.stats.state == "ready"
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def stop(self, timeout_s: float = STOP_WAIT_S) -> None:
         """The engine is shutting down (or the process exiting): a background compile is interrupted at
-        its next Python instruction (a compiler subprocess it waits on finishes first) and waited for."""
+        its next Python instruction, its kernel builds are cancelled or ended (`cancel_pending_compiles`), and
+        its thread is waited for up to `timeout_s`; a thread still running then is left to end by itself."""
         self._stop.set()
         thread = self._thread
         if thread is None or not thread.is_alive() or thread is threading.current_thread():
             return
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(CompileStopped))
+        # a thread still waiting for the lock sees the stop flag; one compiling is interrupted where it is
+        if self._holds_lock:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
+                                                       ctypes.py_object(CompileStopped))
+            cancel_pending_compiles()
         thread.join(timeout_s)
         if thread.is_alive():
-            logger.warning("decode steps: the background compile did not stop within %.0f s", timeout_s)
+            logger.info("decode steps: the background compile is finishing the kernel it builds")
 
     def _compile_in_background(self) -> None:
         started = time.perf_counter()
         try:
             _lower_this_threads_priority(COMPILE_THREAD_NICENESS)
+            while not self._take_compile_lock():  # another engine's compile first
+                if self._stop.is_set():
+                    raise CompileStopped
+            before = compile_cache_counts()
             graphs = self._capture_all()
+            self._release_compile_lock()
             if graphs is None:
                 raise CompileStopped
             self._publish(graphs, started)
-            logger.info("decode steps: compiled in %.1f s, replaying from the next step", self.stats.build_s)
+            logger.info("decode steps: %s, replaying from the next step",
+                        _what_was_done(before, compile_cache_counts(), self.stats.build_s))
         except CompileStopped:
             self.stats.state = "stopped"
         except Exception as e:  # noqa: BLE001 (any compiler failure leaves the eager steps serving)
-            self.stats.state, self.stats.error = "failed", f"{type(e).__name__}: {e}"
-            logger.warning("decode steps: compiling in the background failed, they stay eager: %s", self.stats.error)
+            if self._stop.is_set():  # a cancelled kernel build: stopping, not failing
+                self.stats.state = "stopped"
+            else:
+                self.stats.state, self.stats.error = "failed", f"{type(e).__name__}: {e}"
+                logger.warning("decode steps: compiling in the background failed, they stay eager: %s",
+                               self.stats.error)
         finally:
+            self._release_compile_lock()
             self._built.set()
             atexit.unregister(self.stop)
+
+    def _take_compile_lock(self) -> bool:
+        self._holds_lock = _COMPILE_LOCK.acquire(timeout=0.1)
+        return self._holds_lock
+
+    def _release_compile_lock(self) -> None:
+        if self._holds_lock:
+            self._holds_lock = False
+            _COMPILE_LOCK.release()
 
     def _publish(self, graphs: dict[DecodeBucket, _DecodeGraph], started: float) -> None:
         self.stats.captured = list(graphs)
@@ -165,8 +201,10 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def _capture_all(self) -> dict[DecodeBucket, _DecodeGraph] | None:
-        """Every bucket's graph; None: stopped first."""
+        """Every bucket's graph; None: stopped first. Compiling, the caller holds _COMPILE_LOCK."""
         graphs = {}
+        if self.settings.compile:  # an earlier engine's stopped compile may have left cancelled builds
+            forget_unfinished_builds()
         for bucket in reversed(self.buckets):  # largest first: smaller graphs reuse its pool memory
             if self._stop.is_set():
                 return None
@@ -231,6 +269,14 @@ class DecodeGraphRunner:
         logits = entry.graph.output[:len(arrays.input_ids)]
         # a static output is copied out before the next replay overwrites it; a compiled step's is its own
         return logits if isinstance(entry.graph, CompiledStep) else logits.clone()
+
+
+def _what_was_done(before: tuple[int, int], after: tuple[int, int], took_s: float | None) -> str:
+    """What a compile did, from Inductor's cache counters: compiled (and cached), or loaded from the cache."""
+    hits, misses = after[0] - before[0], after[1] - before[1]
+    if misses == 0:
+        return f"loaded {hits} compiled graph(s) from the cache in {took_s or 0:.1f} s"
+    return f"compiled {misses} graph(s) with TorchInductor (C++) in {took_s or 0:.1f} s, cached for the next start"
 
 
 class CompileStopped(BaseException):  # noqa: N818 (not an error: not caught by `except Exception`)
