@@ -111,6 +111,20 @@ def test_null_means_the_default_in_every_request_field_that_has_one():
     assert keys.structured()[0].regex == "[ab]"
 
 
+def test_the_openapi_schema_says_every_defaulted_field_takes_null():
+    """The request schemas (what FastAPI puts in /openapi.json) agree with what the server accepts: a
+    schema-checking client may send null for every field with a default, and for no required one."""
+    from mmserve.entrypoints.openai.tokens import DetokenizeRequest, TokenizeRequest
+
+    def takes_null(prop: dict) -> bool:
+        return prop.get("type") == "null" or any(takes_null(p) for p in prop.get("anyOf", ()))
+
+    for model in (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest):
+        properties = model.model_json_schema(mode="validation")["properties"]
+        for name, field in model.model_fields.items():
+            assert takes_null(properties[name]) != field.is_required(), (model.__name__, name)
+
+
 def test_an_echoed_token_is_among_its_own_top_logprobs():
     """Even where one of the k most likely tokens decodes to the same text (a byte piece, a prompt token
     echoed), the position's top logprobs hold the token with its own logprob."""

@@ -56,6 +56,24 @@ class NullMeansUnset(BaseModel):
         defaulted = {name for name, f in cls.model_fields.items() if not f.is_required()}
         return {k: v for k, v in data.items() if not (v is None and k in defaulted)}
 
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema: Any, handler: Any) -> dict[str, Any]:
+        """The OpenAPI schema says so too: every field with a default also takes `null` (a client that
+        checks requests against /openapi.json may send it)."""
+        schema = handler(core_schema)
+        properties = handler.resolve_ref_schema(schema).get("properties", {})
+        for name, field in cls.model_fields.items():
+            prop = properties.get(field.alias or name)
+            if field.is_required() or prop is None or _takes_null(prop):
+                continue
+            meta = {key: prop.pop(key) for key in ("title", "default", "description") if key in prop}
+            properties[field.alias or name] = {"anyOf": [prop, {"type": "null"}], **meta}
+        return schema
+
+
+def _takes_null(prop: dict[str, Any]) -> bool:
+    return prop.get("type") == "null" or any(_takes_null(p) for p in prop.get("anyOf", ()))
+
 
 class StreamOptions(NullMeansUnset):
     model_config = ConfigDict(extra="forbid")  # an option no one defines is a 400, never ignored
