@@ -57,7 +57,6 @@ W, A, OK, NO = Support.WORKS, Support.ALIAS, Support.ACCEPTED, Support.REFUSED
 LORA = "mmserve serves no LoRA adapters; merge the adapter into the weights (peft's merge_and_unload) and serve that"
 NO_TP = ("mmserve runs a model on one device; more devices serve more requests as replicas "
          "(--data-parallel-size N)")
-PROXY_TLS = "mmserve serves plain HTTP; terminate TLS at a reverse proxy (nginx, Caddy) in front of it"
 
 VLLM_ARGS: tuple[VllmArg, ...] = (
     # the model and its files
@@ -184,15 +183,22 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     VllmArg("max_log_len", OK, "mmserve never logs prompts, so there is nothing to shorten", server_only=True,
             accepted_values=()),
     VllmArg("log_config_file", NO, "use --log-level", server_only=True),
-    VllmArg("allowed_origins", NO, "mmserve sends no CORS headers (its chat page is same-origin); add them at a "
-            "reverse proxy", server_only=True),
-    VllmArg("allowed_methods", NO, "see --allowed-origins", server_only=True),
-    VllmArg("allowed_headers", NO, "see --allowed-origins", server_only=True),
-    VllmArg("allow_credentials", NO, "see --allowed-origins", switch=True, server_only=True),
-    VllmArg("ssl_keyfile", NO, PROXY_TLS, server_only=True),
-    VllmArg("ssl_certfile", NO, PROXY_TLS, server_only=True),
-    VllmArg("ssl_ca_certs", NO, PROXY_TLS, server_only=True),
-    VllmArg("ssl_cert_reqs", NO, PROXY_TLS, server_only=True),
+    VllmArg("allowed_origins", W, 'CORS: the origins browsers may call the API from, a JSON list (default ["*"], '
+            "as vLLM)", server_only=True, example=('["http://a.example"]',)),
+    VllmArg("allowed_methods", W, 'CORS: the methods allowed, a JSON list (default ["*"])', server_only=True,
+            example=('["GET","POST"]',)),
+    VllmArg("allowed_headers", W, 'CORS: the request headers allowed, a JSON list (default ["*"])',
+            server_only=True, example=('["Authorization"]',)),
+    VllmArg("allow_credentials", W, "CORS: allow credentials (cookies, Authorization) in cross-origin calls",
+            switch=True, server_only=True),
+    VllmArg("ssl_keyfile", W, "TLS: the server's private key file (PEM); with --ssl-certfile it serves https",
+            server_only=True, example=("key.pem",)),
+    VllmArg("ssl_certfile", W, "TLS: the server's certificate chain file (PEM)", server_only=True,
+            example=("cert.pem",)),
+    VllmArg("ssl_ca_certs", W, "TLS: CA certificates that client certificates are checked against",
+            server_only=True, example=("ca.pem",)),
+    VllmArg("ssl_cert_reqs", W, "TLS: whether a client certificate is needed (0: no, 1: optional, 2: required; "
+            "Python's ssl.CERT_*)", server_only=True, example=("2",)),
     VllmArg("middleware", NO, "mmserve imports no user code into its server; put the logic in a proxy",
             server_only=True),
     VllmArg("disable_fastapi_docs", NO, "the API's schema pages are always served (/docs, /openapi.json)",

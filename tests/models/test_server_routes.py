@@ -94,3 +94,26 @@ def test_root_path_serves_the_app_under_the_prefix_and_without_it(engine):
         assert client.get("/llm", follow_redirects=False).headers["location"].endswith("/llm/")
         assert client.get("/llm/v1/nothing").status_code == 404
         assert client.get("/other/v1/models").status_code == 404
+
+
+def test_cors_as_vllm_allows_any_origin_by_default_and_only_the_allowed_ones_when_told(engine):
+    """vLLM's CORS flags: by default a browser on any origin may call the API (preflight and the call);
+    with --allowed-origins only those origins get the header, with --allow-credentials credentials too."""
+    from fastapi.testclient import TestClient
+
+    from mmserve.entrypoints.openai.serving import CorsPolicy
+
+    preflight = {"Origin": "http://page.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    with TestClient(_app(engine)) as client:
+        answer = client.options("/v1/chat/completions", headers=preflight)
+        assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "*"
+        assert client.get("/v1/models", headers={"Origin": "http://page.example"}).headers[
+            "access-control-allow-origin"] == "*"
+    policy = CorsPolicy(allowed_origins=("http://ok.example",), allow_credentials=True)
+    with TestClient(_app(engine, cors=policy)) as client:
+        refused = client.options("/v1/chat/completions", headers=preflight)
+        assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers
+        allowed = client.get("/v1/models", headers={"Origin": "http://ok.example"})
+        assert allowed.headers["access-control-allow-origin"] == "http://ok.example"
+        assert allowed.headers["access-control-allow-credentials"] == "true"

@@ -94,6 +94,8 @@ def _serve(args: argparse.Namespace) -> int:
     config = EngineConfig.from_kwargs(model, **engine_kwargs(args))
     fetch = FetchPolicy(timeout_s=args.media_fetch_timeout, allowed_domains=tuple(args.allowed_media_domains),
                         allow_private=args.allow_private_media_urls)
+    _tls_files(args)  # the TLS and CORS flags checked before the model loads (the server reads them again)
+    _cors_policy(args)
     error = (_served_names_error(args) or _replica_args_error(args)
              or _tracing_error(config.otlp_traces_endpoint))
     if error is not None:
@@ -114,7 +116,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 0
     server_config = _server_config(args, model, client, fetch, limits)
     summary = startup_summary(client, server_config.served_model_name,
-                              f"http://{args.host}:{sock.getsockname()[1]}", web_ui=args.web_ui)
+                              f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{sock.getsockname()[1]}", web_ui=args.web_ui)
     serve(client, server_config, args.host, args.port, args.log_level, args.shutdown_timeout,
           on_ready=lambda: print(summary, file=sys.stderr, flush=True), sock=sock)
     return 0
@@ -194,7 +196,41 @@ def _server_config(args: argparse.Namespace, model: str, client: EngineClient, f
                         request_id_headers=args.enable_request_id_headers, root_path=args.root_path,
                         tokenizer_info=args.enable_tokenizer_info_endpoint,
                         force_include_usage=args.enable_force_include_usage,
-                        server_load_tracking=args.enable_server_load_tracking)
+                        server_load_tracking=args.enable_server_load_tracking,
+                        cors=_cors_policy(args), tls=_tls_files(args))
+
+
+def _cors_policy(args: argparse.Namespace) -> Any:
+    from mmserve.entrypoints.openai.serving import CorsPolicy
+
+    return CorsPolicy(*(_json_strings(getattr(args, name), name) for name in
+                        ("allowed_origins", "allowed_methods", "allowed_headers")),
+                      allow_credentials=args.allow_credentials)
+
+
+def _tls_files(args: argparse.Namespace) -> Any:
+    """vLLM's --ssl-* flags as the server's TlsFiles, or None for plain http; a key without its certificate
+    (or the reverse) is refused."""
+    from mmserve.entrypoints.openai.serving import TlsFiles
+
+    if args.ssl_keyfile is None and args.ssl_certfile is None:
+        return None
+    if args.ssl_keyfile is None or args.ssl_certfile is None:
+        missing = "ssl_keyfile" if args.ssl_keyfile is None else "ssl_certfile"
+        raise InvalidInputError(f"https needs both --ssl-keyfile and --ssl-certfile: give --{missing.replace('_', '-')}",
+                                param=missing, setting=missing)
+    for path in (args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs):
+        if path is not None and not Path(path).is_file():
+            raise InvalidInputError(f"no such file: {path}", param="ssl", setting="ssl")
+    return TlsFiles(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+
+
+def _json_strings(value: Any, name: str) -> tuple[str, ...]:
+    """A CORS flag's JSON value, which must be a list of strings (vLLM's form)."""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise InvalidInputError(f"--{name.replace('_', '-')} takes a JSON list of strings, got {value!r}",
+                                param=name, setting=name)
+    return tuple(value)
 
 
 def _log_to_stderr(level: str) -> None:

@@ -259,6 +259,19 @@ def _add_http_flags(http: argparse._ArgumentGroup) -> None:
                            "(default: 30)")
     http.add_argument("--max-request-bytes", type=int_or_size, default=32 * 1024 * 1024, metavar="N",
                       help="largest request body; a larger one gets 413 before it is read (default: 32MiB)")
+    for flag, what in (("--allowed-origins", "origins"), ("--allowed-methods", "methods"),
+                       ("--allowed-headers", "request headers")):
+        http.add_argument(flag, type=json.loads, default=["*"], metavar="JSON",
+                          help=f"CORS: the {what} browsers may use to call the API, a JSON list (default: [\"*\"])")
+    http.add_argument("--allow-credentials", action="store_true",
+                      help="CORS: allow credentials (cookies, Authorization) in cross-origin calls")
+    http.add_argument("--ssl-keyfile", default=None, metavar="FILE",
+                      help="TLS: the server's private key (PEM); with --ssl-certfile it serves https")
+    http.add_argument("--ssl-certfile", default=None, metavar="FILE", help="TLS: the server's certificate chain (PEM)")
+    http.add_argument("--ssl-ca-certs", default=None, metavar="FILE",
+                      help="TLS: CA certificates client certificates are checked against")
+    http.add_argument("--ssl-cert-reqs", type=int, default=0, choices=(0, 1, 2), metavar="N",
+                      help="TLS: a client certificate is 0: not asked for, 1: optional, 2: required (default: 0)")
     http.add_argument("--return-tokens-as-token-ids", action="store_true",
                       help="logprobs name tokens as 'token_id:N' instead of their text (vLLM's flag)")
     http.add_argument("--enable-request-id-headers", action="store_true",

@@ -27,6 +27,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 
 from mmserve.engine.client import EngineClient, ShuttingDownError
@@ -103,6 +104,9 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
             response.headers["X-Request-Id"] = request_id
             return response
     app.add_middleware(HeadAsGet)
+    cors = config.cors
+    app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins), allow_methods=list(cors.allowed_methods),
+                       allow_headers=list(cors.allowed_headers), allow_credentials=cors.allow_credentials)
     load = LoadCounter()
     if config.server_load_tracking:  # vLLM's --enable-server-load-tracking; GET /load answers either way
         app.add_middleware(ServerLoad, counter=load)
@@ -177,7 +181,8 @@ def serve(client: EngineClient, config: ServerConfig, host: str = "127.0.0.1", p
                 on_ready()
 
     sock = sock if sock is not None else bind_port(host, port)
-    logger.info("serving %s on http://%s:%d", config.served_model_name, host, sock.getsockname()[1])
+    logger.info("serving %s on %s://%s:%d", config.served_model_name, "https" if config.tls else "http", host,
+                sock.getsockname()[1])
     # uvicorn shuts down gracefully on SIGTERM and SIGINT (Ctrl-C), then re-raises the signal under the handler
     # it found: a handler that does nothing lets the process end normally (exit 0) instead of dying by the
     # signal or raising KeyboardInterrupt (exit 130)
@@ -186,7 +191,8 @@ def serve(client: EngineClient, config: ServerConfig, host: str = "127.0.0.1", p
     try:
         # no root_path for uvicorn: it would prepend it to every path, and /llm/v1/... would miss (the app has it)
         GracefulServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                      timeout_graceful_shutdown=shutdown_timeout_s)).run(sockets=[sock])
+                                      timeout_graceful_shutdown=shutdown_timeout_s,
+                                      **(config.tls.uvicorn_kwargs() if config.tls else {}))).run(sockets=[sock])
     finally:
         for sig in stops:
             signal.signal(sig, previous[sig])

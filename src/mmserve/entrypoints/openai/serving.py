@@ -62,6 +62,34 @@ class ServerConfig:
     tokenizer_info: bool = False  # GET /tokenizer_info (vLLM's; off by default: it shows the chat template)
     force_include_usage: bool = False  # every stream ends with its usage, asked or not (vLLM's flag)
     server_load_tracking: bool = False  # count generation requests in flight for GET /load (vLLM's flag)
+    cors: CorsPolicy = field(default_factory=lambda: CorsPolicy())  # vLLM's CORS flags; its defaults
+    tls: TlsFiles | None = None  # vLLM's --ssl-* flags: https instead of http
+
+
+@dataclass(frozen=True)
+class CorsPolicy:
+    """Which cross-origin browser calls the API answers (vLLM's --allowed-origins & co., the same defaults:
+    any origin, method and header, no credentials)."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """The server's TLS files (vLLM's --ssl-keyfile, --ssl-certfile, --ssl-ca-certs, --ssl-cert-reqs), as
+    uvicorn takes them; checked when the server starts listening."""
+
+    keyfile: str
+    certfile: str
+    ca_certs: str | None = None
+    cert_reqs: int = 0  # ssl.CERT_NONE; 1: optional, 2: required
+
+    def uvicorn_kwargs(self) -> dict[str, object]:
+        return {"ssl_keyfile": self.keyfile, "ssl_certfile": self.certfile, "ssl_ca_certs": self.ca_certs,
+                "ssl_cert_reqs": self.cert_reqs}
 
 
 def raise_if_failed(output: RequestOutput) -> None:
