@@ -1,9 +1,13 @@
 """A request-body size limit for the HTTP server, enforced before a body is held whole.
 
 Role: an ASGI middleware. A request whose `Content-Length` is over `max_bytes` is answered 413
-with OpenAI's error JSON before any of its body is read. A body without a length (chunked) is
+with OpenAI's error JSON without any of its body being held. A body without a length (chunked) is
 read here as it arrives and refused with the same 413 as soon as it passes the limit (so no more
 than the limit is ever held), else handed on to the app whole. Other requests are not affected.
+
+Before a 413 goes out, the rest of the refused body (up to `DRAIN_MAX_BYTES`) is read and dropped:
+a server that closes a connection with unread bytes in its socket makes the kernel send a reset,
+which can destroy the 413 in the client's buffer before the client reads it.
 
 What it does not know: routes, the engine, what the body holds.
 """
@@ -21,6 +25,8 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
+# a refused body longer than this is not read to its end: the connection is closed under it
+DRAIN_MAX_BYTES = 256 * 1024 * 1024
 
 
 def _message(max_bytes: int, size: int | None) -> bytes:
@@ -28,6 +34,17 @@ def _message(max_bytes: int, size: int | None) -> bytes:
     error = {"message": f"the request body is {got}; the limit is {max_bytes} bytes (--max-request-bytes)",
              "type": "invalid_request_error", "param": None, "code": "request_too_large"}
     return json.dumps({"error": error}).encode()
+
+
+async def _drain(receive: Receive, more_body: bool = True) -> None:
+    """Read and drop the rest of a refused body, up to DRAIN_MAX_BYTES, so the close is a clean one."""
+    dropped = 0
+    while more_body and dropped <= DRAIN_MAX_BYTES:
+        message = await receive()
+        if message["type"] != "http.request":  # the client went away
+            return
+        dropped += len(message.get("body", b""))
+        more_body = message.get("more_body", False)
 
 
 async def _send_413(send: Send, max_bytes: int, size: int | None) -> None:
@@ -51,6 +68,8 @@ class BodyLimit:
             return
         length = dict(scope.get("headers") or ()).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            if int(length) <= DRAIN_MAX_BYTES:
+                await _drain(receive)
             await _send_413(send, self.max_bytes, int(length))
             return
         if length is not None:  # the server reads exactly that many bytes: within the limit
@@ -66,6 +85,7 @@ class BodyLimit:
             chunks.append(message.get("body", b""))
             received += len(chunks[-1])
             if received > self.max_bytes:
+                await _drain(receive, message.get("more_body", False))
                 await _send_413(send, self.max_bytes, None)
                 return
             if not message.get("more_body", False):
