@@ -142,6 +142,67 @@ def test_a_server_stops_at_once_with_exit_0_on_sigint_and_sigterm(checkpoint_dir
     assert took < EXIT_BOUND_S, f"{took:.1f} s to exit"
 
 
+def _compiler_building_a_step(pid: int, cache: Path) -> bool:
+    """A compiler below `pid` builds a compiled step's library into `cache` (Inductor's `*.main.so`, which the
+    compile waits for at once, not a kernel its pool builds: ending that one is what Ctrl-C was seen to break)."""
+    for child in _descendants(pid):
+        with contextlib.suppress(OSError):
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            output = cmd[cmd.index("-o") + 1] if "-o" in cmd[:-1] else ""
+            if output.startswith(str(cache)) and output.endswith(".main.so"):
+                return True
+    return False
+
+
+def _whole_elf(path: Path) -> bool:
+    """An ELF-64 file that holds all its section headers (they come last: a truncated file lacks them)."""
+    data = path.read_bytes()
+    if len(data) < 64 or data[:4] != b"\x7fELF":
+        return False
+    section_headers_at, entry_size, entries = (int.from_bytes(data[a:b], "little")
+                                               for a, b in ((0x28, 0x30), (0x3A, 0x3C), (0x3C, 0x3E)))
+    return len(data) >= section_headers_at + entry_size * entries
+
+
+COMPILE_AND_SAY = """
+import sys
+from mmserve import LLM
+llm = LLM(sys.argv[1], num_kv_blocks=64)
+llm.engine.wait_for_compiled_decode(timeout_s=900)
+print(llm.engine.get_stats()["cpu_decode_compile"])
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_that_reaches_the_compiler_leaves_a_quiet_exit_and_a_usable_cache(checkpoint_dirs, tmp_path):
+    """Ctrl-C in a terminal signals the whole process group, the C++ compiler of the background compile
+    too: the server still exits 0 with only log lines (no compile failure with the compiler's output),
+    the cache holds no half-written library, and the next start compiles and replays the step."""
+    env, port = _compiling_env(tmp_path), free_port()
+    stderr = tmp_path / "stderr.txt"
+    with stderr.open("w") as err:
+        process = subprocess.Popen([sys.executable, "-m", "mmserve.entrypoints.cli", "serve",
+                                    str(checkpoint_dirs["qwen2_vl"]), "--port", str(port), "--num-kv-blocks", "64"],
+                                   stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600  # only stops a hang: the compiler starts within seconds
+        while not _compiler_building_a_step(process.pid, tmp_path / "cache" / "inductor") and time.monotonic() < deadline:
+            assert process.poll() is None, stderr.read_text()
+            time.sleep(0.05)
+        os.killpg(process.pid, signal.SIGINT)
+        code = process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    text = stderr.read_text()
+    assert code == 0, text
+    assert _foreign_lines(text) == [] and "compiling in the background failed" not in text, text
+    assert [p for p in (tmp_path / "cache").rglob("*.so") if not _whole_elf(p)] == []
+    again = subprocess.run([sys.executable, "-c", COMPILE_AND_SAY, str(checkpoint_dirs["qwen2_vl"])],
+                           capture_output=True, text=True, timeout=900, env=env)
+    assert again.returncode == 0 and again.stdout.split()[-1] == "ready", again.stderr[-3000:]
+
+
 TWO_ENGINES = """
 import sys, time
 from mmserve import LLM, SamplingParams

@@ -21,6 +21,10 @@ care of, each measured or seen failing without it:
 - **Stoppable.** Inductor compiles a graph's C++ kernels on a thread pool of its own and waits for them all;
   `cancel_pending_compiles` cancels the queued ones, so a stopped compile ends once the kernels in flight
   (at most `compile_threads`) are built, not after every kernel of the graph.
+- **No broken library kept.** A compiler ended by a signal (Ctrl-C in a terminal reaches the compiler
+  processes too; a stopped compile ends them) can leave a truncated library in the cache, which the
+  next start would load and fail on ("file too short") for good. `drop_failed_build_outputs` removes
+  what a failed build wrote and a cached library that failed to load, so the next compile rebuilds it.
 - **Cached on disk.** Inductor's caches (its FX graph cache keeps frozen graphs too) live in mmserve's
   cache directory (`use_mmserve_cache_dir`), not under /tmp: a second start loads the compiled steps
   and runs no compiler.
@@ -35,7 +39,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
+import subprocess
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -77,9 +83,9 @@ def use_mmserve_cache_dir() -> None:
 
 def cancel_pending_compiles() -> None:
     """Cancel the C++ kernel builds Inductor has queued and end those running (a compiler process of this
-    one whose command line writes into Inductor's cache; the compiler deletes its unfinished output when
-    ended, so the cache never holds half a library): a compile waiting on them fails at once, and the
-    process can exit without waiting for a build. The next compile gets a fresh pool."""
+    one whose command line writes into Inductor's cache; its output file is removed, so the cache never
+    holds half a library): a compile waiting on them fails at once, and the process can exit without
+    waiting for a build. The next compile gets a fresh pool."""
     from torch._inductor.async_compile import AsyncCompile
 
     if AsyncCompile.pool.cache_info().currsize:
@@ -88,8 +94,11 @@ def cancel_pending_compiles() -> None:
     cache = os.environ.get(envs.INDUCTOR_CACHE_DIR)
     for pid in _child_pids(os.getpid()) if cache else ():
         with contextlib.suppress(OSError):
-            if cache.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            if any(cache in arg for arg in cmd):
                 os.kill(pid, signal.SIGTERM)
+                # its output may be left half-written (the compiler's linker is not ended with it)
+                drop_failed_build_outputs(subprocess.CalledProcessError(-signal.SIGTERM, cmd))
 
 
 def forget_unfinished_builds() -> None:
@@ -100,6 +109,44 @@ def forget_unfinished_builds() -> None:
 
     for table in (CppCodeCache, CppPythonBindingsCodeCache, CppWrapperCodeCache):
         table.cache_clear()
+
+
+def _exception_chain(error: BaseException) -> list[BaseException]:
+    """`error` and what it wraps (Inductor wraps the compiler's failure in its own exceptions)."""
+    chain: list[BaseException] = []
+    while error is not None and error not in chain:
+        chain.append(error)
+        error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
+    return chain
+
+
+def compiler_interrupted(error: BaseException) -> bool:
+    """A compiler process in `error`'s chain was ended by a signal (stopped, not a failure of the code)."""
+    return any(isinstance(e, subprocess.CalledProcessError) and e.returncode < 0 for e in _exception_chain(error))
+
+
+def drop_failed_build_outputs(error: BaseException) -> list[Path]:
+    """Remove from Inductor's cache what the failure in `error` may have left half-written: the output of
+    each failed compiler command (`-o PATH`) and a cached library that failed to load. Returns the files
+    removed; a file outside the cache is never touched."""
+    cache = os.environ.get(envs.INDUCTOR_CACHE_DIR)
+    if not cache:
+        return []
+    suspects: list[str] = []
+    for e in _exception_chain(error):
+        cmd = getattr(e, "cmd", None)
+        if isinstance(cmd, list) and "-o" in cmd[:-1]:
+            suspects.append(cmd[cmd.index("-o") + 1])
+        if isinstance(e, ImportError):
+            suspects += re.findall(re.escape(cache.rstrip("/")) + r"/\S+?\.so\b", str(e))
+    removed: list[Path] = []
+    for name in dict.fromkeys(suspects):
+        path = Path(name).resolve()
+        if path.is_relative_to(Path(cache).resolve()) and path.is_file():
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed.append(path)
+    return removed
 
 
 def _child_pids(pid: int) -> list[int]:

@@ -40,6 +40,8 @@ from mmserve.runner.attention import DecodeGroup, PagedAttentionBackend, PagedAt
 from mmserve.runner.cpu.compile import (
     cancel_pending_compiles,
     compile_cache_counts,
+    compiler_interrupted,
+    drop_failed_build_outputs,
     forget_unfinished_builds,
     frozen_compile,
 )
@@ -162,7 +164,7 @@ class DecodeGraphRunner:
                 if self._stop.is_set():
                     raise CompileStopped
             before = compile_cache_counts()
-            graphs = self._capture_all()
+            graphs = self._capture_all_rebuilding_broken()
             self._release_compile_lock()
             if graphs is None:
                 raise CompileStopped
@@ -172,16 +174,34 @@ class DecodeGraphRunner:
         except CompileStopped:
             self.stats.state = "stopped"
         except Exception as e:  # noqa: BLE001 (any compiler failure leaves the eager steps serving)
-            if self._stop.is_set():  # a cancelled kernel build: stopping, not failing
-                self.stats.state = "stopped"
-            else:
-                self.stats.state, self.stats.error = "failed", f"{type(e).__name__}: {e}"
-                logger.warning("decode steps: compiling in the background failed, they stay eager: %s",
-                               self.stats.error)
+            self._note_failure(e)
         finally:
             self._release_compile_lock()
             self._built.set()
             atexit.unregister(self.stop)
+
+    def _capture_all_rebuilding_broken(self) -> dict[DecodeBucket, _DecodeGraph] | None:
+        """`_capture_all`, once more where the first try failed on a broken file in the compile cache (a
+        library truncated by a compiler killed in an earlier run): that file is removed and rebuilt."""
+        try:
+            return self._capture_all()
+        except Exception as e:  # noqa: BLE001 (re-raised unless a broken cached file was removed)
+            if self._stop.is_set() or compiler_interrupted(e) or not drop_failed_build_outputs(e):
+                raise
+            logger.info("decode steps: a broken file in the compile cache was removed; compiling it again")
+            return self._capture_all()
+
+    def _note_failure(self, error: Exception) -> None:
+        # what a failed or ended compiler wrote is removed, so no later start loads half a library
+        drop_failed_build_outputs(error)
+        if self._stop.is_set() or compiler_interrupted(error):  # stopping (or Ctrl-C reached the compiler)
+            self.stats.state = "stopped"
+            return
+        self.stats.state, self.stats.error = "failed", f"{type(error).__name__}: {error}"
+        headline = next((line for line in str(error).splitlines() if line.strip()), "")
+        logger.warning("decode steps: compiling in the background failed, they stay eager: %s: %s",
+                       type(error).__name__, headline.strip())
+        logger.debug("decode steps: the compile failed with %s", self.stats.error)
 
     def _take_compile_lock(self) -> bool:
         self._holds_lock = _COMPILE_LOCK.acquire(timeout=0.1)
