@@ -30,3 +30,13 @@ def load_pair(model_dir):
 
 REFERENCE_IMAGE_PART = {"type": "image"}
 REFERENCE_VIDEO_PART = {"type": "video"}
+
+
+def reference_inputs(model_dir, family: str, messages) -> dict:
+    """The inputs transformers' model of `family` takes for one conversation, through mmserve's processor."""
+    from testkit.families import FAMILIES
+
+    processor = load_processor(model_dir)
+    chat = processor.render_chat(messages)
+    prompt = processor.process(chat.prompt, images=chat.images, videos=chat.videos)
+    return FAMILIES[family].reference_kwargs(model_dir, messages, prompt)

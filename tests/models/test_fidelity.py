@@ -14,19 +14,15 @@ import torch
 from mmserve import LLM, SamplingParams
 from testkit.conversations import parity_workload
 from testkit.families import FAMILIES
-from tests.models.helpers import load_processor
+from tests.models.helpers import reference_inputs
 
 NUM_TOKENS = 12
 
 
 def _reference_ids(model_dir, family, messages, **generate_kwargs):
     """transformers' greedy ids for one conversation."""
-    processor = load_processor(model_dir)
-    chat = processor.render_chat(messages)
-    prompt = processor.process(chat.prompt, images=chat.images, videos=chat.videos)
-    fixture = FAMILIES[family]
-    inputs = fixture.reference_kwargs(model_dir, messages, prompt)
-    model = fixture.reference_class().from_pretrained(model_dir).eval()
+    inputs = reference_inputs(model_dir, family, messages)
+    model = FAMILIES[family].reference_class().from_pretrained(model_dir).eval()
     with torch.no_grad():
         out = model.generate(**inputs, do_sample=False, **generate_kwargs)
     return out[0, inputs["input_ids"].shape[1]:].tolist()

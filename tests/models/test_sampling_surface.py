@@ -12,7 +12,7 @@ from PIL import Image
 from mmserve import LLM, InvalidInputError, SamplingParams
 from testkit.conversations import parity_workload
 from testkit.families import FAMILIES
-from tests.models.helpers import load_processor
+from tests.models.helpers import load_processor, reference_inputs
 
 NUM_TOKENS = 6
 TOP = 5
@@ -22,12 +22,8 @@ CONVERSATIONS = (0, 3, 8)
 
 def _reference(model_dir, family, messages, **generate_kwargs):
     """transformers' generated ids and raw logits per step, for one conversation."""
-    processor = load_processor(model_dir)
-    chat = processor.render_chat(messages)
-    prompt = processor.process(chat.prompt, images=chat.images, videos=chat.videos)
-    fixture = FAMILIES[family]
-    inputs = fixture.reference_kwargs(model_dir, messages, prompt)
-    model = _reference_model(model_dir, fixture)
+    inputs = reference_inputs(model_dir, family, messages)
+    model = _reference_model(model_dir, FAMILIES[family])
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=NUM_TOKENS, min_new_tokens=NUM_TOKENS, do_sample=False,
                              output_logits=True, return_dict_in_generate=True, **generate_kwargs)
