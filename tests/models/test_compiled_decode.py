@@ -5,7 +5,6 @@ every other bucket; a float8 KV cache refused. By default the step compiles in t
 eager steps serve (a failed compile leaves them serving; shutdown stops it). The KV writes landing in place, on the step's slots and
 the scratch block only, is tested with the other graph paths (test_graph_engine.py)."""
 
-import logging
 import subprocess
 import sys
 import threading
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from mmserve import LLM, SamplingParams
-from mmserve.envs import COMPILE_CPU_DECODE, INDUCTOR_CACHE_DIR
+from mmserve.envs import COMPILE_CPU_DECODE
 from mmserve.runner.graphs.decode_graphs import DecodeGraphRunner
 from tests.models.helpers import image_part, random_image, text_part
 
@@ -76,14 +75,7 @@ def test_compiled_decode_refuses_a_float8_kv_cache(checkpoint_dirs):
 
 
 @pytest.fixture
-def fresh_compile_cache(monkeypatch, tmp_path):
-    """An empty compile cache: nothing compiled before, so the default compiles in the background (a step
-    found compiled in the cache is loaded before serving instead)."""
-    monkeypatch.setenv(INDUCTOR_CACHE_DIR, str(tmp_path / "inductor"))
-
-
-@pytest.fixture
-def gated_compile(monkeypatch, fresh_compile_cache):
+def gated_compile(monkeypatch):
     """The engines' background compile waits for `gate` before it builds anything (so a test sees the
     eager steps it serves meanwhile for certain); compiling is the default here, as for users."""
     monkeypatch.delenv(COMPILE_CPU_DECODE, raising=False)
@@ -118,30 +110,7 @@ def test_by_default_the_step_compiles_in_the_background_while_eager_steps_serve(
     llm.check_integrity()
 
 
-def test_a_step_compiled_before_is_loaded_before_serving(checkpoint_dirs, monkeypatch, caplog, fresh_compile_cache):
-    """At the default, a start that finds its step compiled in the cache (every start after the first) loads
-    it before serving instead of tracing it in the background while serving; the tokens stay the eager ones."""
-    monkeypatch.delenv(COMPILE_CPU_DECODE, raising=False)
-    model_dir = str(checkpoint_dirs["qwen2_vl"])
-    want = [o.outputs[0].token_ids for o in LLM(model_dir, compile_cpu_decode=False, **ARGS).chat(
-        _chats(), GREEDY, use_tqdm=False)]
-    first = LLM(model_dir, **ARGS)
-    assert first.engine.get_stats()["cpu_decode_compile"] == "compiling"
-    assert first.engine.wait_for_compiled_decode(timeout_s=600)  # returns when built: the bound only stops a hang
-    first.shutdown()
-    with caplog.at_level(logging.INFO, logger="mmserve"):
-        again = LLM(model_dir, **ARGS)
-    assert again.engine.get_stats()["cpu_decode_compile"] == "ready"  # nothing left to do in the background
-    assert "before serving" in caplog.text
-    assert [o.outputs[0].token_ids for o in again.chat(_chats(), GREEDY, use_tqdm=False)] == want
-    assert again.engine.inspect().graphs.decode.num_replays > 0
-    other = LLM(model_dir, **{**ARGS, "max_num_seqs": 2})  # another shape: not compiled before
-    assert other.engine.get_stats()["cpu_decode_compile"] == "compiling"
-    other.shutdown()
-
-
-def test_a_failed_background_compile_leaves_the_eager_steps_serving(checkpoint_dirs, monkeypatch, caplog,
-                                                                   fresh_compile_cache):
+def test_a_failed_background_compile_leaves_the_eager_steps_serving(checkpoint_dirs, monkeypatch, caplog):
     monkeypatch.delenv(COMPILE_CPU_DECODE, raising=False)
 
     def broken(self):
@@ -158,7 +127,7 @@ def test_a_failed_background_compile_leaves_the_eager_steps_serving(checkpoint_d
     llm.check_integrity()
 
 
-def test_shutdown_stops_a_background_compile(checkpoint_dirs, monkeypatch, fresh_compile_cache):
+def test_shutdown_stops_a_background_compile(checkpoint_dirs, monkeypatch):
     monkeypatch.delenv(COMPILE_CPU_DECODE, raising=False)
     llm = LLM(str(checkpoint_dirs["qwen2_vl"]), **ARGS)
     assert llm.engine.get_stats()["cpu_decode_compile"] == "compiling"
@@ -178,7 +147,7 @@ print(llm.engine.get_stats()["cpu_decode_compile"])
 
 
 @pytest.mark.slow  # timed: it counts the exits that land while this machine is still compiling
-def test_a_process_that_exits_while_compiling_exits_cleanly(checkpoint_dirs, monkeypatch, fresh_compile_cache):
+def test_a_process_that_exits_while_compiling_exits_cleanly(checkpoint_dirs, monkeypatch):
     """A short script ends before the background compile does: the compiler is stopped before the
     interpreter finalizes (a compiler tracing through finalization aborted the process). Exits at a few
     points of the compile; those that came after it finished prove nothing and are not counted."""

@@ -25,10 +25,6 @@ care of, each measured or seen failing without it:
   processes too; a stopped compile ends them) can leave a truncated library in the cache, which the
   next start would load and fail on ("file too short") for good. `drop_failed_build_outputs` removes
   what a failed build wrote and a cached library that failed to load, so the next compile rebuilds it.
-- **Known to be cached.** After a step compiled, a marker named by the step's structure (its parameters'
-  names, shapes and dtypes, the settings, torch's version) is left beside Inductor's cache
-  (`remember_compiled`); `compiled_before` tells the next start that loading the step will be a cache
-  hit, which the caller may then do before serving.
 - **Cached on disk.** Inductor's caches (its FX graph cache keeps frozen graphs too) live in mmserve's
   cache directory (`use_mmserve_cache_dir`), not under /tmp: a second start loads the compiled steps
   and runs no compiler.
@@ -42,7 +38,6 @@ What it does not know: what the step computes, buckets, the KV cache.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import re
 import signal
@@ -116,52 +111,6 @@ def forget_unfinished_builds() -> None:
         table.cache_clear()
 
 
-def compiled_step_key(module: torch.nn.Module, settings: object) -> str:
-    """A name for one compiled step: its module's parameters (names, shapes, dtypes), the settings it was
-    compiled with, torch's and mmserve's versions. Weights' values are not in it (Inductor's own key decides
-    a hit); the key only says whether a compile of this shape finished here before."""
-    parts = [type(module).__name__, repr(settings), torch.__version__, _mmserve_version()]
-    tensors = [*module.named_parameters(), *module.named_buffers()]  # quantized weights are buffers
-    parts += [f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in tensors]
-    return hashlib.blake2b("\n".join(parts).encode(), digest_size=16).hexdigest()
-
-
-def _mmserve_version() -> str:
-    """The installed mmserve's version (its code shapes the step); "" where it runs from a source tree."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("mmserve")
-    except PackageNotFoundError:
-        return ""
-
-
-def _marker(key: str) -> Path | None:
-    cache = os.environ.get(envs.INDUCTOR_CACHE_DIR)
-    return Path(cache) / "mmserve-compiled-steps" / key if cache else None
-
-
-def compiled_before(key: str) -> bool:
-    """A step of this key compiled to the end in this cache directory (so compiling it again loads it)."""
-    marker = _marker(key)
-    return marker is not None and marker.is_file()
-
-
-def remember_compiled(key: str) -> None:
-    marker = _marker(key)
-    if marker is not None:
-        with contextlib.suppress(OSError):
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.touch()
-
-
-def forget_compiled(key: str) -> None:
-    marker = _marker(key)
-    if marker is not None:
-        with contextlib.suppress(OSError):
-            marker.unlink()
-
-
 def _exception_chain(error: BaseException) -> list[BaseException]:
     """`error` and what it wraps (Inductor wraps the compiler's failure in its own exceptions)."""
     chain: list[BaseException] = []
@@ -214,12 +163,3 @@ def compile_cache_counts() -> tuple[int, int]:
     from torch._dynamo.utils import counters
 
     return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
-
-
-def what_was_done(before: tuple[int, int], after: tuple[int, int], took_s: float | None) -> str:
-    """What a compile did, from Inductor's cache counters (`compile_cache_counts` before and after):
-    compiled (and cached), or loaded from the cache."""
-    hits, misses = after[0] - before[0], after[1] - before[1]
-    if misses == 0:
-        return f"loaded {hits} compiled graph(s) from the cache in {took_s or 0:.1f} s"
-    return f"compiled {misses} graph(s) with TorchInductor (C++) in {took_s or 0:.1f} s, cached for the next start"

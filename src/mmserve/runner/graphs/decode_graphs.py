@@ -29,7 +29,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -40,15 +40,10 @@ from mmserve.runner.attention import DecodeGroup, PagedAttentionBackend, PagedAt
 from mmserve.runner.cpu.compile import (
     cancel_pending_compiles,
     compile_cache_counts,
-    compiled_before,
-    compiled_step_key,
     compiler_interrupted,
     drop_failed_build_outputs,
-    forget_compiled,
     forget_unfinished_builds,
     frozen_compile,
-    remember_compiled,
-    what_was_done,
 )
 from mmserve.runner.graphs.buckets import DecodeBucket, plan_decode_batch
 from mmserve.runner.graphs.capture import (
@@ -126,16 +121,11 @@ class DecodeGraphRunner:
             self._step = frozen_compile(self._forward)
 
     def start(self) -> None:
-        """Capture (or compile) every bucket now, or in a background thread when the settings say so; a step
-        compiled here before is loaded now (benchmarks/engine/cold_start.py: a first minute at 0.98x a warm
-        process, against 0.70x loading it in the background, whose tracing competes with serving)."""
+        """Capture (or compile) every bucket now, or in a background thread when the settings say so."""
         if not (self.settings.compile and self.settings.in_background):
             started = time.perf_counter()
             with _COMPILE_LOCK:
                 self._publish(self._capture_all(), started)
-            self._remember()
-            return
-        if compiled_before(self._key) and self._load_before_serving():
             return
         self.stats.state = "compiling"
         self._thread = threading.Thread(target=self._compile_in_background, name="mmserve-decode-compile",
@@ -179,9 +169,8 @@ class DecodeGraphRunner:
             if graphs is None:
                 raise CompileStopped
             self._publish(graphs, started)
-            self._remember()
             logger.info("decode steps: %s, replaying from the next step",
-                        what_was_done(before, compile_cache_counts(), self.stats.build_s))
+                        _what_was_done(before, compile_cache_counts(), self.stats.build_s))
         except CompileStopped:
             self.stats.state = "stopped"
         except Exception as e:  # noqa: BLE001 (any compiler failure leaves the eager steps serving)
@@ -190,33 +179,6 @@ class DecodeGraphRunner:
             self._release_compile_lock()
             self._built.set()
             atexit.unregister(self.stop)
-
-    def _load_before_serving(self) -> bool:
-        """Build the step now from the compile cache; False where that fails (the marker is dropped; the
-        background compile then runs, and reports)."""
-        started = time.perf_counter()
-        before = compile_cache_counts()
-        try:
-            with _COMPILE_LOCK:
-                graphs = self._capture_all_rebuilding_broken()
-        except Exception as e:  # noqa: BLE001 (the background compile tries again and reports)
-            logger.info("decode steps: loading the compiled step before serving failed (%s); compiling in "
-                        "the background", type(e).__name__)
-            forget_compiled(self._key)
-            return False
-        self._publish(graphs, started)
-        logger.info("decode steps: %s before serving", what_was_done(before, compile_cache_counts(),
-                                                                       self.stats.build_s))
-        return True
-
-    @property
-    def _key(self) -> str:
-        settings = replace(self.settings, scratch_block=0, in_background=False)
-        return compiled_step_key(self.model, (settings, self.block_size, self.attention.storage.fmt))
-
-    def _remember(self) -> None:
-        if self.settings.compile:
-            remember_compiled(self._key)
 
     def _capture_all_rebuilding_broken(self) -> dict[DecodeBucket, _DecodeGraph] | None:
         """`_capture_all`, once more where the first try failed on a broken file in the compile cache (a
@@ -327,6 +289,14 @@ class DecodeGraphRunner:
         logits = entry.graph.output[:len(arrays.input_ids)]
         # a static output is copied out before the next replay overwrites it; a compiled step's is its own
         return logits if isinstance(entry.graph, CompiledStep) else logits.clone()
+
+
+def _what_was_done(before: tuple[int, int], after: tuple[int, int], took_s: float | None) -> str:
+    """What a compile did, from Inductor's cache counters: compiled (and cached), or loaded from the cache."""
+    hits, misses = after[0] - before[0], after[1] - before[1]
+    if misses == 0:
+        return f"loaded {hits} compiled graph(s) from the cache in {took_s or 0:.1f} s"
+    return f"compiled {misses} graph(s) with TorchInductor (C++) in {took_s or 0:.1f} s, cached for the next start"
 
 
 class CompileStopped(BaseException):  # noqa: N818 (not an error: not caught by `except Exception`)
