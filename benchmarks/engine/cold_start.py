@@ -1,0 +1,160 @@
+"""Tokens per second over the first 60 s of a fresh process, against the same engine once warm.
+
+Run: python -m benchmarks.engine.cold_start [--model 30m|100m|1b|DIR] [--rounds 3] [--window-s 60] [--batch 1]
+
+Role: what a user meets when they start mmserve and send work at once. Each measurement is a fresh
+process (torch threads = the machine's usable cores) that sends requests back to back, `--batch` at a
+time (1: one request at a time), `--output-tokens` greedy tokens each, from the moment it starts:
+- window tok/s: the tokens of the requests that finished within `--window-s` seconds of the process's
+  start (imports, loading and any compile count, as for a user), divided by the window;
+- warm tok/s: the same requests once the process is warm (after the window, and after its background
+  compile, if any, has finished), the rate the window is compared with.
+Settings: `default` (what a user gets; compile_cpu_decode unset), `off` (compile_cpu_decode=False) and
+`startup` (compile_cpu_decode=True: compiled before serving), each with a cold TorchInductor cache (an
+empty one: the first start on a machine) and a warm one (filled by an earlier run: every later start).
+The settings' order is rotated each round; medians. The target: window ≥ 0.95 × the warm process's rate
+of `default` (the warm figure of `default/warm`). Prints a card, a table and one JSON line last.
+
+What it does not know: mmserve internals beyond the offline API, `LLMEngine.get_stats` and
+`LLMEngine.wait_for_compiled_decode`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+PROCESS_START = time.perf_counter()  # as early as this process can read a clock: imports count
+
+from benchmarks.card import ROOT, json_line  # noqa: E402 (after the clock on purpose)
+
+SETTINGS = {"off": False, "startup": True, "default": None}
+CASES = (("default", "cold"), ("default", "warm"), ("off", "warm"), ("startup", "cold"), ("startup", "warm"))
+PROMPTS = ("Describe a sunny beach in detail.", "Write a short story about a robot.", "List ten colours.",
+           "Explain how a bicycle works.", "What is the capital of France?", "Count from one to twenty.")
+WARM_REQUESTS = 6  # calls measured once warm
+
+
+def _call(llm: Any, prompts: list[str], output_tokens: int) -> int:
+    from mmserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=output_tokens, min_tokens=output_tokens, ignore_eos=True)
+    return sum(len(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False))
+
+
+def measure(model_dir: str, setting: str, batch: int, output_tokens: int, window_s: float) -> dict[str, Any]:
+    """One measurement, in this process (the harness starts a fresh one for each)."""
+    import torch
+
+    from mmserve import LLM
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    llm = LLM(model_dir, compile_cpu_decode=SETTINGS[setting], max_num_seqs=max(batch, 1), max_model_len=512)
+    ready_s = time.perf_counter() - PROCESS_START
+    in_window, calls = 0, 0
+    while True:
+        prompts = [PROMPTS[(calls * batch + i) % len(PROMPTS)] for i in range(batch)]
+        tokens = _call(llm, prompts, output_tokens)
+        calls += 1
+        if time.perf_counter() - PROCESS_START > window_s:
+            break
+        in_window += tokens
+    state_at_window_end = llm.engine.get_stats()["cpu_decode_compile"]
+    llm.engine.wait_for_compiled_decode(timeout_s=None)  # warm: whatever the default compiles is built
+    compiled_s = time.perf_counter() - PROCESS_START if state_at_window_end == "compiling" else None
+    _call(llm, PROMPTS[:1], 4)  # the first step after a switch off the clock
+    started, warm_tokens = time.perf_counter(), 0
+    for call in range(WARM_REQUESTS):
+        warm_tokens += _call(llm, [PROMPTS[(call * batch + i) % len(PROMPTS)] for i in range(batch)], output_tokens)
+    return {"ready_s": ready_s, "window_tokens_per_s": in_window / window_s,
+            "warm_tokens_per_s": warm_tokens / (time.perf_counter() - started),
+            "compile_at_window_end": state_at_window_end, "compiled_s": compiled_s}
+
+
+def _run_fresh(args: argparse.Namespace, model_dir: Path, setting: str, cache_dir: str) -> dict[str, Any]:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
+    env.pop("MMSERVE_COMPILE_CPU_DECODE", None)  # the default a user gets
+    cmd = [sys.executable, "-m", "benchmarks.engine.cold_start", "--worker", setting, "--model", str(model_dir),
+           "--batch", str(args.batch), "--output-tokens", str(args.output_tokens), "--window-s", str(args.window_s)]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{setting} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _median(runs: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return round(statistics.median(values), 2) if values else None
+
+
+def _measure_all(args: argparse.Namespace, model_dir: Path) -> dict[str, list[dict[str, Any]]]:
+    runs: dict[str, list[dict[str, Any]]] = {f"{s}/{c}": [] for s, c in CASES}
+    warm_cache = tempfile.mkdtemp(prefix="mmserve-inductor-warm-")
+    _run_fresh(args, model_dir, "startup", warm_cache)  # fills the warm cache, off the record
+    for round_index in range(args.rounds):
+        shift = round_index % len(CASES)
+        for setting, cache in CASES[shift:] + CASES[:shift]:
+            cache_dir = warm_cache if cache == "warm" else tempfile.mkdtemp(prefix="mmserve-inductor-cold-")
+            result = _run_fresh(args, model_dir, setting, cache_dir)
+            runs[f"{setting}/{cache}"].append(result)
+            print(f"round {round_index + 1}: {setting:8s} {cache}: ready {result['ready_s']:.1f} s, first "
+                  f"{args.window_s:.0f} s {result['window_tokens_per_s']:.1f} tok/s, warm "
+                  f"{result['warm_tokens_per_s']:.1f} tok/s, compile at the window's end: "
+                  f"{result['compile_at_window_end']}", file=sys.stderr, flush=True)
+    return runs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="30m", help="30m, 100m, 1b or a checkpoint directory")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=1, help="requests per call (1: one at a time)")
+    parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--window-s", type=float, default=60.0)
+    parser.add_argument("--worker", choices=tuple(SETTINGS), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        json_line(measure(args.model, args.worker, args.batch, args.output_tokens, args.window_s))
+        return
+
+    from benchmarks.card import machine_info, print_card
+    from benchmarks.checkpoints import ensure_model, parameter_count
+
+    model_dir = ensure_model(args.model)
+    runs = _measure_all(args, model_dir)
+    keys = ("ready_s", "window_tokens_per_s", "warm_tokens_per_s", "compiled_s")
+    results: dict[str, dict[str, Any]] = {name: {k: _median(rs, k) for k in keys} for name, rs in runs.items()}
+    reference = results["default/warm"]["warm_tokens_per_s"]
+    for name, res in results.items():
+        res["window_over_warm_default"] = round(res["window_tokens_per_s"] / reference, 3)
+        res["compile_at_window_end"] = sorted({r["compile_at_window_end"] for r in runs[name]})
+
+    machine = machine_info(len(os.sched_getaffinity(0)))
+    print_card("mmserve cold start: the first seconds of a fresh process against a warm one", {
+        "machine": f"{machine['usable_cpus']} usable CPUs, {machine['platform']}, torch {machine['torch']}",
+        "model": f"{model_dir} ({parameter_count(model_dir) / 1e6:.1f}M params), float32",
+        "work": f"{args.batch} request(s) at a time, {args.output_tokens} greedy tokens each, back to back from "
+                f"the process's start; window {args.window_s:.0f} s; {args.rounds} rounds, fresh process each, "
+                "medians; cold = an empty TorchInductor cache",
+        "target": "window tok/s >= 0.95 x the warm rate of default/warm"})
+    print(f"{'setting':16s} {'ready s':>8s} {'window tok/s':>12s} {'warm tok/s':>10s} {'x warm default':>14s} "
+          f"{'compiled s':>10s}  compile at window end")
+    for name, res in results.items():
+        compiled = "—" if res["compiled_s"] is None else res["compiled_s"]
+        print(f"{name:16s} {res['ready_s']:>8} {res['window_tokens_per_s']:>12} {res['warm_tokens_per_s']:>10} "
+              f"{res['window_over_warm_default']:>14} {compiled:>10}  {','.join(res['compile_at_window_end'])}")
+    json_line({"bench": "cold_start", "model": str(model_dir), "batch": args.batch,
+               "output_tokens": args.output_tokens, "window_s": args.window_s, "rounds": args.rounds,
+               "machine": machine, "results": results}, compact=True)
+
+
+if __name__ == "__main__":
+    main()
