@@ -27,6 +27,7 @@ import atexit
 import ctypes
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -149,6 +150,7 @@ class DecodeGraphRunner:
             return
         # a thread still waiting for the lock sees the stop flag; one compiling is interrupted where it is
         if self._holds_lock:
+            _drop_unraisable_stops()
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
                                                        ctypes.py_object(CompileStopped))
             cancel_pending_compiles()
@@ -301,6 +303,22 @@ def _what_was_done(before: tuple[int, int], after: tuple[int, int], took_s: floa
 
 class CompileStopped(BaseException):  # noqa: N818 (not an error: not caught by `except Exception`)
     """Raised inside the background compile's thread to stop it (the engine shut down)."""
+
+
+def _drop_unraisable_stops() -> None:
+    """A CompileStopped that lands in code Python cannot raise from (a weakref callback, a __del__) is
+    lost, and Python prints it as "Exception ignored in ..." with a traceback (seen in a server's exit):
+    the process's unraisable hook drops those reports; the compile then stops at its next bucket, its
+    compiler processes already ended. Installed once per process (the hook is the interpreter's)."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_compile_stops", False):
+        return
+
+    def hook(unraisable: sys.UnraisableHookArgs) -> None:
+        if not isinstance(unraisable.exc_value, CompileStopped):
+            previous(unraisable)
+    hook.drops_compile_stops = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 def _lower_this_threads_priority(niceness: int) -> None:
