@@ -22,19 +22,14 @@ What it does not know: mmserve internals beyond the offline API, `LLMEngine.get_
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 PROCESS_START = time.perf_counter()  # as early as this process can read a clock: imports count
 
-from benchmarks.card import ROOT, json_line  # noqa: E402 (after the clock on purpose)
+from benchmarks.card import json_line  # noqa: E402 (after the clock on purpose)
+from benchmarks.engine.compile_cases import median_of, run_cases  # noqa: E402
 
 SETTINGS = {"off": False, "startup": True, "default": None}
 CASES = (("default", "cold"), ("default", "warm"), ("off", "warm"), ("startup", "cold"), ("startup", "warm"))
@@ -79,37 +74,10 @@ def measure(model_dir: str, setting: str, batch: int, output_tokens: int, window
             "compile_at_window_end": state_at_window_end, "compiled_s": compiled_s}
 
 
-def _run_fresh(args: argparse.Namespace, model_dir: Path, setting: str, cache_dir: str) -> dict[str, Any]:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
-    env.pop("MMSERVE_COMPILE_CPU_DECODE", None)  # the default a user gets
-    cmd = [sys.executable, "-m", "benchmarks.engine.cold_start", "--worker", setting, "--model", str(model_dir),
-           "--batch", str(args.batch), "--output-tokens", str(args.output_tokens), "--window-s", str(args.window_s)]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{setting} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def _median(runs: list[dict[str, Any]], key: str) -> float | None:
-    values = [r[key] for r in runs if r.get(key) is not None]
-    return round(statistics.median(values), 2) if values else None
-
-
-def _measure_all(args: argparse.Namespace, model_dir: Path) -> dict[str, list[dict[str, Any]]]:
-    runs: dict[str, list[dict[str, Any]]] = {f"{s}/{c}": [] for s, c in CASES}
-    warm_cache = tempfile.mkdtemp(prefix="mmserve-inductor-warm-")
-    _run_fresh(args, model_dir, "startup", warm_cache)  # fills the warm cache, off the record
-    for round_index in range(args.rounds):
-        shift = round_index % len(CASES)
-        for setting, cache in CASES[shift:] + CASES[:shift]:
-            cache_dir = warm_cache if cache == "warm" else tempfile.mkdtemp(prefix="mmserve-inductor-cold-")
-            result = _run_fresh(args, model_dir, setting, cache_dir)
-            runs[f"{setting}/{cache}"].append(result)
-            print(f"round {round_index + 1}: {setting:8s} {cache}: ready {result['ready_s']:.1f} s, first "
-                  f"{args.window_s:.0f} s {result['window_tokens_per_s']:.1f} tok/s, warm "
-                  f"{result['warm_tokens_per_s']:.1f} tok/s, compile at the window's end: "
-                  f"{result['compile_at_window_end']}", file=sys.stderr, flush=True)
-    return runs
+def _describe(args: argparse.Namespace) -> Any:
+    return lambda r: (f"ready {r['ready_s']:.1f} s, first {args.window_s:.0f} s {r['window_tokens_per_s']:.1f} tok/s, "
+                      f"warm {r['warm_tokens_per_s']:.1f} tok/s, compile at the window's end: "
+                      f"{r['compile_at_window_end']}")
 
 
 def main() -> None:
@@ -129,9 +97,11 @@ def main() -> None:
     from benchmarks.checkpoints import ensure_model, parameter_count
 
     model_dir = ensure_model(args.model)
-    runs = _measure_all(args, model_dir)
+    worker_args = ["--model", str(model_dir), "--batch", str(args.batch), "--output-tokens", str(args.output_tokens),
+                   "--window-s", str(args.window_s)]
+    runs = run_cases("benchmarks.engine.cold_start", CASES, args.rounds, worker_args, _describe(args))
     keys = ("ready_s", "window_tokens_per_s", "warm_tokens_per_s", "compiled_s")
-    results: dict[str, dict[str, Any]] = {name: {k: _median(rs, k) for k in keys} for name, rs in runs.items()}
+    results: dict[str, dict[str, Any]] = {name: {k: median_of(rs, k) for k in keys} for name, rs in runs.items()}
     reference = results["default/warm"]["warm_tokens_per_s"]
     for name, res in results.items():
         res["window_over_warm_default"] = round(res["window_tokens_per_s"] / reference, 3)

@@ -22,17 +22,13 @@ What it does not know: mmserve internals beyond the offline API and `LLMEngine.w
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-from benchmarks.card import ROOT, json_line
+from benchmarks.card import json_line
+from benchmarks.engine.compile_cases import median_of, run_cases
 
 SETTINGS = {"off": False, "startup": True, "default": None}
 PROMPTS = ("Describe a sunny beach in detail.", "Write a short story about a robot.", "List ten colours.",
@@ -78,22 +74,9 @@ def measure(model_dir: str, setting: str, batch: int, output_tokens: int) -> dic
     return result
 
 
-def _run_fresh(args: argparse.Namespace, model_dir: Path, setting: str, cache_dir: str | None) -> dict[str, Any]:
-    env = dict(os.environ)
-    env.pop("MMSERVE_COMPILE_CPU_DECODE", None)  # the default a user gets
-    if cache_dir is not None:
-        env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
-    cmd = [sys.executable, "-m", "benchmarks.engine.cpu_decode_compile", "--worker", setting, "--model", str(model_dir),
-           "--batch", str(args.batch), "--output-tokens", str(args.output_tokens)]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{setting} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def _median(runs: list[dict[str, Any]], key: str) -> float | None:
-    values = [r[key] for r in runs if r.get(key) is not None]
-    return round(statistics.median(values), 2) if values else None
+def _describe(r: dict[str, Any]) -> str:
+    return (f"start-up {r['startup_s']:.1f} s, batch {r['batch_tokens_per_s']:.1f} tok/s, "
+            f"one {r['one_tokens_per_s']:.1f} tok/s")
 
 
 def main() -> None:
@@ -113,21 +96,11 @@ def main() -> None:
 
     model_dir = ensure_model(args.model)
     cases = [("off", "warm"), ("startup", "warm"), ("default", "warm"), ("startup", "cold"), ("default", "cold")]
-    runs: dict[str, list[dict[str, Any]]] = {f"{s}/{c}": [] for s, c in cases}
-    warm_cache = tempfile.mkdtemp(prefix="mmserve-inductor-warm-")
-    _run_fresh(args, model_dir, "startup", warm_cache)  # fills the warm cache, off the record
-    for round_index in range(args.rounds):
-        shift = round_index % len(cases)
-        for setting, cache in cases[shift:] + cases[:shift]:
-            cache_dir = warm_cache if cache == "warm" else tempfile.mkdtemp(prefix="mmserve-inductor-cold-")
-            result = _run_fresh(args, model_dir, setting, cache_dir)
-            runs[f"{setting}/{cache}"].append(result)
-            print(f"round {round_index + 1}: {setting:8s} {cache}: start-up {result['startup_s']:.1f} s, "
-                  f"batch {result['batch_tokens_per_s']:.1f} tok/s, one {result['one_tokens_per_s']:.1f} tok/s",
-                  file=sys.stderr, flush=True)
+    worker_args = ["--model", str(model_dir), "--batch", str(args.batch), "--output-tokens", str(args.output_tokens)]
+    runs = run_cases("benchmarks.engine.cpu_decode_compile", cases, args.rounds, worker_args, _describe)
 
     keys = ("startup_s", "compiled_after_s", "while_compiling_tokens_per_s", "batch_tokens_per_s", "one_tokens_per_s")
-    results = {name: {k: _median(rs, k) for k in keys} for name, rs in runs.items()}
+    results = {name: {k: median_of(rs, k) for k in keys} for name, rs in runs.items()}
     off = results["off/warm"]
     for res in results.values():
         res["batch_over_off"] = round(res["batch_tokens_per_s"] / off["batch_tokens_per_s"], 3)
