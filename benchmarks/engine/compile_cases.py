@@ -3,8 +3,9 @@ in an order rotated each round; the warm TorchInductor cache filled first, off t
 
 Role: `run_cases(module, cases, rounds, worker_args, describe)` starts `python -m <module> --worker SETTING
 ...` with `TORCHINDUCTOR_CACHE_DIR` set (a fresh empty directory for a "cold" case, the shared filled one
-for "warm") and `MMSERVE_COMPILE_CPU_DECODE` unset (the default a user gets), reads the worker's JSON
-line, and returns every run per case; `median_of` folds them.
+for "warm") and `MMSERVE_COMPILE_CPU_DECODE` set as the setting says (`SETTINGS`: `default` leaves it
+unset, what a user gets), reads the worker's JSON line, and returns every run per case; `median_of` folds
+them. A worker builds its engine with `compile_cpu_decode=SETTINGS[setting].kwarg`.
 
 What it does not know: what a worker measures, mmserve.
 """
@@ -18,16 +19,31 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.card import ROOT
 
-Case = tuple[str, str]  # (compile_cpu_decode setting, "cold" or "warm")
+Case = tuple[str, str]  # (setting, "cold" or "warm")
+
+
+@dataclass(frozen=True)
+class CompileSetting:
+    kwarg: bool | None  # the engine's compile_cpu_decode
+    env: str | None  # MMSERVE_COMPILE_CPU_DECODE (None: unset)
+
+
+SETTINGS = {"default": CompileSetting(None, None),  # what a user gets: eager
+            "off": CompileSetting(False, None),
+            "startup": CompileSetting(True, None),  # compiled (or loaded from the cache) before serving
+            "background": CompileSetting(None, "1")}  # compiled in a thread while serving eagerly
 
 
 def _run_fresh(module: str, setting: str, cache_dir: str, worker_args: Sequence[str]) -> dict[str, Any]:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
-    env.pop("MMSERVE_COMPILE_CPU_DECODE", None)  # the default a user gets
+    env.pop("MMSERVE_COMPILE_CPU_DECODE", None)
+    if SETTINGS[setting].env is not None:
+        env["MMSERVE_COMPILE_CPU_DECODE"] = SETTINGS[setting].env
     cmd = [sys.executable, "-m", module, "--worker", setting, *worker_args]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
     if proc.returncode != 0:

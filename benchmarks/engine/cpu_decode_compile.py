@@ -3,16 +3,16 @@
 Run: python -m benchmarks.engine.cpu_decode_compile [--model 30m|100m|DIR] [--rounds 3] [--batch 32]
 
 Role: one run, each measurement in a fresh process (torch threads = the machine's usable cores), the
-settings' order rotated each round, medians. Settings: `off` (every step eager), `startup`
-(`compile_cpu_decode=True`: compiled before the engine serves) and `default` (unset: compiled in the
-background while eager steps serve). Each is measured with a warm TorchInductor cache (what a user's
-second start finds) and, for the compiled ones, a cold one (a fresh, empty cache directory: a first start).
-Per measurement:
+settings' order rotated each round, medians. Settings (compile_cases.SETTINGS): `default` (unset: every
+step eager), `startup` (`compile_cpu_decode=True`: compiled before the engine serves) and `background`
+(`MMSERVE_COMPILE_CPU_DECODE=1`: compiled in a thread while eager steps serve). The compiled ones are
+measured with a warm TorchInductor cache (what a user's second start finds) and a cold one (a fresh,
+empty cache directory: a first start). Per measurement:
 - start-up: seconds until `LLM(...)` returns (the engine serves from then on);
-- compiled after: seconds from the start until the compiled step replays (`default` only; `startup`'s
-  is its start-up);
-- while compiling: decode tokens/s of the batches served eagerly before the switch (`default` only);
-- decode tokens/s afterwards (compiled, or eager for `off`): a batch of `--batch` text prompts and one
+- compiled after: seconds from the start until the compiled step replays (`background` only;
+  `startup`'s is its start-up);
+- while compiling: decode tokens/s of the batches served eagerly before the switch (`background` only);
+- decode tokens/s afterwards (compiled, or eager for `default`): a batch of `--batch` text prompts and one
   request at a time, `--output-tokens` greedy tokens each (min = max, so every run decodes the same).
 Prints a card, a table and one JSON line last.
 
@@ -28,9 +28,8 @@ import time
 from typing import Any
 
 from benchmarks.card import json_line
-from benchmarks.engine.compile_cases import median_of, run_cases
+from benchmarks.engine.compile_cases import SETTINGS, median_of, run_cases
 
-SETTINGS = {"off": False, "startup": True, "default": None}
 PROMPTS = ("Describe a sunny beach in detail.", "Write a short story about a robot.", "List ten colours.",
            "Explain how a bicycle works.", "What is the capital of France?", "Count from one to twenty.",
            "Tell me about the moon.", "Write a poem about the sea.")
@@ -54,10 +53,10 @@ def measure(model_dir: str, setting: str, batch: int, output_tokens: int) -> dic
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
     started = time.perf_counter()
-    llm = LLM(model_dir, compile_cpu_decode=SETTINGS[setting], max_num_seqs=batch, max_model_len=512)
+    llm = LLM(model_dir, compile_cpu_decode=SETTINGS[setting].kwarg, max_num_seqs=batch, max_model_len=512)
     startup_s = time.perf_counter() - started
     result: dict[str, Any] = {"startup_s": startup_s}
-    if setting == "default":
+    if setting == "background":
         during = []
         while llm.engine.get_stats()["cpu_decode_compile"] == "compiling":
             during.append(_decode_tokens_per_s(llm, prompts, output_tokens))
@@ -70,7 +69,8 @@ def measure(model_dir: str, setting: str, batch: int, output_tokens: int) -> dic
                                                      for _ in range(3))
     result["one_tokens_per_s"] = statistics.median(_decode_tokens_per_s(llm, prompts[i:i + 1], output_tokens)
                                                    for i in range(3))
-    result["replays"] = llm.engine.inspect().graphs.decode.num_replays if setting != "off" else 0
+    graphs = llm.engine.inspect().graphs.decode
+    result["replays"] = graphs.num_replays if graphs is not None else 0
     return result
 
 
@@ -95,16 +95,17 @@ def main() -> None:
     from benchmarks.checkpoints import ensure_model, parameter_count
 
     model_dir = ensure_model(args.model)
-    cases = [("off", "warm"), ("startup", "warm"), ("default", "warm"), ("startup", "cold"), ("default", "cold")]
+    cases = [("default", "warm"), ("startup", "warm"), ("background", "warm"), ("startup", "cold"),
+             ("background", "cold")]
     worker_args = ["--model", str(model_dir), "--batch", str(args.batch), "--output-tokens", str(args.output_tokens)]
     runs = run_cases("benchmarks.engine.cpu_decode_compile", cases, args.rounds, worker_args, _describe)
 
     keys = ("startup_s", "compiled_after_s", "while_compiling_tokens_per_s", "batch_tokens_per_s", "one_tokens_per_s")
     results = {name: {k: median_of(rs, k) for k in keys} for name, rs in runs.items()}
-    off = results["off/warm"]
+    eager = results["default/warm"]
     for res in results.values():
-        res["batch_over_off"] = round(res["batch_tokens_per_s"] / off["batch_tokens_per_s"], 3)
-        res["one_over_off"] = round(res["one_tokens_per_s"] / off["one_tokens_per_s"], 3)
+        res["batch_over_eager"] = round(res["batch_tokens_per_s"] / eager["batch_tokens_per_s"], 3)
+        res["one_over_eager"] = round(res["one_tokens_per_s"] / eager["one_tokens_per_s"], 3)
 
     machine = machine_info(len(os.sched_getaffinity(0)))
     print("== mmserve CPU decode compile: start-up cost and speed, per compile_cpu_decode setting ==")
@@ -113,13 +114,13 @@ def main() -> None:
           f"and one at a time, {args.output_tokens} greedy tokens each; {args.rounds} rounds, fresh process each, "
           "medians; cold = an empty TorchInductor cache")
     print(f"{'setting':16s} {'start-up s':>10s} {'compiled s':>10s} {'while comp.':>11s} {'batch tok/s':>11s} "
-          f"{'x off':>6s} {'one tok/s':>9s} {'x off':>6s}")
+          f"{'x eager':>6s} {'one tok/s':>9s} {'x eager':>6s}")
     for name, res in results.items():
         def cell(value: float | None, width: int) -> str:
             return f"{'—' if value is None else value:>{width}}"
         print(f"{name:16s} {cell(res['startup_s'], 10)} {cell(res['compiled_after_s'], 10)} "
               f"{cell(res['while_compiling_tokens_per_s'], 11)} {cell(res['batch_tokens_per_s'], 11)} "
-              f"{cell(res['batch_over_off'], 6)} {cell(res['one_tokens_per_s'], 9)} {cell(res['one_over_off'], 6)}")
+              f"{cell(res['batch_over_eager'], 6)} {cell(res['one_tokens_per_s'], 9)} {cell(res['one_over_eager'], 6)}")
     json_line({"bench": "cpu_decode_compile", "model": str(model_dir), "batch": args.batch,
                       "output_tokens": args.output_tokens, "rounds": args.rounds, "machine": machine,
                       "results": results}, compact=True)

@@ -38,10 +38,10 @@ writes a PNG (matplotlib, the `bench` extra, when importable) and prints one JSO
 Peers that are not installed are reported and skipped; a peer that fails is reported with its error.
 The machine may be shared: around every measurement the harness reads /proc/stat and its children's
 CPU time, reports how many cores other processes kept busy meanwhile, and flags those rounds.
-mmserve runs with its compiled decode step (`compile_cpu_decode=True`, as vLLM-CPU compiles its
-model at load; `--mmserve-compile default` leaves the engine's default, a background compile, and
-starts the clock once it replays; `--mmserve-compile off` or `--mmserve-eager` runs every step
-eagerly); the card prints the engine arguments of each mode.
+mmserve runs at its defaults (its decode step eager); `--mmserve-compile startup` compiles the decode
+step before serving (`compile_cpu_decode=True`, as vLLM-CPU compiles its model at load), and the card
+labels it as not the default; `--mmserve-compile off` or `--mmserve-eager` sets
+`compile_cpu_decode=False`; the card prints the engine arguments of each mode.
 `--structured` races structured outputs instead: the same batch, every request (and the warm-up,
 which compiles the schema before the clock) under one JSON schema (`EXTRACTION_SCHEMA`), compact JSON,
 on each system's xgrammar backend, greedy, up to `--output-tokens` tokens; batch mode only, no
@@ -265,9 +265,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-dir", type=Path, default=None, help="default .peers/runs/<time>")
     parser.add_argument("--plot", type=Path, default=None, help="PNG path (default <run dir>/peers.png)")
-    parser.add_argument("--mmserve-compile", choices=("startup", "default", "off"), default="startup",
-                        help="mmserve's decode step compiled before serving (startup, as vLLM-CPU compiles), in "
-                             "the background (default: its engine default, timed once it replays), or never (off)")
+    parser.add_argument("--mmserve-compile", choices=("default", "startup", "off"), default="default",
+                        help="mmserve's decode step as its defaults leave it (default: eager), compiled before serving "
+                             "(startup, as vLLM-CPU compiles; not the default), or compile_cpu_decode=False (off)")
     parser.add_argument("--mmserve-eager", action="store_true", help="the same as --mmserve-compile off")
     parser.add_argument("--structured", action="store_true",
                         help="every request under one JSON schema (compact, xgrammar on both systems), batch mode only")

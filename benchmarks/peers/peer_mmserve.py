@@ -6,9 +6,9 @@ Run by the harness, one measurement per fresh process:
 
 Role: load the workload saved in the run directory (`peers_common.load_workload`), build a fresh
 `LLM(model_dir, dtype=..., compile_cpu_decode=..., quantization=...)`, warm it up with one short request on the workload's warm-up image (a
-different image and question, so no timed request is in the prefix or encoder cache; with
-`--compile-cpu-decode default` also wait until the background compile replays, reported as
-`compiled_after_s` from the start), then time
+different image and question, so no timed request is in the prefix or encoder cache; where the
+environment asks for a background compile (MMSERVE_COMPILE_CPU_DECODE=1) also wait until it replays,
+reported as `compiled_after_s` from the start), then time
 - `batch`: all requests in one `llm.chat` call; tokens/s = output tokens / the call's wall time;
   TTFT per request from the call's start (`RequestOutput.metrics`);
 - `one`: one `llm.chat` call per request, in order; TTFT, decode tokens/s = (n - 1) / (finish -
@@ -28,6 +28,7 @@ import argparse
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from benchmarks.peers.common import (
     load_workload,
@@ -57,7 +58,7 @@ def _params(json_schema: dict | None, n_out: int) -> tuple:
             SamplingParams(temperature=0, max_tokens=4, structured_outputs=so))
 
 
-# --compile-cpu-decode -> the engine argument (None: the engine's default, a background compile)
+# --compile-cpu-decode -> the engine argument (None: the engine's default, eager unless the environment asks)
 COMPILE_SETTINGS = {"on": True, "off": False, "default": None}
 
 
@@ -72,8 +73,9 @@ def run_mmserve(args: argparse.Namespace) -> dict:
     n_out = wl.output_tokens
     params, warm_params = _params(wl.json_schema, n_out)
     started = time.perf_counter()
-    engine_args = dict(dtype=args.dtype, max_num_seqs=max(len(images), 1),
-                       compile_cpu_decode=COMPILE_SETTINGS[args.compile_cpu_decode])
+    engine_args: dict[str, Any] = dict(dtype=args.dtype, max_num_seqs=max(len(images), 1))
+    if COMPILE_SETTINGS[args.compile_cpu_decode] is not None:  # only a setting that is not the default
+        engine_args["compile_cpu_decode"] = COMPILE_SETTINGS[args.compile_cpu_decode]
     if args.quantization:
         engine_args["quantization"] = args.quantization
     llm = LLM(str(args.model_dir), **engine_args)
@@ -82,7 +84,7 @@ def run_mmserve(args: argparse.Namespace) -> dict:
     llm.chat([_messages(wl.warmup, wl.warmup.image())], warm_params, use_tqdm=False)
     cold_s = time.perf_counter() - started
     compiled_after_s = None
-    if args.compile_cpu_decode == "default":  # the steady state of a default engine: its compile done
+    if llm.engine.get_stats()["cpu_decode_compile"] == "compiling":  # the steady state: a background compile done
         if not llm.engine.wait_for_compiled_decode(timeout_s=1800):
             raise RuntimeError(f"the background compile ended {llm.engine.get_stats()['cpu_decode_compile']!r}")
         compiled_after_s = round(time.perf_counter() - started + load_s, 3)
@@ -173,9 +175,9 @@ def main() -> None:
     parser.add_argument("--reference", type=int, default=0, help="transformers reference on the first N requests")
     parser.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8", "w4a8"],
                         help="the language model's weights quantized at load (float32 activations)")
-    parser.add_argument("--compile-cpu-decode", nargs="?", const="on", default="off", choices=tuple(COMPILE_SETTINGS),
+    parser.add_argument("--compile-cpu-decode", nargs="?", const="on", default="default", choices=tuple(COMPILE_SETTINGS),
                         help="on: the engine compiles its decode step before serving (load takes longer); "
-                             "default: in the background, the clock starting once it replays; off (default here)")
+                             "default: the engine's default (eager); off: eager")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     set_thread_env(args.threads)

@@ -150,7 +150,8 @@ def print_card(card: dict[str, Any], results: dict[str, Any]) -> None:
         engine_args = sorted({(e["mode"], ", ".join(f"{k}={v!r}" for k, v in e["engine_args"].items()))
                               for e in res["results"].values() if e.get("engine_args")})
         for mode, args in engine_args:
-            print(f"            mmserve {mode}: LLM(model, {args})")
+            flag = "  [not mmserve's default: compile_cpu_decode]" if "compile_cpu_decode" in args else ""
+            print(f"            mmserve {mode}: LLM(model, {args}){flag}")
         for note in res["notes"]:
             print(f"            {note}")
     print(f"workload  : {card['requests']} requests, one synthetic image each ({w['image_side_px']['min']}-"

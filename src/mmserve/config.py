@@ -145,12 +145,13 @@ class GraphConfig:
                                                     shown="on for CUDA, off on the CPU")
     decode_graph_batch_sizes: tuple[int, ...] | None = option(None, "decode graph batch sizes",
                                                               shown="1, 2, 4, 8, 16, 24, ... up to max_num_seqs")
-    # None: compiled in the background while the engine serves eagerly, so start-up does not wait (the
-    # machine's default can be turned off: envs.COMPILE_CPU_DECODE); True: compiled before the engine
-    # serves, as vLLM-CPU's compile does; False: the CPU runs every step eagerly
+    # None: eager, unless envs.COMPILE_CPU_DECODE asks for a compile in the background while the engine
+    # serves eagerly (a compiling thread slows the steps beside it at every core count, so it is not the
+    # default); True: compiled before the engine serves, as vLLM-CPU's compile does (a later start loads it
+    # from the disk cache); False: the CPU runs every step eagerly
     compile_cpu_decode: bool | None = option(None, "CPU: compile the decode step with TorchInductor; on: before "
-                                                   "serving (start-up waits), off: never",
-                                             shown="in the background while serving eagerly")
+                                                   "serving (start-up waits; cached on disk), off: never",
+                                             shown="off; MMSERVE_COMPILE_CPU_DECODE=1: in the background")
     # vLLM's --enforce-eager: every graph and compile switch off (one that is asked on is a contradiction)
     enforce_eager: bool = option(False, "run every step eagerly: no CUDA graphs, no compiled CPU decode step")
 
@@ -180,7 +181,8 @@ class GraphConfig:
             return "off"
         if self.compile_cpu_decode:
             return "startup"
-        # the default: never for a float8 KV cache (which TorchInductor cannot lower), nor where it is turned off
+        # unasked: in the background only where the environment asks, never for a float8 KV cache (which
+        # TorchInductor cannot lower)
         return "background" if kv_cache_dtype != "fp8_e4m3" and compile_cpu_decode_by_default() else "off"
 
     def decode_graphs_on(self, device_type: str, kv_cache_dtype: str = "auto") -> bool:

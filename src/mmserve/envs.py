@@ -25,8 +25,10 @@ CACHE_DIR = "MMSERVE_CACHE_DIR"  # where built kernels are kept; default $XDG_CA
 # the "inductor" folder of CACHE_DIR (runner/cpu/compile.py points it there)
 INDUCTOR_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"
 CXX = "CXX"  # the C++ compiler that builds them (default g++, as TorchInductor's)
-# "0": engines that are not asked (compile_cpu_decode unset) run the CPU's decode step eagerly instead of
-# compiling it in the background (a test suite building many short-lived engines, a machine short of cores)
+# "1": engines that are not asked (compile_cpu_decode unset) compile the CPU's decode step in a background
+# thread while they serve eagerly (a long-lived server that may pay a slower first minutes for a faster step
+# later); unset or "0", the default: they run it eagerly. Measured (docs/performance.md, "Compile policy"):
+# the compiling thread slows the steps served beside it at every core count (it shares the interpreter)
 COMPILE_CPU_DECODE = "MMSERVE_COMPILE_CPU_DECODE"
 # "1": a max_model_len above the checkpoint's positions (max_position_embeddings) is allowed, as vLLM's
 # VLLM_ALLOW_LONG_MAX_MODEL_LEN allows it (read too, so a vLLM user's environment means the same here)
@@ -39,7 +41,7 @@ def native_kernels_enabled() -> bool:
 
 
 def compile_cpu_decode_by_default() -> bool:
-    return os.environ.get(COMPILE_CPU_DECODE, "1") != "0"
+    return os.environ.get(COMPILE_CPU_DECODE, "0") not in ("", "0")
 
 
 def allow_long_max_model_len() -> bool:

@@ -1,10 +1,11 @@
 """The CPU's compiled decode step (`compile_cpu_decode`, runner/graphs/decode_graphs.py, runner/cpu/compile.py):
 the same greedy tokens as the eager engine for every family (several compiled engines in one process,
 each with its own weights), in bfloat16 and over an int8 KV cache; one compile for batch 1 and one for
-every other bucket; a float8 KV cache refused. By default the step compiles in the background while
-eager steps serve (a failed compile leaves them serving; shutdown stops it). The KV writes landing in place, on the step's slots and
+every other bucket; a float8 KV cache refused. Unasked the step runs eagerly; MMSERVE_COMPILE_CPU_DECODE=1
+compiles it in the background while eager steps serve (a failed compile leaves them serving; shutdown stops it). The KV writes landing in place, on the step's slots and
 the scratch block only, is tested with the other graph paths (test_graph_engine.py)."""
 
+import logging
 import subprocess
 import sys
 import threading
@@ -77,8 +78,8 @@ def test_compiled_decode_refuses_a_float8_kv_cache(checkpoint_dirs):
 @pytest.fixture
 def gated_compile(monkeypatch):
     """The engines' background compile waits for `gate` before it builds anything (so a test sees the
-    eager steps it serves meanwhile for certain); compiling is the default here, as for users."""
-    monkeypatch.delenv(COMPILE_CPU_DECODE, raising=False)
+    eager steps it serves meanwhile for certain); the environment asks for the background compile."""
+    monkeypatch.setenv(COMPILE_CPU_DECODE, "1")
     gate, build = threading.Event(), DecodeGraphRunner._capture_all
 
     def gated(self):
@@ -89,8 +90,8 @@ def gated_compile(monkeypatch):
     gate.set()  # a thread still waiting finishes (or stops) instead of hanging
 
 
-def test_by_default_the_step_compiles_in_the_background_while_eager_steps_serve(checkpoint_dirs, gated_compile):
-    """A user who changes nothing gets the compiled step without waiting at start: the engine serves
+def test_a_background_compile_serves_eagerly_until_the_compiled_step_replays(checkpoint_dirs, gated_compile):
+    """MMSERVE_COMPILE_CPU_DECODE=1: the compiled step without waiting at start: the engine serves
     eagerly while it compiles, then replays it; the answers are the eager ones throughout."""
     model_dir = str(checkpoint_dirs["qwen2_vl"])
     want = [o.outputs[0].token_ids for o in LLM(model_dir, compile_cpu_decode=False, **ARGS).chat(
@@ -111,7 +112,7 @@ def test_by_default_the_step_compiles_in_the_background_while_eager_steps_serve(
 
 
 def test_a_failed_background_compile_leaves_the_eager_steps_serving(checkpoint_dirs, monkeypatch, caplog):
-    monkeypatch.delenv(COMPILE_CPU_DECODE, raising=False)
+    monkeypatch.setenv(COMPILE_CPU_DECODE, "1")
 
     def broken(self):
         raise RuntimeError("the compiler broke")
@@ -128,7 +129,7 @@ def test_a_failed_background_compile_leaves_the_eager_steps_serving(checkpoint_d
 
 
 def test_shutdown_stops_a_background_compile(checkpoint_dirs, monkeypatch):
-    monkeypatch.delenv(COMPILE_CPU_DECODE, raising=False)
+    monkeypatch.setenv(COMPILE_CPU_DECODE, "1")
     llm = LLM(str(checkpoint_dirs["qwen2_vl"]), **ARGS)
     assert llm.engine.get_stats()["cpu_decode_compile"] == "compiling"
     llm.shutdown()  # interrupts the compiler where it is and waits for the thread
@@ -151,7 +152,7 @@ def test_a_process_that_exits_while_compiling_exits_cleanly(checkpoint_dirs, mon
     """A short script ends before the background compile does: the compiler is stopped before the
     interpreter finalizes (a compiler tracing through finalization aborted the process). Exits at a few
     points of the compile; those that came after it finished prove nothing and are not counted."""
-    monkeypatch.delenv(COMPILE_CPU_DECODE, raising=False)
+    monkeypatch.setenv(COMPILE_CPU_DECODE, "1")
     exits_while_compiling = 0
     for seconds in (0.5, 1.5, 2.5, 4.0):
         proc = subprocess.run([sys.executable, "-c", EXIT_WHILE_COMPILING, str(checkpoint_dirs["qwen2_vl"]),
@@ -162,14 +163,19 @@ def test_a_process_that_exits_while_compiling_exits_cleanly(checkpoint_dirs, mon
     assert exits_while_compiling >= 2
 
 
-@pytest.mark.parametrize("args, why", [(dict(), "the machine's default turned off"),
-                                       (dict(kv_cache_dtype="fp8_e4m3"), "a float8 KV cache")],
-                         ids=["env_off", "fp8_kv"])
-def test_no_background_compile_where_it_cannot_or_should_not_run(checkpoint_dirs, monkeypatch, args, why):
-    if args:
+@pytest.mark.parametrize("env, args, why", [(None, dict(), "the default: eager"),
+                                            ("0", dict(), "the environment's switch off"),
+                                            ("1", dict(kv_cache_dtype="fp8_e4m3"), "a float8 KV cache")],
+                         ids=["default", "env_off", "fp8_kv"])
+def test_no_background_compile_where_it_cannot_or_should_not_run(checkpoint_dirs, monkeypatch, caplog, env, args,
+                                                                  why):
+    caplog.set_level(logging.INFO, logger="mmserve.engine.graph_settings")
+    if env is None:
         monkeypatch.delenv(COMPILE_CPU_DECODE, raising=False)
     else:
-        monkeypatch.setenv(COMPILE_CPU_DECODE, "0")
+        monkeypatch.setenv(COMPILE_CPU_DECODE, env)
     llm = LLM(str(checkpoint_dirs["qwen2_vl"]), **args, **ARGS)
     assert llm.engine.get_stats()["cpu_decode_compile"] == "off", why
     assert llm.engine.inspect().graphs.decode is None
+    if env is None:  # the start-up log says so, and how to compile
+        assert "decode steps: eager on the CPU (compile_cpu_decode=True" in caplog.text

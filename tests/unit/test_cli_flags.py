@@ -36,17 +36,21 @@ def test_graph_flags_reach_the_graph_config():
     assert config.encoder.encoder_cache_bytes == 64 * 1024**2
 
 
-@pytest.mark.parametrize("flags, value, mode", [((), None, "background"), (("--compile-cpu-decode",), True, "startup"),
+@pytest.mark.parametrize("flags, value, mode", [((), None, "off"), (("--compile-cpu-decode",), True, "startup"),
                                                 (("--no-compile-cpu-decode",), False, "off")],
                          ids=["unset", "on", "off"])
 def test_the_compile_flag_chooses_when_the_cpu_decode_step_compiles(flags, value, mode, monkeypatch):
+    """Unasked, the CPU's decode step runs eagerly (a compile beside serving slows it); the environment
+    can ask for the background compile, which a flag still overrides."""
     monkeypatch.delenv(COMPILE_CPU_DECODE, raising=False)
     graphs = EngineConfig.from_kwargs("m", **_parse(*flags)).graphs
     assert graphs.compile_cpu_decode is value
     assert graphs.cpu_decode_compile("cpu", "auto") == mode
     assert graphs.cpu_decode_compile("cuda", "auto") == "off"  # CUDA captures graphs instead
     assert graphs.decode_graphs_on("cpu") is (mode != "off")
-    monkeypatch.setenv(COMPILE_CPU_DECODE, "0")  # the machine's default off: asking still compiles
+    monkeypatch.setenv(COMPILE_CPU_DECODE, "1")
+    assert graphs.cpu_decode_compile("cpu", "auto") == {None: "background", True: "startup", False: "off"}[value]
+    monkeypatch.setenv(COMPILE_CPU_DECODE, "0")
     assert graphs.cpu_decode_compile("cpu", "auto") == ("startup" if value else "off")
 
 

@@ -56,6 +56,8 @@ def resolve_runner_graphs(config: EngineConfig, *, encoder_tokens_per_step: int,
         logger.info("decode steps: compiled for the CPU %s (batch sizes %s)",
                     "in the background, eager until then" if decode.in_background else "before serving",
                     decode.batch_sizes)
+    elif device_type == "cpu" and compile_mode == "off" and graphs.compile_cpu_decode is None:
+        logger.info("decode steps: eager on the CPU (compile_cpu_decode=True compiles them before serving)")
     if device_type != "cuda" and (encoder or (decode and not decode.compile)):
         logger.info("graphs on %s: the graph path runs with a replay-equivalent (for tests; no speed-up)",
                     device_type)
