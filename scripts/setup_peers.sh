@@ -15,8 +15,14 @@
 #   the file's others (they fail when the C++ ops did not load). tcmalloc (Debian
 #   libtcmalloc-minimal4) and the wheel's Intel OpenMP are preloaded by the harness, as vLLM's CPU
 #   guide recommends; their paths are written to .peers/vllm/preload.txt.
-#  llama.cpp: llama-cpp-python 0.3.36 builds from source (CPU, ~5 minutes on 2 cores). Its sdist
-#   vendors llama.cpp, whose `convert_hf_to_gguf.py` and `gguf-py` are kept under
+#  llama.cpp: llama-cpp-python 0.3.36 builds from source (CPU, ~5 minutes on 2 cores), from its sdist
+#   unpacked and patched: ggml's AMX backend fills its tile configuration on the stack field by field
+#   before `_tile_loadconfig`, whose asm names only the first 8 bytes of that 64-byte struct as its
+#   input (GCC 12's amxtileintrin.h), so GCC drops the stores of the tiles' rows/colsb as dead and
+#   ldtilecfg loads zero-sized tiles; every AMX Q8_0/Q4_0 matmul then segfaulted (llama.cpp issue
+#   20824). The patch makes that configuration a `static const` object, the same values, constant
+#   initialised (no stores to drop); with it an AMX CPU gets ggml's AMX backend (-march=native).
+#   The sdist vendors llama.cpp, whose `convert_hf_to_gguf.py` and `gguf-py` are kept under
 #   .peers/llamacpp/llama.cpp/ to convert checkpoints (text GGUF + mmproj GGUF); the harness
 #   converts lazily into .peers/gguf/<checkpoint-hash>/.
 set -euo pipefail
@@ -97,7 +103,7 @@ EOF
 
 setup_llamacpp() {
   local venv="$PEERS/llamacpp" py="$PEERS/llamacpp/bin/python" t0=$SECONDS
-  local want="llama-cpp-python==$LLAMACPP_VERSION no-amx"
+  local want="llama-cpp-python==$LLAMACPP_VERSION amx-tilecfg-static"
   if [ -f "$venv/.installed" ] && [ "$(cat "$venv/.installed")" = "$want" ]; then
     log "llamacpp: already installed"; return 0
   fi
@@ -111,39 +117,90 @@ setup_llamacpp() {
     "$py" -m pip download --no-deps --no-binary :all: -d "$venv/src" "llama-cpp-python==$LLAMACPP_VERSION"
     sdist="$(ls "$venv/src"/llama_cpp_python-"$LLAMACPP_VERSION".tar.gz)"
   fi
+  # the sdist unpacked afresh: the build is patched and built from it
+  rm -rf "$venv/src/unpacked"
+  mkdir -p "$venv/src/unpacked"
+  tar -xzf "$sdist" -C "$venv/src/unpacked"
+  local srcdir vendored
+  srcdir="$venv/src/unpacked/llama_cpp_python-$LLAMACPP_VERSION"
+  vendored="$srcdir/vendor/llama.cpp"
+  [ -f "$srcdir/pyproject.toml" ] && [ -d "$vendored/ggml" ] \
+    || { echo "setup_peers: llamacpp: $sdist did not unpack to $srcdir with vendor/llama.cpp" >&2; exit 1; }
   # the converter (with its conversion/ package) and gguf-py vendored in the sdist (llama.cpp's own sources)
   if [ ! -f "$venv/llama.cpp/convert_hf_to_gguf.py" ] || [ ! -d "$venv/llama.cpp/conversion" ]; then
-    rm -rf "$venv/llama.cpp" "$venv/src/unpacked"
-    mkdir -p "$venv/src/unpacked"
-    tar -xzf "$sdist" -C "$venv/src/unpacked"
-    local vendored
-    vendored="$(find "$venv/src/unpacked" -maxdepth 3 -type d -path '*vendor/llama.cpp' | head -n 1)"
+    rm -rf "$venv/llama.cpp"
     mkdir -p "$venv/llama.cpp"
     cp "$vendored/convert_hf_to_gguf.py" "$venv/llama.cpp/"
     cp -r "$vendored/gguf-py" "$venv/llama.cpp/gguf-py"
     [ -d "$vendored/conversion" ] && cp -r "$vendored/conversion" "$venv/llama.cpp/conversion"
     [ -d "$vendored/requirements" ] && cp -r "$vendored/requirements" "$venv/llama.cpp/requirements"
-    rm -rf "$venv/src/unpacked"
   fi
-  # a CPU build, tuned to this machine; no BLAS, no GPU backends. On a CPU with AMX, ggml's AMX backend
-  # segfaults in ggml_backend_amx_mul_mat on quantized files (seen here on Q8_0 and Q4_0, and reported
-  # upstream as llama.cpp issue 20824): there the build names this CPU's other instruction sets instead
-  # of -march=native, leaving AMX out
+  # ggml's AMX tile configuration as a constant-initialised object (why: the header of this file). The
+  # function's config lines must be exactly those of 0.3.36, else this stops here rather than build
+  # an unpatched AMX backend. The file is compiled only with AMX, so the patch changes nothing elsewhere.
+  "$PYTHON" - "$vendored/ggml/src/ggml-cpu/amx/mmq.cpp" <<'EOF'
+import pathlib, sys
+path = pathlib.Path(sys.argv[1])
+src = path.read_text()
+marker = "mmserve-peers: static const tile config"
+struct = """struct tile_config_t{
+    uint8_t palette_id = 0;
+    uint8_t start_row = 0;
+    uint8_t reserved_0[14] = {0};
+    uint16_t colsb[16] = {0};
+    uint8_t rows[16] = {0};
+};
+"""
+old = """    alignas(64) tile_config_t tc = {};
+    tc.palette_id = 1;
+    tc.start_row = 0;
+    tc.rows[0] = 8;   tc.colsb[0] = 64;
+    tc.rows[1] = 8;   tc.colsb[1] = 64;
+    tc.rows[2] = 16;  tc.colsb[2] = 32;
+    tc.rows[3] = 16;  tc.colsb[3] = 32;
+    tc.rows[4] = 16;  tc.colsb[4] = 64;
+    tc.rows[5] = 16;  tc.colsb[5] = 64;
+    tc.rows[6] = 16;  tc.colsb[6] = 64;
+    tc.rows[7] = 16;  tc.colsb[7] = 64;
+
+    _tile_loadconfig(&tc);
+"""
+new = """    // mmserve-peers: static const tile config. GCC 12's _tile_loadconfig names only the first 8 bytes
+    // of the config as its asm input, so stores filling a stack config field by field were dropped
+    // as dead before ldtilecfg; a constant-initialised object has no stores to drop. Same values:
+    // palette 1, start_row 0, tiles 0-1 (B) 8 x 64 B, 2-3 (A) 16 x 32 B, 4-7 (C) 16 x 64 B.
+    static_assert(sizeof(tile_config_t) == 64, "AMX tile config must be 64 bytes");
+    alignas(64) static const tile_config_t tc = {
+        /* palette_id */ 1,
+        /* start_row  */ 0,
+        /* reserved_0 */ {0},
+        /* colsb      */ {64, 64, 32, 32, 64, 64, 64, 64},
+        /* rows       */ {8, 8, 16, 16, 16, 16, 16, 16},
+    };
+
+    _tile_loadconfig(&tc);
+"""
+if marker in src:
+    print(f"llamacpp: AMX tile config already patched in {path}")
+    raise SystemExit(0)
+if src.count(struct) != 1 or src.count(old) != 1 or src.count("_tile_loadconfig(") != 1:
+    raise SystemExit(f"setup_peers: llamacpp: {path} no longer has the tile_config_t layout and the "
+                     "field-by-field tile config this patch replaces; not building an unpatched AMX backend")
+path.write_text(src.replace(old, new))
+print(f"llamacpp: AMX tile config patched to static const in {path}")
+EOF
+  # a CPU build, tuned to this machine (-march=native: on a CPU with AMX, ggml's AMX backend, patched
+  # above); no BLAS, no GPU backends
   local isa="-DGGML_NATIVE=ON"
   if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
-    isa="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
-    isa="$isa -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
-    grep -qw avx512f /proc/cpuinfo && isa="$isa -DGGML_AVX512=ON"
-    grep -qw avx512vbmi /proc/cpuinfo && isa="$isa -DGGML_AVX512_VBMI=ON"
-    grep -qw avx512_vnni /proc/cpuinfo && isa="$isa -DGGML_AVX512_VNNI=ON"
-    grep -qw avx512_bf16 /proc/cpuinfo && isa="$isa -DGGML_AVX512_BF16=ON"
-    log "llamacpp: AMX CPU: building without ggml's AMX backend ($isa)"
+    log "llamacpp: AMX CPU: building with ggml's AMX backend (tile config patched to static const)"
   fi
   log "llamacpp: building llama-cpp-python $LLAMACPP_VERSION from source (several minutes)"
   "$py" -m pip uninstall -y llama-cpp-python >/dev/null 2>&1 || true  # an earlier build is built again
   CMAKE_ARGS="$isa -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF -DLLAVA_BUILD=ON" \
     CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-    "$py" -m pip install --no-cache-dir --no-binary llama-cpp-python "$sdist"
+    "$py" -m pip install --no-cache-dir --no-binary llama-cpp-python "$srcdir"
+  rm -rf "$venv/src/unpacked"
   # the converter's needs: torch (the CPU file on pip's find-links), numpy, safetensors, transformers
   # (for the tokenizer), gguf-py from the same llama.cpp sources; Pillow for the chat handler's images
   "$py" -m pip install "torch==2.13.0" numpy safetensors sentencepiece protobuf pillow "transformers>=4.57,<6"
