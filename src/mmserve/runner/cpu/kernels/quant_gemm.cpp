@@ -23,7 +23,9 @@
 // arithmetic whatever M is: a row's result does not depend on which rows share its batch.
 // Built with AVX-512 (runner/cpu/native.py: where the CPU has it), a weight-only tile holds a panel's
 // 16 columns in one register and takes up to 12 rows; each output is the same chain of fused
-// multiply-adds on the same floats, so the two builds give the same bits.
+// multiply-adds on the same floats, so the two builds give the same bits. A single row of int8
+// weight-only (a decode step at batch 1) goes through eight panels at once, eight of those chains side
+// by side (one alone waits on each multiply-add's latency, under the memory's pace): the same bits.
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -243,6 +245,43 @@ void tile_rows(int rows, const float* x, int64_t ldx, const Panel& panel, int64_
   }
 }
 
+#ifdef __AVX512F__
+// One row times P panels at once. A row's 16 columns are one chain of fused multiply-adds in k order,
+// each step waiting on the last one's latency: one panel at a time reads 16 bytes of int8 codes per
+// FMA latency, under the memory's pace. P panels are P independent chains, each the chain tile<1>
+// computes (the same operations in the same order: the same bits), so the loads and conversions of
+// the P panels overlap. The epilogue is tile<1>'s.
+constexpr int kRowPanels = 8;
+
+template <int P, typename Panel>
+void row_tile_panels(const float* __restrict x, Panel* panel, int64_t K, const float* const* post_scale,
+                     const float* const* bias, float* __restrict y, const int64_t* cols) {
+  __m512 acc[P];
+#pragma GCC unroll 8
+  for (int i = 0; i < P; i++) acc[i] = _mm512_setzero_ps();
+  const int64_t step = panel[0].step(K);
+  for (int64_t k0 = 0; k0 < K; k0 += step) {
+#pragma GCC unroll 8
+    for (int i = 0; i < P; i++) panel[i].begin(k0);
+    for (int64_t k = k0; k < k0 + step; k++) {
+      const __m512 a = _mm512_set1_ps(x[k]);
+#pragma GCC unroll 8
+      for (int i = 0; i < P; i++) acc[i] = _mm512_fmadd_ps(a, panel[i].load16(k), acc[i]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < P; i++) {
+    const __mmask16 mask = cols[i] == kCols ? static_cast<__mmask16>(0xFFFF)
+                                            : static_cast<__mmask16>((1u << cols[i]) - 1);
+    const __m512 b = bias[i] ? _mm512_maskz_loadu_ps(mask, bias[i]) : _mm512_setzero_ps();
+    __m512 out = acc[i];
+    if (post_scale[i]) out = _mm512_fmadd_ps(out, _mm512_maskz_loadu_ps(mask, post_scale[i]), b);
+    else if (bias[i]) out = _mm512_add_ps(out, b);
+    _mm512_mask_storeu_ps(y + i * kCols, mask, out);
+  }
+}
+#endif
+
 // The 16-wide vectors of the last panel (scales, bias) padded with zeros.
 const float* padded(const float* v, int64_t cols, float* buffer) {
   if (!v || cols == kCols) return v;
@@ -370,18 +409,18 @@ void w4a8_tile(const int8_t* __restrict xq, int64_t ldxq, const float* __restric
   int64_t countdown = 0;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   __m512 acc[R];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < K / group; g++) {
     __m512i lo[R], hi[R];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < R; i++) lo[i] = hi[i] = _mm512_setzero_si512();
     for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 8) {
       prefetch_step(pf, countdown);
       const __m512i block = _mm512_loadu_si512(panel + k0 * 8);
       const __m512i w0 = _mm512_and_si512(block, nibble), w1 = _mm512_and_si512(_mm512_srli_epi16(block, 4), nibble);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int i = 0; i < R; i++) {
         int32_t a0, a1;
         memcpy(&a0, xq + i * ldxq + k0, 4);
@@ -391,7 +430,7 @@ void w4a8_tile(const int8_t* __restrict xq, int64_t ldxq, const float* __restric
       }
     }
     const __m512 s = _mm512_loadu_ps(scale + g * kCols), o = _mm512_loadu_ps(offset + g * kCols);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < R; i++) {
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo[i], hi[i])), s, acc[i]);
       acc[i] = _mm512_fmadd_ps(o, _mm512_set1_ps(xsum[i * groups + g]), acc[i]);
@@ -403,12 +442,12 @@ void w4a8_tile(const int8_t* __restrict xq, int64_t ldxq, const float* __restric
     _mm512_mask_storeu_ps(y + i * ldy, mask, _mm512_fmadd_ps(acc[i], _mm512_set1_ps(x_scale[i]), b));
 #else
   __m256 acc_lo[R], acc_hi[R];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int i = 0; i < R; i++) acc_lo[i] = acc_hi[i] = _mm256_setzero_ps();
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < K / group; g++) {
     __m256i lo[R], hi[R];  // columns 0-7 and 8-15
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < R; i++) lo[i] = hi[i] = _mm256_setzero_si256();
     for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 8) {
       prefetch_step(pf, countdown);
@@ -416,7 +455,7 @@ void w4a8_tile(const int8_t* __restrict xq, int64_t ldxq, const float* __restric
       const __m256i b_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k0 * 8 + 32));
       const __m256i w0_lo = _mm256_and_si256(b_lo, nibble), w1_lo = _mm256_and_si256(_mm256_srli_epi16(b_lo, 4), nibble);
       const __m256i w0_hi = _mm256_and_si256(b_hi, nibble), w1_hi = _mm256_and_si256(_mm256_srli_epi16(b_hi, 4), nibble);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int i = 0; i < R; i++) {
         int32_t a0, a1;
         memcpy(&a0, xq + i * ldxq + k0, 4);
@@ -431,7 +470,7 @@ void w4a8_tile(const int8_t* __restrict xq, int64_t ldxq, const float* __restric
     }
     const __m256 s_lo = _mm256_loadu_ps(scale + g * kCols), s_hi = _mm256_loadu_ps(scale + g * kCols + 8);
     const __m256 o_lo = _mm256_loadu_ps(offset + g * kCols), o_hi = _mm256_loadu_ps(offset + g * kCols + 8);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < R; i++) {
       const __m256 sum_x = _mm256_set1_ps(xsum[i * groups + g]);
       acc_lo[i] = _mm256_fmadd_ps(o_lo, sum_x, _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[i]), s_lo, acc_lo[i]));
@@ -496,6 +535,38 @@ void w8a8_amx(const int8_t* xq, const float* x_scales, int64_t M, int64_t ldxq, 
   });
 }
 #endif  // __AMX_INT8__
+
+#ifdef __AVX512F__
+// int8 weight-only, one row (a decode step at batch 1): kRowPanels panels at a time (row_tile_panels), a
+// thread's share of the groups of panels; the last panels of an uneven count one at a time. (int4's
+// panels gain nothing this way: their unpacking, not the chain's latency, sets their pace.)
+void int8_single_row(const float* x, int64_t K, const int8_t* panels, int64_t N, const float* scales,
+                     const float* bias, float* y, int threads) {
+  const int64_t count = mm_panels(N);
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t first = 0; first < count; first += kRowPanels) {
+    const int64_t in_group = count - first < kRowPanels ? count - first : kRowPanels;
+    Int8Panel panel[kRowPanels];
+    const float* scale[kRowPanels] = {};
+    const float* b[kRowPanels] = {};
+    int64_t cols[kRowPanels] = {};
+    alignas(64) float bias_tail[kCols], scale_tail[kCols];  // only the last panel can be short
+    for (int64_t i = 0; i < in_group; i++) {
+      const int64_t p = first + i;
+      cols[i] = N - p * kCols < kCols ? N - p * kCols : kCols;
+      panel[i] = Int8Panel{panels + p * K * kCols};
+      b[i] = padded(bias ? bias + p * kCols : nullptr, cols[i], bias_tail);
+      scale[i] = padded(scales + p * kCols, cols[i], scale_tail);
+    }
+    if (in_group == kRowPanels) {
+      row_tile_panels<kRowPanels>(x, panel, K, scale, b, y + first * kCols, cols);
+    } else {
+      for (int64_t i = 0; i < in_group; i++)
+        row_tile_panels<1>(x, panel + i, K, scale + i, b + i, y + (first + i) * kCols, cols + i);
+    }
+  }
+}
+#endif
 
 }  // namespace
 
@@ -613,6 +684,12 @@ void mm_q_gemm(int kind, const float* x, int64_t M, int64_t K, int64_t ldx, cons
   const int64_t count = mm_q_panels(N);
   const bool scratch_needed = (M + kRows - 1) / kRows > kFusedTiles;
   const int64_t panel_bytes = kind == 8 ? K * kCols : K * 8;
+#ifdef __AVX512F__
+  if (M == 1 && kind == 8) {
+    int8_single_row(x, K, static_cast<const int8_t*>(panels), N, scales, bias, y, threads);
+    return;
+  }
+#endif
   const int64_t groups = kind == 4 ? K / group : 0;
 #pragma omp parallel num_threads(threads)
   {
