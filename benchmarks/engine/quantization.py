@@ -47,7 +47,8 @@ PROMPTS = ("Describe a sunny beach in detail.", "Write a short story about a rob
            "Tell me about the moon.", "Write a poem about the sea.")
 OUTPUT_TOKENS = 64
 BATCH = 32
-TARGETS = {"kl_int8": 0.01, "kl_w8a8": 0.01, "kl_int4": 0.05, "weight_bytes_int8": 0.3, "weight_bytes_int4": 0.2,
+TARGETS = {"kl_int8": 0.01, "kl_w8a8": 0.01, "kl_int4": 0.05, "kl_int4_weight_only": 0.05, "weight_bytes_int8": 0.3,
+           "weight_bytes_int4": 0.2,
            "batch_int8_over_float32": 1.0}
 
 

@@ -81,15 +81,17 @@ QUESTIONS = ("Describe the image.", "What color is the circle?", "How many shape
 IMAGE_SIDE = (160, 192)
 WORKER_TIMEOUT_S = 1800
 # (system, dtype, mode) measured; the peer each mmserve row is compared against
-# (system, format, mode) measured: a format is a dtype, or quantized weights (mmserve's int8 / int4 weights
-# with float32 activations, w8a8 with int8 ones; llama.cpp's Q8_0 / Q4_0 GGUFs of the same checkpoint, whose
-# products take activations quantized to 8 bits)
+# (system, format, mode) measured: a format is a dtype, or quantized weights (mmserve's int8 and
+# int4_weight_only weights with float32 activations, w8a8 and int4 (w4a8's recipe, so w4a8 is not measured
+# again) with int8 ones; llama.cpp's Q8_0 / Q4_0 GGUFs of the same checkpoint, whose products take
+# activations quantized to 8 bits)
 MEASUREMENTS = (("mmserve", "float32", "batch"), ("vllm", "float32", "batch"),
                 ("mmserve", "bfloat16", "batch"), ("vllm", "bfloat16", "batch"), ("mmserve", "int8", "batch"),
                 ("mmserve", "float32", "one"), ("llamacpp", "float32", "one"),
                 ("mmserve", "int8", "one"), ("llamacpp", "q8_0", "one"), ("mmserve", "w8a8", "one"),
-                ("mmserve", "int4", "one"), ("mmserve", "w4a8", "one"), ("llamacpp", "q4_0", "one"))
-QUANTIZED = {"int8", "int4", "w8a8", "w4a8"}  # mmserve's formats that are a quantization of float32
+                ("mmserve", "int4", "one"), ("mmserve", "int4_weight_only", "one"), ("llamacpp", "q4_0", "one"))
+# mmserve's formats that are a quantization of float32
+QUANTIZED = {"int8", "int4", "w8a8", "w4a8", "int4_weight_only"}
 NOT_INSTALLED = "not installed (run scripts/setup_peers.sh)"
 
 

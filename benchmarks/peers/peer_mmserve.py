@@ -173,7 +173,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--reference", type=int, default=0, help="transformers reference on the first N requests")
-    parser.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8", "w4a8"],
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8", "w4a8", "int4_weight_only"],
                         help="the language model's weights quantized at load (float32 activations)")
     parser.add_argument("--compile-cpu-decode", nargs="?", const="on", default="default", choices=tuple(COMPILE_SETTINGS),
                         help="on: the engine compiles its decode step before serving (load takes longer); "

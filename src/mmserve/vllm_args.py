@@ -94,7 +94,7 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     VllmArg("dtype", W, "float32, bfloat16 or float16 (vLLM's half and float are the same names here; auto: "
             "the checkpoint's dtype, float32 checkpoints as float16 on CUDA and float32 on the CPU)",
             example=("bfloat16",)),
-    VllmArg("quantization", W, "here: quantize the language model at load (int8, int4, w8a8, w4a8); a "
+    VllmArg("quantization", W, "here: quantize the language model at load (int8, int4, w8a8, w4a8, int4_weight_only); a "
             "pre-quantized checkpoint runs as stored", example=("int8",)),
     VllmArg("kv_cache_dtype", W, "auto, int8 or fp8_e4m3", example=("int8",)),
     VllmArg("max_model_len", W, "refused above the checkpoint's positions unless MMSERVE_ALLOW_LONG_MAX_MODEL_LEN=1 "

@@ -14,7 +14,7 @@ import pytest
 from mmserve import LLM
 from testkit.conversations import GREEDY, parity_workload
 
-METHODS = ("int8", "int4", "w8a8", "w4a8")
+METHODS = ("int8", "int4", "w8a8", "w4a8", "int4_weight_only")
 
 
 def _same(method, got, want):

@@ -36,7 +36,7 @@ def needs_kernel(test):
     return pytest.mark.kernels(skip(test))
 
 
-METHODS = ("int8", "int4", "w8a8", "w4a8")
+METHODS = ("int8", "int4", "w8a8", "w4a8", "int4_weight_only")
 
 
 def _linear(in_features: int, out_features: int, bias: bool = True, seed: int = 0) -> nn.Linear:
@@ -84,7 +84,9 @@ def test_group_size_is_128_or_the_largest_power_of_two_dividing_the_width():
     assert int4_group_size(2048) == 128 and int4_group_size(96) == 32 and int4_group_size(80) == 16
     with pytest.raises(ModelLoadError, match="divisible by 16"):
         int4_group_size(40)
-    assert method_format("int4", 2048) == WeightFormat(4, 128)
+    # int4 is w4a8's recipe (int8 inputs); its weight-only form is asked for by name
+    assert method_format("int4", 2048) == method_format("w4a8", 2048) == WeightFormat(4, 128, int8_activations=True)
+    assert method_format("int4_weight_only", 2048) == WeightFormat(4, 128)
     assert method_format("int4", 2048, head=True) == WeightFormat(8)  # the head stays int8
     assert method_format("w8a8", 64).int8_activations
 
@@ -96,7 +98,7 @@ def test_reference_product_is_the_float64_product_of_the_codes(method):
     x = torch.randn(7, 128)
     torch.testing.assert_close(layer(x).double(), _reference(layer, x), rtol=1e-5, atol=1e-5)
     # and close to the float layer it came from
-    assert (layer(x) - linear(x)).abs().max() < (0.11 if method in ("int4", "w4a8") else 0.03)
+    assert (layer(x) - linear(x)).abs().max() < (0.11 if method in ("int4", "w4a8", "int4_weight_only") else 0.03)
 
 
 @needs_kernel
@@ -169,7 +171,7 @@ def test_only_the_language_models_linears_are_quantized_the_head_in_int8(method)
 
 
 def test_an_unknown_method_is_refused():
-    with pytest.raises(ValueError, match="quantization must be one of int8, int4, w8a8, w4a8"):
+    with pytest.raises(ValueError, match="quantization must be one of int8, int4, w8a8, w4a8, int4_weight_only"):
         EngineConfig.from_kwargs("some-dir", quantization="int3")
     with pytest.raises(ValueError, match="quantization must be one of"):
         method_format("fp4", 64)

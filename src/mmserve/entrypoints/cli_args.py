@@ -133,9 +133,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                      help="torch device, e.g. cpu, cuda or cuda:1 (default: cuda where it is available, else cpu)")
     top.add_argument("--seed", type=int, default=argparse.SUPPRESS, help="random seed (default: 0)")
     top.add_argument("--quantization", default=argparse.SUPPRESS, choices=QUANTIZATION_METHODS,
-                     help="quantize the language model's linears at load: int8 or int4 weights, w8a8 (int8 "
-                          "weights and inputs) or w4a8 (int4 weights, int8 inputs); a checkpoint stored quantized "
-                          "runs as stored (default: none)")
+                     help="quantize the language model's linears at load: int8 weights, int4 weights with int8 "
+                          "inputs (int4, the same as w4a8), w8a8 (int8 weights and inputs) or int4_weight_only; a "
+                          "checkpoint stored quantized runs as stored (default: none)")
     top.add_argument("--logprobs-mode", default=argparse.SUPPRESS, choices=LOGPROBS_MODES,
                      help="what logprobs report: the model's raw distribution (raw_logprobs, the default) or the "
                           "one sampled from after penalties, biases, grammars, temperature and top-k/p "

@@ -2,16 +2,17 @@
 
 Role: what a quantized linear stores and what it means, whatever kernel multiplies by it.
 - `int8`: weight-only, one float32 scale per output channel, symmetric: w = q * s, q in -127..127.
-- `int4`: weight-only, group-wise along the input: per group of `INT4_GROUP_SIZE` inputs (a smaller
+- `int4_weight_only`: group-wise along the input: per group of `INT4_GROUP_SIZE` inputs (a smaller
   power of two where the width is not a multiple of it) and output channel a scale and a zero point,
   w = (q - z) * s with q in 0..15: the layout AWQ and GPTQ checkpoints hold, so that one kernel
   serves weights quantized here and weights loaded pre-quantized. Quantized here, the zero point is
   the one min/max rounding gives (asymmetric); a symmetric checkpoint has z = 8.
 - `w8a8`: `int8`'s weights with each input row quantized at run time to int8 (max|x| / 127, round to
   nearest even), the product summed in integers: for the CPU's VNNI/AMX and GPUs' int8 paths.
-- `w4a8`: `int4`'s weights with `w8a8`'s int8 input rows, each group's products summed in integers
-  (as llama.cpp's 4-bit files multiply theirs): a 4-bit decode bound by bytes rather than by
-  widening codes to floats.
+- `w4a8`, and `int4` (its recipe by default): `int4_weight_only`'s weights with `w8a8`'s int8 input
+  rows, each group's products summed in integers (as llama.cpp's 4-bit files multiply theirs): a 4-bit
+  decode bound by bytes rather than by widening codes to floats (measured faster to decode and to
+  prefill at the same accuracy, so `int4` means it).
 What is quantized and why: the linears of the language model's decoder layers, which are what a
 decode step streams from memory; the untied LM head in `int8` weight-only for every method (its
 logits are what sampling and logprobs read; llama.cpp's 4-bit files keep their output tensor wider
@@ -80,7 +81,8 @@ def method_format(method: str, in_features: int, head: bool = False) -> WeightFo
         return WeightFormat(8)
     if method == "w8a8":
         return WeightFormat(8, int8_activations=True)
-    return WeightFormat(4, int4_group_size(in_features), int8_activations=method == "w4a8")
+    # "int4" and "w4a8": int8 inputs; "int4_weight_only": float inputs
+    return WeightFormat(4, int4_group_size(in_features), int8_activations=method != "int4_weight_only")
 
 
 # ---- codes <-> floats ----------------------------------------------------------------------------
