@@ -409,18 +409,18 @@ void w4a8_tile(const int8_t* __restrict xq, int64_t ldxq, const float* __restric
   int64_t countdown = 0;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   __m512 acc[R];
-#pragma GCC unroll 8
+#pragma GCC unroll 4
   for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < K / group; g++) {
     __m512i lo[R], hi[R];
-#pragma GCC unroll 8
+#pragma GCC unroll 4
     for (int i = 0; i < R; i++) lo[i] = hi[i] = _mm512_setzero_si512();
     for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 8) {
       prefetch_step(pf, countdown);
       const __m512i block = _mm512_loadu_si512(panel + k0 * 8);
       const __m512i w0 = _mm512_and_si512(block, nibble), w1 = _mm512_and_si512(_mm512_srli_epi16(block, 4), nibble);
-#pragma GCC unroll 8
+#pragma GCC unroll 4
       for (int i = 0; i < R; i++) {
         int32_t a0, a1;
         memcpy(&a0, xq + i * ldxq + k0, 4);
@@ -430,7 +430,7 @@ void w4a8_tile(const int8_t* __restrict xq, int64_t ldxq, const float* __restric
       }
     }
     const __m512 s = _mm512_loadu_ps(scale + g * kCols), o = _mm512_loadu_ps(offset + g * kCols);
-#pragma GCC unroll 8
+#pragma GCC unroll 4
     for (int i = 0; i < R; i++) {
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo[i], hi[i])), s, acc[i]);
       acc[i] = _mm512_fmadd_ps(o, _mm512_set1_ps(xsum[i * groups + g]), acc[i]);
@@ -442,12 +442,12 @@ void w4a8_tile(const int8_t* __restrict xq, int64_t ldxq, const float* __restric
     _mm512_mask_storeu_ps(y + i * ldy, mask, _mm512_fmadd_ps(acc[i], _mm512_set1_ps(x_scale[i]), b));
 #else
   __m256 acc_lo[R], acc_hi[R];
-#pragma GCC unroll 8
+#pragma GCC unroll 4
   for (int i = 0; i < R; i++) acc_lo[i] = acc_hi[i] = _mm256_setzero_ps();
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < K / group; g++) {
     __m256i lo[R], hi[R];  // columns 0-7 and 8-15
-#pragma GCC unroll 8
+#pragma GCC unroll 4
     for (int i = 0; i < R; i++) lo[i] = hi[i] = _mm256_setzero_si256();
     for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 8) {
       prefetch_step(pf, countdown);
@@ -455,7 +455,7 @@ void w4a8_tile(const int8_t* __restrict xq, int64_t ldxq, const float* __restric
       const __m256i b_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k0 * 8 + 32));
       const __m256i w0_lo = _mm256_and_si256(b_lo, nibble), w1_lo = _mm256_and_si256(_mm256_srli_epi16(b_lo, 4), nibble);
       const __m256i w0_hi = _mm256_and_si256(b_hi, nibble), w1_hi = _mm256_and_si256(_mm256_srli_epi16(b_hi, 4), nibble);
-#pragma GCC unroll 8
+#pragma GCC unroll 4
       for (int i = 0; i < R; i++) {
         int32_t a0, a1;
         memcpy(&a0, xq + i * ldxq + k0, 4);
@@ -470,7 +470,7 @@ void w4a8_tile(const int8_t* __restrict xq, int64_t ldxq, const float* __restric
     }
     const __m256 s_lo = _mm256_loadu_ps(scale + g * kCols), s_hi = _mm256_loadu_ps(scale + g * kCols + 8);
     const __m256 o_lo = _mm256_loadu_ps(offset + g * kCols), o_hi = _mm256_loadu_ps(offset + g * kCols + 8);
-#pragma GCC unroll 8
+#pragma GCC unroll 4
     for (int i = 0; i < R; i++) {
       const __m256 sum_x = _mm256_set1_ps(xsum[i * groups + g]);
       acc_lo[i] = _mm256_fmadd_ps(o_lo, sum_x, _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[i]), s_lo, acc_lo[i]));
@@ -681,15 +681,15 @@ void mm_q_gemm(int kind, const float* x, int64_t M, int64_t K, int64_t ldx, cons
                const float* scales, const float* offsets, int64_t group, const float* bias, float* y,
                int64_t ldy, int threads) {
   if (M <= 0) return;
-  const int64_t count = mm_q_panels(N);
-  const bool scratch_needed = (M + kRows - 1) / kRows > kFusedTiles;
-  const int64_t panel_bytes = kind == 8 ? K * kCols : K * 8;
 #ifdef __AVX512F__
   if (M == 1 && kind == 8) {
     int8_single_row(x, K, static_cast<const int8_t*>(panels), N, scales, bias, y, threads);
     return;
   }
 #endif
+  const int64_t count = mm_q_panels(N);
+  const bool scratch_needed = (M + kRows - 1) / kRows > kFusedTiles;
+  const int64_t panel_bytes = kind == 8 ? K * kCols : K * 8;
   const int64_t groups = kind == 4 ? K / group : 0;
 #pragma omp parallel num_threads(threads)
   {
