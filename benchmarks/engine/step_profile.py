@@ -79,6 +79,19 @@ def read_bandwidth_gbs(size_bytes: int = 1 << 30, repeats: int = 5) -> float:
     return size_bytes / best / 1e9
 
 
+def op_dispatch_us(repeats: int = 20000) -> float:
+    """The least an eager op launched from Python costs here: an in-place add of two one-element tensors
+    (dispatch, argument checks, no work worth the name), median of 5 loops of `repeats`."""
+    a, b = torch.zeros(1), torch.ones(1)
+    loops = []
+    for _ in range(5):
+        started = time.perf_counter()
+        for _ in range(repeats):
+            a.add_(b)
+        loops.append((time.perf_counter() - started) / repeats)
+    return float(np.median(loops)) * 1e6
+
+
 def _time_steps(engine: Any, steps: int) -> list[float]:
     walls = []
     for _ in range(steps):
@@ -116,6 +129,8 @@ def profile_batch(llm: Any, batch: int, steps: int, seed: int) -> dict[str, floa
         totals[kind] += seconds
     wall = sum(walls)
     ops = sum(totals.values())
+    # ops the step launches itself (not those nested inside another op): each pays the eager dispatch
+    launched = sum(1 for e in prof.events() if e.cpu_parent is None and e.name.startswith(OP_PREFIXES)) / steps
     top = sorted(((e.key, e.self_cpu_time_total / 1e3 / steps, e.count // steps) for e in prof.key_averages()
                   if e.key.startswith(OP_PREFIXES)), key=lambda t: -t[1])[:12]
     per_step = {k: v / steps * 1e3 for k, v in totals.items()}
@@ -125,7 +140,7 @@ def profile_batch(llm: Any, batch: int, steps: int, seed: int) -> dict[str, floa
             "outside_matmuls_ms": round(step_ms - per_step["matmuls"], 3), "weight_bytes_per_step": weight_bytes,
             "matmul_gbs": round(weight_bytes / per_step["matmuls"] / 1e6, 2),
             "step_gbs": round(weight_bytes / step_ms / 1e6, 2), "step_ms_profiled": wall / steps * 1e3,
-            "tokens_per_s_profiled": batch * steps / wall, **{f"{k}_ms": round(v, 3) for k, v in per_step.items()},
+            "tokens_per_s_profiled": batch * steps / wall, "ops_launched_per_step": round(launched, 1), **{f"{k}_ms": round(v, 3) for k, v in per_step.items()},
             **{f"{k}_share": round(v / (wall / steps * 1e3), 3) for k, v in per_step.items()},
             "top_ops": [{"op": k, "ms_per_step": round(ms, 3), "calls_per_step": n} for k, ms, n in top]}
 
@@ -151,7 +166,9 @@ def main(argv: list[str] | None = None) -> None:
     llm.chat(_requests(1, args.seed + 1)[0], use_tqdm=False)  # warm-up
     rows = [profile_batch(llm, int(b), args.steps, args.seed) for b in args.batches.split(",")]
     bandwidth_gbs = read_bandwidth_gbs()
+    dispatch_us = op_dispatch_us()
     for r in rows:
+        r["dispatch_floor_ms"] = round(r["ops_launched_per_step"] * dispatch_us / 1e3, 3)
         r["matmul_share_of_bandwidth"] = round(r["matmul_gbs"] / bandwidth_gbs, 3)
         r["step_share_of_bandwidth"] = round(r["step_gbs"] / bandwidth_gbs, 3)
     machine = machine_info(torch.get_num_threads())
@@ -163,11 +180,14 @@ def main(argv: list[str] | None = None) -> None:
           "python = the rest of the step's wall time")
     print(f"floor   : read bandwidth {bandwidth_gbs:.1f} GB/s (torch.sum over 1 GiB, best of 5); linear weights "
           f"{rows[0]['weight_bytes_per_step'] / 1e6:.1f} MB read per step")
+    print(f"dispatch: an eager op launched from Python costs at least {dispatch_us:.2f} us here (in-place add of "
+          f"one-element tensors); ops launched x that = the step's dispatch floor")
     print(f"{'batch':>5} {'step ms':>8} {'outside matmuls ms':>18} {'matmul GB/s':>11} {'x bw':>5} {'step GB/s':>9} "
-          f"{'x bw':>5}  (unprofiled)")
+          f"{'x bw':>5} {'ops':>5} {'floor ms':>8}  (unprofiled)")
     for r in rows:
         print(f"{r['batch']:>5} {r['step_ms']:>8.2f} {r['outside_matmuls_ms']:>18.2f} {r['matmul_gbs']:>11.1f} "
-              f"{r['matmul_share_of_bandwidth']:>5.2f} {r['step_gbs']:>9.1f} {r['step_share_of_bandwidth']:>5.2f}")
+              f"{r['matmul_share_of_bandwidth']:>5.2f} {r['step_gbs']:>9.1f} {r['step_share_of_bandwidth']:>5.2f} "
+              f"{r['ops_launched_per_step']:>5.0f} {r['dispatch_floor_ms']:>8.2f}")
     print(f"{'batch':>5} {'step ms':>8} {'tok/s':>7} | {'matmuls':>8} {'attention':>9} {'other ops':>9} "
           f"{'python':>7}  (ms per step, share)")
     for r in rows:
@@ -180,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
 
     json_line({"bench": "step_profile", "machine": machine, "model_dir": str(model_dir), "dtype": args.dtype,
                "quantization": args.quantization, "read_bandwidth_gbs": round(bandwidth_gbs, 2),
-                      "compile_cpu_decode": args.compile_cpu_decode, "rows": rows}, compact=True)
+               "op_dispatch_us": round(dispatch_us, 3), "compile_cpu_decode": args.compile_cpu_decode, "rows": rows}, compact=True)
 
 
 if __name__ == "__main__":
