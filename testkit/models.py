@@ -10,8 +10,13 @@ import torch
 
 from mmserve.inputs.items import ProcessedPrompt
 from mmserve.inputs.media import MediaLimits
-from mmserve.models.generation import prefill_inputs, prefill_metadata, prompt_cross_kv, prompt_positions
-from mmserve.models.layers.attention import ContiguousKVCache
+from mmserve.models.generation import (
+    SequenceCache,
+    prefill_inputs,
+    prefill_metadata,
+    prompt_cross_kv,
+    prompt_positions,
+)
 from mmserve.models.loader import load_model, read_config
 from mmserve.models.registry import resolve
 from mmserve.models.spec import FamilySpec
@@ -34,11 +39,10 @@ def load_family(model_dir, dtype: str = "float32", device: str = "cpu"):
 @torch.inference_mode()
 def full_logits(model, prompt: ProcessedPrompt, spec: FamilySpec) -> torch.Tensor:
     """(num_tokens, vocab) logits of a whole prompt in one prefill, on the model's device."""
-    layout = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
     n = prompt.num_tokens
     dtype = next(model.parameters()).dtype
     device = next(model.parameters()).device
-    cache = ContiguousKVCache(layout[0], 1, n, layout[1], layout[2], dtype, device)
+    cache = SequenceCache(spec, n, dtype, device)
     embeds, extra = prefill_inputs(model, prompt, device)
     meta = prefill_metadata(prompt, spec, prompt_cross_kv(model, prompt))
     hidden = model(embeds, prompt_positions(prompt, 0, n, device), cache, meta, extra)

@@ -477,10 +477,13 @@ def test_the_seam_check_catches_an_attribute():
 # ---- the engine talks to the scheduler through its methods ---------------------------------------
 def _scheduler_methods() -> set[str]:
     """The scheduler's public methods; a property is read like an attribute and does not count."""
-    tree = ast.parse((SRC / "core" / "scheduler.py").read_text())
-    scheduler = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Scheduler")
-    return {n.name for n in scheduler.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")
-            and not any(isinstance(d, ast.Name) and d.id == "property" for d in n.decorator_list)}
+    methods = set()
+    for module, name in (("scheduler.py", "Scheduler"), ("scheduler_views.py", "SchedulerViews")):  # with its mixin
+        tree = ast.parse((SRC / "core" / module).read_text())
+        cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+        methods |= {n.name for n in cls.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")
+                    and not any(isinstance(d, ast.Name) and d.id == "property" for d in n.decorator_list)}
+    return methods
 
 
 def _scheduler_uses(source: str) -> set[str]:

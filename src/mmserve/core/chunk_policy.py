@@ -4,7 +4,9 @@ Role: a family may declare its items' spans indivisible for the language model (
 tokens attend to each other in both directions, so the KV of a span's first tokens depends on its
 last ones). Then no chunk ends strictly inside such a span: a chunk that would is cut back to the
 span's start, or to nothing when the span began before the chunk (a prefix-cache hit that ended
-inside it: the rest of the span must come in one chunk). At start, `resolve_token_budget` lifts
+inside it: the rest of the span must come in one chunk). A hybrid model that snapshots its recurrent state
+(core/state_snapshots.py) has chunks end at the prompt's last full-block boundary when they would cross it,
+so its state is taken exactly there. At start, `resolve_token_budget` lifts
 `max_num_batched_tokens` to the longest span, so every span fits one step, and says so in one line.
 
 What it does not know: tensors, attention, encoder budgets, KV blocks.
@@ -23,9 +25,13 @@ logger = logging.getLogger("mmserve.budget")
 @dataclass(frozen=True)
 class ChunkBoundaryPolicy:
     indivisible_items: bool = False  # no chunk ends strictly inside an item's span
+    snapshot_block_size: int | None = None  # a chunk crossing the prompt's last full block of this size ends there
 
     def cut(self, request: Request, start: int, end: int) -> int:
         """The end of the chunk [start, end) after the policy: end itself, or earlier (>= start)."""
+        if self.snapshot_block_size is not None:
+            boundary = request.num_prompt_tokens // self.snapshot_block_size * self.snapshot_block_size
+            end = boundary if start < boundary < end else end
         if not self.indivisible_items:
             return end
         for item in request.items:

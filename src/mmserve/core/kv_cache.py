@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import struct
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import blake3
@@ -104,6 +104,7 @@ class KVCacheStats:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.on_evict: Callable[[bytes], None] | None = None  # told each evicted block's hash (state snapshots)
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
         self.block_size = block_size
@@ -189,6 +190,8 @@ class KVCacheManager:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
                 self._evicted.append(block.block_hash)
+                if self.on_evict is not None:
+                    self.on_evict(block.block_hash)
             block.block_hash = None
             self.stats.evictions += 1
         block.ref_cnt = 1

@@ -29,6 +29,8 @@ from mmserve.core.invariants import check_scheduler_books
 from mmserve.core.item_scheduler import EncoderStep, ItemScheduler
 from mmserve.core.kv_cache import KVBlock, KVCacheManager
 from mmserve.core.request import Request, RequestStatus
+from mmserve.core.scheduler_views import SchedulerViews
+from mmserve.core.state_snapshots import HybridStates
 from mmserve.core.step import (
     CachedRequestData,
     EngineCoreOutput,
@@ -55,12 +57,16 @@ class _StepPlan:
     encoder: EncoderStep = field(default_factory=EncoderStep)
 
 
-class Scheduler:
+class Scheduler(SchedulerViews):
     def __init__(self, limits: SchedulerLimits, kv: KVCacheManager, items: ItemScheduler,
-                 chunking: ChunkBoundaryPolicy | None = None, cross_kv: CrossKVBook | None = None) -> None:
-        """`cross_kv`: the cross-attention KV budget of a family that cross-attends to its images."""
+                 chunking: ChunkBoundaryPolicy | None = None, cross_kv: CrossKVBook | None = None,
+                 states: HybridStates | None = None) -> None:
+        """`cross_kv`: the cross-attention KV budget of a family that cross-attends to its images;
+        `states`: a hybrid family's recurrent-state slots (one per running request) and snapshots (a prefix
+        hit resumes from one, never from a guess)."""
         self.limits = limits
         self.cross_kv = cross_kv
+        self.states = states  # told of evicted blocks by `kv.on_evict` (assembly wires it)
         self.kv = kv
         self.items = items
         self.chunking = chunking or ChunkBoundaryPolicy()
@@ -125,35 +131,6 @@ class Scheduler:
     def num_schedulable(self) -> int:
         """Requests a step may compute: not parked for a hand-off, not waiting for their KV."""
         return len(self.requests) - len(self.handoff.parked) - len(self.handoff.receiving)
-
-    # ---- read-only views (the engine reads the scheduler only through these) ----------------------
-    def snapshot(self) -> snapshots.SchedulerSnapshot:
-        """The counters (O(1): taken after every step for the stats)."""
-        return snapshots.scheduler_snapshot(len(self.running), len(self.waiting), self.stats, self.kv,
-                                            self.encoder_cache, self.handoff, self.cross_kv)
-
-    def ownership(self) -> snapshots.SchedulerOwnership:
-        """Who owns what (as large as the books: for integrity checks only)."""
-        return snapshots.scheduler_ownership(self.requests, self.encoder_cache, self.cross_kv)
-
-    def block_ids(self, request_id: str) -> tuple[int, ...]:
-        """The KV blocks a live request holds, in order."""
-        return tuple(self.kv.block_ids(request_id))
-
-    def encoder_entry_state(self, key: str) -> EntryState | None:
-        """The state of an item's encoder-cache entry (None: no entry)."""
-        return self.encoder_cache.state(key)
-
-    def holds_encoder_entry(self, request_id: str, key: str) -> bool:
-        return self.encoder_cache.holds(request_id, key)
-
-    def is_parked(self, request_id: str) -> bool:
-        """Is the request parked for a hand-off (its KV held for a decode replica)?"""
-        return request_id in self.handoff.parked
-
-    def take_evictions(self) -> tuple[tuple[str, ...], tuple[bytes, ...]]:
-        """(encoder content keys, KV prefix-block hashes) evicted since the last call."""
-        return self.encoder_cache.take_evicted(), self.kv.take_evicted()
 
     # ---- hand-offs (core/handoff.py) --------------------------------------------------------------
     def admit_transferred(self, request: Request) -> list[int] | None:
@@ -223,6 +200,7 @@ class Scheduler:
                 CachedRequestData(request.request_id, tuple(new_ids), request.num_computed_tokens))
             if num_new > 0:
                 plan.out.num_scheduled_tokens[request.request_id] = num_new
+                self._plan_snapshot(request, start, num_new, plan)
                 budget -= num_new
             i += 1
         return budget
@@ -233,6 +211,8 @@ class Scheduler:
             self.kv.free(request)
         if self.cross_kv is not None:
             self.cross_kv.free(request.request_id)
+        if self.states is not None:
+            self.states.release(request.request_id)
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         self._free_kv(request)  # the runner drops the tensors with the request's state; rebuilt on resume
@@ -260,6 +240,8 @@ class Scheduler:
             # prompt logprobs need every prompt position computed: no prefix-cache hit for such a request
             hits, num_hit = ([], 0) if request.sampling_params.prompt_logprobs is not None \
                 else self.kv.get_computed_blocks(request)
+            if self.states is not None:
+                hits, num_hit = self.states.usable_hit(request, hits)
             if request.transferred and any(item.end > num_hit for item in request.items if item.output_rows > 0):
                 del self.waiting[i]  # preempted after its KV came: its images' KV is gone, and their pixels too
                 self._failed_in_schedule.append(self._fail(request, "preempted on the decode replica after its image KV was "
@@ -278,6 +260,7 @@ class Scheduler:
             self.running.append(request)
             if num_new:  # 0: admitted to wait for an item its workers are encoding
                 plan.out.num_scheduled_tokens[request.request_id] = num_new
+                self._plan_snapshot(request, num_hit, num_new, plan)
             plan.out.new_requests.append(self._new_request_data(request))
             budget -= num_new
 
@@ -287,6 +270,8 @@ class Scheduler:
         undone. Admitted with 0 tokens: its first uncomputed token is an item encoder workers are
         encoding (it waits in running, holding its reservations)."""
         request.num_computed_tokens = 0
+        if self.states is not None and not self.states.slots.can_allocate():
+            return 0, False
         if self.cross_kv is not None and not self.cross_kv.try_take(request):
             return 0, False
         if self.kv.allocate_slots(request, num_new, hits) is None:
@@ -312,6 +297,8 @@ class Scheduler:
             return 0, False
         request.num_computed_tokens = num_hit
         request.status = RequestStatus.RUNNING
+        if self.states is not None:
+            self.states.slots.allocate(request.request_id)
         self.kv.record_lookup(request.num_tokens, num_hit)
         if request.num_cached_tokens < 0:  # first admission: count the prompt once
             request.num_cached_tokens = num_hit
@@ -320,6 +307,13 @@ class Scheduler:
                                                   if item.output_rows > 0 and not item.needed_after(num_hit))
             self.stats.prompt_tokens += request.num_prompt_tokens
         return max(0, end - num_hit), True
+
+    def _plan_snapshot(self, request: Request, start: int, num_new: int, plan: _StepPlan) -> None:
+        """A hybrid model's request whose chunk ends on a boundary worth a state snapshot: save it there."""
+        if self.states is not None:
+            self.kv.update_block_hashes(request)
+            if (snapshot_id := self.states.plan(request, start, num_new)) is not None:
+                plan.out.state_snapshots[request.request_id] = snapshot_id
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         return NewRequestData(
@@ -331,11 +325,14 @@ class Scheduler:
             block_ids=tuple(self.kv.block_ids(request.request_id)),
             num_computed_tokens=request.num_computed_tokens,
             num_output_tokens=len(request.output_token_ids),
-        )
+            state_slot=None if self.states is None else self.states.slots.slot_of(request.request_id),
+            state_restore=None if self.states is None else self.states.restores.pop(request.request_id, None))
 
     # ---- update ---------------------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs, self._failed_in_schedule = self._failed_in_schedule, []
+        if self.states is not None:  # the state snapshots of the requests the step computed are saved
+            self.states.commit(result.skipped | set(result.failed))
         outputs += apply_encoder_results(self.encoder_cache, self.requests, sched, result, self._fail)
         for rid, num in sched.num_scheduled_tokens.items():
             request = self.requests.get(rid)
@@ -397,4 +394,6 @@ class Scheduler:
     def check_integrity(self) -> None:
         check_scheduler_books(self.kv, self.encoder_cache, self.cross_kv, self.handoff, self.running,
                               set(self.requests))
+        if self.states is not None:
+            self.states.check_integrity({r.request_id for r in self.running})
 

@@ -24,6 +24,8 @@ class NewRequestData:
     block_ids: tuple[int, ...]  # prefix hits first
     num_computed_tokens: int  # tokens already in the KV cache (prefix hit)
     num_output_tokens: int  # outputs so far, so per-token seeds continue where they were
+    state_slot: int | None = None  # a hybrid model's recurrent-state slot: None for other models
+    state_restore: int | None = None  # the state snapshot its prefix hit resumes from (None: zero state)
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,9 @@ class SchedulerOutput:
     finished_request_ids: set[str] = field(default_factory=set)
     # encoder-cache keys evicted or abandoned since the last step: the runner frees their tensors
     free_encoder_keys: list[str] = field(default_factory=list)
+    # a hybrid model's requests whose state this step ends at a snapshotted block boundary: request id ->
+    # the snapshot id to save it into after the step
+    state_snapshots: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -23,6 +23,8 @@ from mmserve.core.encoder_cache import EncoderCacheManager
 from mmserve.core.item_scheduler import ItemScheduler
 from mmserve.core.kv_cache import KVCacheManager
 from mmserve.core.scheduler import Scheduler, SchedulerLimits
+from mmserve.core.state_slots import StateSlotLayout, StateSlotPool
+from mmserve.core.state_snapshots import HybridStates
 from mmserve.engine.frontend import Frontend
 from mmserve.engine.graph_settings import resolve_runner_graphs
 from mmserve.engine.sizing import (
@@ -30,6 +32,7 @@ from mmserve.engine.sizing import (
     resolve_encoder_budget,
     resolve_max_model_len,
     resolve_num_kv_blocks,
+    resolve_state_slots,
 )
 from mmserve.faults import FaultPlan
 from mmserve.models.loader import checkpoint_quantization, load_model, parse_dtype
@@ -41,6 +44,7 @@ from mmserve.runner.encoder.pool import EncoderPool
 from mmserve.runner.kv_quant import kv_format
 from mmserve.runner.kv_storage import PagedKVStorage
 from mmserve.runner.model_runner import ModelRunner
+from mmserve.runner.state_storage import LinearStateStorage
 from mmserve.workers.factory import make_pool
 from mmserve.workers.spec import WorkerSpec
 
@@ -84,7 +88,11 @@ def assemble(config: EngineConfig, faults: FaultPlan) -> EngineParts:
     spec = frontend.spec
     fmt = kv_format(config.cache.kv_cache_dtype, loaded.dtype)
     kv_bytes_per_token = PagedKVStorage.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, fmt)
-    num_blocks = resolve_num_kv_blocks(config.cache, kv_bytes_per_token, loaded.device)
+    state_slots = None if spec.linear_state is None else resolve_state_slots(
+        config.cache, LinearStateStorage.bytes_per_slot(spec.linear_state), config.scheduler.max_num_seqs,
+        loaded.device)
+    num_blocks = resolve_num_kv_blocks(config.cache, kv_bytes_per_token, loaded.device,
+                                       0 if state_slots is None else state_slots.total_bytes)
     max_model_len = resolve_max_model_len(config.scheduler.max_model_len, spec.max_position_embeddings,
                                           num_blocks * config.cache.block_size)
     frontend.max_model_len = max_model_len
@@ -92,13 +100,17 @@ def assemble(config: EngineConfig, faults: FaultPlan) -> EngineParts:
     graphs = resolve_runner_graphs(config, encoder_tokens_per_step=budget.max_encoder_tokens_per_step,
                                    encoder_items_per_step=budget.max_items_per_step,
                                    num_kv_blocks=num_blocks, max_model_len=max_model_len,
-                                   num_position_rows=spec.num_position_rows)
+                                   num_position_rows=spec.num_position_rows, hybrid=state_slots is not None)
     # decode graphs' padding rows write to a scratch block after the ones the KV manager hands out
     kv_storage = PagedKVStorage(spec.num_layers, num_blocks + graphs.num_scratch_blocks, config.cache.block_size,
                                 spec.num_kv_heads, spec.head_dim, fmt, loaded.device)
     encoder_pool = _start_encoder_pool(config, faults) if config.encoder.encoder_workers else None
-    scheduler = _scheduler(config, spec, loaded.dtype, num_blocks, max_model_len, budget, encoder_pool is not None)
-    runner = ModelRunner(loaded.model, spec, PagedAttentionBackend(kv_storage), loaded.device, encoder_pool,
+    scheduler = _scheduler(config, spec, loaded.dtype, num_blocks, max_model_len, budget, encoder_pool is not None,
+                           state_slots)
+    state = None if state_slots is None else LinearStateStorage(spec.linear_state, state_slots.num_slots,
+                                                                state_slots.num_snapshots, loaded.device)
+    runner = ModelRunner(loaded.model, spec, PagedAttentionBackend(kv_storage, state=state), loaded.device,
+                         encoder_pool,
                          config.encoder.encoder_timeout_s, graphs.encoder, graphs.decode, faults,
                          config.logprobs_mode)
     # bytes of one item row's cross-attention K/V (the model dtype), for a family that cross-attends
@@ -109,17 +121,23 @@ def assemble(config: EngineConfig, faults: FaultPlan) -> EngineParts:
 
 
 def _scheduler(config: EngineConfig, spec: FamilySpec, dtype: torch.dtype, num_blocks: int, max_model_len: int,
-               budget: EncoderBudget, encoder_workers: bool) -> Scheduler:
+               budget: EncoderBudget, encoder_workers: bool, state_slots: StateSlotLayout | None) -> Scheduler:
     kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
     items = ItemScheduler(EncoderCacheManager(budget.cache_bytes, budget.output_budget_bytes), budget,
                           outputs_arrive_later=encoder_workers)
     sched = config.scheduler
-    chunking = ChunkBoundaryPolicy(indivisible_items=spec.bidirectional_media)
+    snapshots = state_slots is not None and state_slots.num_snapshots > 0
+    chunking = ChunkBoundaryPolicy(indivisible_items=spec.bidirectional_media,
+                                   snapshot_block_size=config.cache.block_size if snapshots else None)
     max_batched, _ = resolve_token_budget(sched.max_num_batched_tokens, spec.max_item_span,
                                           chunking.indivisible_items)
     cross_kv_bytes = resolve_cross_kv_bytes(config.cache, spec, dtype)
+    states = None
+    if state_slots is not None:
+        states = HybridStates(StateSlotPool(state_slots), state_slots.num_snapshots, config.cache.block_size)
+        kv.on_evict = states.evicted
     return Scheduler(SchedulerLimits(sched.max_num_seqs, max_batched, sched.enable_chunked_prefill, max_model_len),
-                     kv, items, chunking, None if cross_kv_bytes is None else CrossKVBook(cross_kv_bytes))
+                     kv, items, chunking, None if cross_kv_bytes is None else CrossKVBook(cross_kv_bytes), states)
 
 
 def _start_encoder_pool(config: EngineConfig, faults: FaultPlan) -> EncoderPool:

@@ -104,8 +104,9 @@ class Engine:
                     hand_off: bool = False) -> None:
         """`trace_parent`: the W3C traceparent the request's spans go under (with tracing on; without a
         parent a traced request starts its own trace). `hand_off` (a prefill replica): after its first
-        token the request parks, holding its KV for `send_kv` (a request of n > 1 choices or with a grammar
-        decodes here: its first output says whether it parked, `kv_parked`)."""
+        token the request parks, holding its KV for `send_kv` (a request of n > 1 choices, with a grammar, or of
+        a hybrid model, whose recurrent state no hand-off moves, decodes here: its first output says whether it
+        parked, `kv_parked`)."""
         cut = truncated_token_ids(prompt, params.truncate_prompt_tokens, self.max_model_len,
                                 params.truncation_side)
         if cut is not None:  # processed again as token ids, keeping its cache salt
@@ -122,7 +123,8 @@ class Engine:
             self.structured.compiled(params.structured_outputs)
         if params.n == 1:
             self._add_one(request_id, prompt, params, arrival_time, bad_words, trace_parent=trace_parent,
-                          hand_off=hand_off and params.structured_outputs is None and not _cross_attends(prompt))
+                          hand_off=hand_off and params.structured_outputs is None and not _cross_attends(prompt)
+                          and self.spec.linear_state is None)
             return
         arrival_time = arrival_time or time.time()
         choices = self.choices.split(request_id, params, self.config.cache.enable_prefix_caching)

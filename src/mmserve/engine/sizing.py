@@ -17,6 +17,7 @@ import torch
 
 from mmserve.config import DEFAULT_KV_CACHE_BYTES, CacheConfig, EncoderConfig
 from mmserve.core.budget import EncoderBudget, bytes_per_embedding_row
+from mmserve.core.state_slots import StateSlotLayout
 from mmserve.envs import ALLOW_LONG_MAX_MODEL_LEN, VLLM_ALLOW_LONG_MAX_MODEL_LEN, allow_long_max_model_len
 from mmserve.errors import InvalidInputError
 from mmserve.models.spec import FamilySpec
@@ -44,13 +45,39 @@ def kv_bytes_from_utilization(fraction: float, device: torch.device) -> int:
     return kv_bytes
 
 
-def resolve_num_kv_blocks(cache: CacheConfig, kv_bytes_per_token: int, device: torch.device | None = None) -> int:
+def kv_budget_bytes(cache: CacheConfig, device: torch.device | None = None) -> int:
+    """The bytes of the one KV budget (KV blocks, and a hybrid model's state slots inside it)."""
+    if cache.gpu_memory_utilization is not None and device is not None and device.type == "cuda":
+        return kv_bytes_from_utilization(cache.gpu_memory_utilization, device)
+    return cache.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
+
+
+def resolve_state_slots(cache: CacheConfig, bytes_per_slot: int, max_num_seqs: int,
+                        device: torch.device | None = None) -> StateSlotLayout:
+    """A hybrid model's state: one slot per sequence a step may run (`max_num_seqs`), inside the KV budget but
+    never more than half of it (fewer slots then: fewer requests run at once), and with prefix caching on, as
+    many state snapshots as a quarter of the budget holds; with `num_kv_blocks` given, they come on top of the
+    blocks. Logged once with the split."""
+    budget = kv_budget_bytes(cache, device)
+    slots = max_num_seqs if cache.num_kv_blocks is not None else min(max_num_seqs, budget // 2 // bytes_per_slot)
+    if slots < 1:
+        raise ValueError(f"kv_cache_bytes={budget} cannot hold one request's recurrent state ({bytes_per_slot} "
+                         "bytes) beside its KV: raise kv_cache_bytes")
+    snapshots = budget // 4 // bytes_per_slot if cache.enable_prefix_caching else 0
+    layout = StateSlotLayout(slots, bytes_per_slot, snapshots)
+    logger.info("hybrid model: %d state slots and %d prefix snapshots of %d bytes each (%d bytes) in the KV budget "
+                "of %d bytes, the rest for KV blocks%s", slots, snapshots, bytes_per_slot, layout.total_bytes, budget,
+                "" if slots == max_num_seqs else f"; at most {slots} requests run at once (max_num_seqs={max_num_seqs})")
+    return layout
+
+
+def resolve_num_kv_blocks(cache: CacheConfig, kv_bytes_per_token: int, device: torch.device | None = None,
+                          reserved_bytes: int = 0) -> int:
+    """`reserved_bytes`: what the budget keeps for other pools (a hybrid model's state slots)."""
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
     per_block = kv_bytes_per_token * cache.block_size
-    kv_bytes = cache.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
-    if cache.gpu_memory_utilization is not None and device is not None and device.type == "cuda":
-        kv_bytes = kv_bytes_from_utilization(cache.gpu_memory_utilization, device)
+    kv_bytes = kv_budget_bytes(cache, device) - reserved_bytes
     num = kv_bytes // per_block
     if num < 1:
         raise ValueError(f"kv_cache_bytes={cache.kv_cache_bytes} is smaller than one block ({per_block} bytes)")

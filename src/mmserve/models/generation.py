@@ -28,6 +28,21 @@ def greedy(logits: torch.Tensor, generated: list[int]) -> int:
     return int(torch.argmax(logits))
 
 
+class SequenceCache(ContiguousKVCache):
+    """One sequence's KV (slot 0), and a hybrid model's recurrent states (one slot, float32, zero at start)."""
+
+    def __init__(self, spec: FamilySpec, max_len: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__(spec.num_layers, 1, max_len, spec.num_kv_heads, spec.head_dim, dtype, device)
+        layout = spec.linear_state
+        self.states = [] if layout is None else [
+            (torch.zeros((1, *layout.conv_shape), device=device), torch.zeros((1, *layout.recurrent_shape),
+                                                                              device=device))
+            for _ in range(layout.num_layers)]
+
+    def linear_states(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.states[layer_idx]
+
+
 def prefill_inputs(model: FamilyModel, prompt: ProcessedPrompt,
                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(num_tokens, hidden) input embeddings with every item's main rows fused in, and the extra
@@ -60,7 +75,7 @@ def prompt_cross_kv(model: FamilyModel, prompt: ProcessedPrompt) -> CrossKV | No
 def step_metadata(query_len: int, context_len: int, cross: CrossKV | None, device: torch.device,
                   spans: tuple = ()) -> AttentionMetadata:
     """One sequence's metadata for its tokens [context_len, context_len + query_len)."""
-    meta = AttentionMetadata([query_len], [context_len], [spans])
+    meta = AttentionMetadata([query_len], [context_len], [spans], state_slots=[0])
     if cross is not None:
         meta.cross = [step_inputs(cross, context_len, context_len + query_len, device)]
     return meta
@@ -86,8 +101,7 @@ def generate(model: FamilyModel, spec: FamilySpec, prompt: ProcessedPrompt, max_
     """Yield generated token ids one at a time (stop tokens are yielded, then generation ends)."""
     device = next(model.parameters()).device
     n = prompt.num_tokens
-    cache = ContiguousKVCache(spec.num_layers, 1, n + max_new_tokens, spec.num_kv_heads, spec.head_dim,
-                              next(model.parameters()).dtype, device)
+    cache = SequenceCache(spec, n + max_new_tokens, next(model.parameters()).dtype, device)
     embeds, extra = prefill_inputs(model, prompt, device)
     cross = prompt_cross_kv(model, prompt)
     hidden = model(embeds, prompt_positions(prompt, 0, n, device), cache, prefill_metadata(prompt, spec, cross),

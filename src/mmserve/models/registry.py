@@ -15,6 +15,7 @@ from mmserve.models.llava_onevision import family as llava_onevision
 from mmserve.models.mistral3 import family as mistral3
 from mmserve.models.mllama import family as mllama
 from mmserve.models.qwen2_vl import family as qwen2_vl
+from mmserve.models.qwen3_5 import family as qwen3_5
 from mmserve.models.qwen3_vl import family as qwen3_vl
 from mmserve.models.spec import ModelFamily
 
@@ -22,6 +23,7 @@ _FAMILIES: Mapping[str, ModelFamily] = MappingProxyType({
     **qwen2_vl.FAMILIES,
     **llava_onevision.FAMILIES,
     **qwen3_vl.FAMILIES,
+    **qwen3_5.FAMILIES,
     **gemma3.FAMILIES,
     **mistral3.FAMILIES,
     **mllama.FAMILIES,

@@ -17,6 +17,7 @@ What it does not know: any particular family.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,21 @@ class CrossAttentionLayout:
 
 
 @dataclass(frozen=True)
+class LinearStateLayout:
+    """A hybrid family's linear-attention layers (Gated DeltaNet): each keeps, per request, a conv state and a
+    recurrent state of fixed shapes instead of KV; `FamilySpec.num_layers` then counts the other layers."""
+
+    num_layers: int
+    conv_shape: tuple[int, int]  # (conv channels, kernel - 1)
+    recurrent_shape: tuple[int, int, int]  # (value heads, key head dim, value head dim)
+
+    def bytes_per_slot(self, dtype_bytes: int) -> int:
+        """One request's state over every linear-attention layer."""
+        per_layer = self.conv_shape[0] * self.conv_shape[1] + math.prod(self.recurrent_shape)
+        return self.num_layers * per_layer * dtype_bytes
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     name: str
     num_layers: int  # KV layout: one K and one V per layer ...
@@ -83,6 +99,9 @@ class FamilySpec:
     # items are read by cross-attention layers (Llama 3.2 Vision): a request's items are encoded before its
     # first prefill chunk, their K/V kept per request; `num_layers` above counts self-attention layers only
     cross_attention: CrossAttentionLayout | None = None
+    # a hybrid family's linear-attention layers, whose per-request state lives in slots (None: every layer
+    # keeps KV)
+    linear_state: LinearStateLayout | None = None
 
     @classmethod
     def for_decoder(cls, name: str, text: DecoderTextConfig, *, eos_token_ids: tuple[int, ...],

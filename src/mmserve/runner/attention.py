@@ -30,6 +30,7 @@ from mmserve.models.layers.attention import FULL, AttentionMetadata, LayerAttent
 from mmserve.runner.cpu import attention as cpu_attention
 from mmserve.runner.cpu.attention_plan import CpuAttentionPlan, KernelTokens
 from mmserve.runner.kv_storage import PagedKVStorage
+from mmserve.runner.state_storage import LinearStateStorage
 
 
 @dataclass
@@ -62,11 +63,14 @@ class PagedAttentionMetadata(AttentionMetadata):
 
 
 class PagedAttentionBackend:
-    def __init__(self, storage: PagedKVStorage, cpu_plan: CpuAttentionPlan | None = None) -> None:
+    def __init__(self, storage: PagedKVStorage, cpu_plan: CpuAttentionPlan | None = None,
+                 state: LinearStateStorage | None = None) -> None:
         """`cpu_plan`: which tokens the CPU kernel takes; None: what suits `storage`. Decided once here, not
         per call: a compiled step then traces only the path taken (and a CUDA or half-precision engine
-        never builds the kernel). The batch builder is given the same plan (`cpu_plan`)."""
+        never builds the kernel). The batch builder is given the same plan (`cpu_plan`). `state`: a hybrid
+        model's recurrent-state slots, which its linear-attention layers reach through `linear_states`."""
         self.storage = storage
+        self.state = state
         self.block_size = storage.block_size
         self.cpu_plan = cpu_plan if cpu_plan is not None else CpuAttentionPlan.for_storage(
             storage.key.device, storage.key.dtype, storage.fmt.quantized)
@@ -104,6 +108,11 @@ class PagedAttentionBackend:
             for group in meta.decode_groups:
                 out[group.token_index] = self._decode(layer_idx, q, group, layer)
         return out
+
+    def linear_states(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Linear-attention layer `layer_idx`'s (conv, recurrent) state over every slot (`LinearStateBackend`)."""
+        assert self.state is not None, "a linear-attention layer in a model without a state pool"
+        return self.state.layer(layer_idx)
 
     @staticmethod
     def _scale(q: torch.Tensor, layer: LayerAttention) -> float:

@@ -69,6 +69,7 @@ class BatchBuilder:
         self.sample_index: list[int] = []
         self.sample_rows: list[RunnerRequest] = []
         self.prompt_logprob_rows: list[PromptLogprobRows] = []
+        self.state_slots: list[int] = []  # a hybrid model's: each sequence's recurrent-state slot
         self.num_tokens = 0
 
     def add(self, state: RunnerRequest, num: int, pieces: list[ChunkPiece],
@@ -88,6 +89,8 @@ class BatchBuilder:
             blocks = np.asarray(state.block_ids[:num_blocks], dtype=np.int64)
             self.slots.append(blocks[idx // self.block_size] * self.block_size + idx % self.block_size)
         row = len(self.query_lens)
+        if state.state_slot is not None:
+            self.state_slots.append(state.state_slot)
         self.query_lens.append(num)
         self.context_lens.append(start)
         # the bidirectional spans this chunk's queries lie in (the chunk policy keeps each one whole)
@@ -156,6 +159,7 @@ class BatchBuilder:
                                   for t in self.prefill_tables],
             decode_rows=self.decode_rows, decode_groups=self._decode_groups(),
             kernel_tokens=None if self.kernel_tokens is None else self.kernel_tokens.build(),
+            state_slots=self.state_slots,
         )
         fusion = [(rows, dev(positions)) for rows, positions in self.fusion]
         return Batch(dev(np.concatenate(self.ids)), dev(np.concatenate(self.pos, axis=1)), attn, fusion,

@@ -222,6 +222,10 @@ class ModelRunner:
         scheduled = {rid: n for rid, n in sched.num_scheduled_tokens.items() if rid not in result.skipped}
         if scheduled:
             self._forward(scheduled, plans, result, inputs.token_bitmasks)
+        for rid, snapshot_id in sched.state_snapshots.items():  # states at block boundaries, for prefix hits
+            if rid in scheduled:
+                state = self.attention.state
+                state.copy(self.requests[rid].state_slot, state.snapshot_row(snapshot_id))
         self.last_step.total_s = time.perf_counter() - started
         return result
 
@@ -229,8 +233,14 @@ class ModelRunner:
         mm = None
         if prompt.item_keys and not prompt.cross_spans:  # cross-attended items fuse no prompt rows
             mm = MultimodalRuntimeData(prompt.embed_mask, prompt.embed_cumsum, list(prompt.item_rows))
+        state = self.attention.state
+        if new.state_slot is not None and new.state_restore is not None:  # a prefix hit resumes from a snapshot
+            state.copy(state.snapshot_row(new.state_restore), new.state_slot)
+        elif new.state_slot is not None:  # from zero (a new prompt, or one recomputed after a preemption)
+            state.clear(new.state_slot)
         return RunnerRequest(new.request_id, list(new.token_ids), new.num_prompt_tokens, prompt,
-                             new.sampling_params, list(new.block_ids), new.num_computed_tokens, mm)
+                             new.sampling_params, list(new.block_ids), new.num_computed_tokens, mm,
+                             state_slot=new.state_slot)
 
     def _plan(self, rid: str, num: int) -> list[ChunkPiece]:
         """The encoder rows this request's next `num` tokens fuse (none outside a multimodal prefill)."""

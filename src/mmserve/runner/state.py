@@ -66,6 +66,7 @@ class RunnerRequest:
     mm: MultimodalRuntimeData | None = None
     sampling: RequestSampling | None = None  # device-side sampling state, for requests whose options need it
     cross: CrossKV | None = None  # its cross-attention K/V, built at its first chunk (again after a preemption)
+    state_slot: int | None = None  # a hybrid model's recurrent-state slot
 
     @property
     def num_output_tokens(self) -> int:

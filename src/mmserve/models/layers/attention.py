@@ -71,6 +71,8 @@ class AttentionMetadata:
     # per sequence, its cross-attention inputs or None (no images: cross-attention layers skip it);
     # empty: no sequence cross-attends
     cross: list[CrossAttentionInputs | None] = field(default_factory=list)
+    # per sequence, its recurrent-state slot (a hybrid model's linear-attention layers); empty: no such layers
+    state_slots: list[int] = field(default_factory=list)
 
     @property
     def num_sequences(self) -> int:

@@ -1,5 +1,5 @@
-"""Rotary position embeddings: M-RoPE and plain 1-D RoPE for language models, 2-D axial RoPE for the
-vision tower.
+"""Rotary position embeddings: M-RoPE (sectioned, or interleaved as Qwen3-VL and Qwen3.5 have it) and plain 1-D
+RoPE for language models, 2-D axial RoPE for the vision tower.
 
 Positions arrive as CPU-built integer tensors; angles are computed in float32 (as the reference
 does) and rotate the full head dim ("rotate half" convention).
@@ -96,3 +96,16 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = positions.reshape(-1, 1).to(torch.float32) * self.inv_freq  # (num_tokens, head_dim/2)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class InterleavedMRotaryEmbedding(MRotaryEmbedding):
+    """M-RoPE with the (t, h, w) sections interleaved over the frequency bands, as Qwen3-VL does:
+    band j follows h when j % 3 == 1 and j < 3 * h_section, w when j % 3 == 2 and j < 3 * w_section,
+    and t otherwise."""
+
+    def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, int, int]) -> None:
+        super().__init__(head_dim, theta, mrope_section)
+        axis = torch.zeros(head_dim // 2, dtype=torch.long)
+        for row, offset in ((1, 1), (2, 2)):
+            axis[offset:3 * mrope_section[row]:3] = row
+        self.register_buffer("band_axis", axis, persistent=False)

@@ -15,6 +15,7 @@ from typing import Any
 from mmserve.errors import ModelLoadError
 from mmserve.models.config_reader import TEXT_KEYS as BASE_TEXT_KEYS
 from mmserve.models.config_reader import DecoderTextConfig, Key, read, rope_section, rope_type, token_ids
+from mmserve.models.vision.qwen3_vision_config import VISION_KEYS, Qwen3StyleConfig, VisionConfig
 
 QWEN3_VL = "Qwen3VLForConditionalGeneration"
 
@@ -38,63 +39,15 @@ class TextConfig(DecoderTextConfig):
 
 
 @dataclass(frozen=True)
-class VisionConfig:
-    depth: int
-    hidden_size: int  # width of the vision blocks
-    intermediate_size: int
-    num_heads: int
-    hidden_act: str
-    patch_size: int
-    temporal_patch_size: int
-    spatial_merge_size: int
-    in_channels: int
-    out_hidden_size: int  # width after the mergers (= the language model's hidden size)
-    num_position_embeddings: int  # a square grid of learned position embeddings
-    deepstack_visual_indexes: tuple[int, ...]  # blocks whose output a deepstack merger taps
-    rope_theta: float = 10000.0
-
-    def __post_init__(self) -> None:
-        if self.hidden_size % self.num_heads:
-            raise ModelLoadError(f"vision hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
-        side = int(self.num_position_embeddings ** 0.5)
-        if side * side != self.num_position_embeddings:
-            raise ModelLoadError(f"num_position_embeddings {self.num_position_embeddings} is not a square")
-        bad = [i for i in self.deepstack_visual_indexes if not 0 <= i < self.depth]
-        if bad:
-            raise ModelLoadError(f"deepstack_visual_indexes {bad} are outside the {self.depth} vision blocks")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_input_dim(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size
-
-    @property
-    def num_grid_per_side(self) -> int:
-        return int(self.num_position_embeddings ** 0.5)
-
-
-@dataclass(frozen=True)
-class Qwen3VLConfig:
-    architecture: str
+class Qwen3VLConfig(Qwen3StyleConfig):
     text: TextConfig
-    vision: VisionConfig
-    image_token_id: int
-    video_token_id: int
-    vision_start_token_id: int
-    vision_end_token_id: int
-    eos_token_ids: tuple[int, ...]
 
     @property
     def num_deepstack(self) -> int:
         return len(self.vision.deepstack_visual_indexes)
 
     def __post_init__(self) -> None:
-        if self.vision.out_hidden_size != self.text.hidden_size:
-            raise ModelLoadError(f"vision out_hidden_size {self.vision.out_hidden_size} != text hidden_size "
-                                 f"{self.text.hidden_size}")
+        super().__post_init__()
         if self.num_deepstack > self.text.num_hidden_layers:
             raise ModelLoadError(f"{self.num_deepstack} deepstack streams but only {self.text.num_hidden_layers} "
                                  "decoder layers to add them to")
@@ -109,11 +62,6 @@ def _rope(section: dict[str, Any], default_theta: float) -> dict[str, Any]:
 
 
 TEXT_KEYS = MappingProxyType({**BASE_TEXT_KEYS, "max_position_embeddings": Key(default=128000)})
-VISION_KEYS = MappingProxyType({
-    "hidden_act": Key(default="gelu_pytorch_tanh"), "patch_size": Key(default=16), "temporal_patch_size": Key(default=2),
-    "spatial_merge_size": Key(default=2), "in_channels": Key(default=3), "num_position_embeddings": Key(default=2304),
-    "deepstack_visual_indexes": Key(default=(8, 16, 24)),
-})
 
 
 def parse_config(raw: dict[str, Any]) -> Qwen3VLConfig:

@@ -11,8 +11,8 @@ from mmserve.inputs.items import IMAGE, VIDEO
 from mmserve.inputs.media import MediaLimits
 from mmserve.models.qwen3_vl.config import QWEN3_VL, Qwen3VLConfig, parse_config
 from mmserve.models.qwen3_vl.model import Qwen3VLForConditionalGeneration
-from mmserve.models.qwen3_vl.processor import Qwen3VLProcessor
 from mmserve.models.spec import FamilySpec, ItemSize, ModelFamily, PositionScheme
+from mmserve.models.vision.qwen3_processor import Qwen3VLProcessor
 
 
 def build_spec(config: Qwen3VLConfig, processor: Qwen3VLProcessor, limits: MediaLimits) -> FamilySpec:

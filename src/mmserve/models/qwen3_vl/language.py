@@ -9,24 +9,9 @@ What it does not know: images, requests, scheduling, sampling.
 
 from __future__ import annotations
 
-import torch
-
 from mmserve.models.layers.decoder import DecoderLM, DecoderOptions
-from mmserve.models.layers.rotary import MRotaryEmbedding
+from mmserve.models.layers.rotary import InterleavedMRotaryEmbedding
 from mmserve.models.qwen3_vl.config import TextConfig
-
-
-class InterleavedMRotaryEmbedding(MRotaryEmbedding):
-    """M-RoPE with the (t, h, w) sections interleaved over the frequency bands, as Qwen3-VL does:
-    band j follows h when j % 3 == 1 and j < 3 * h_section, w when j % 3 == 2 and j < 3 * w_section,
-    and t otherwise."""
-
-    def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, int, int]) -> None:
-        super().__init__(head_dim, theta, mrope_section)
-        axis = torch.zeros(head_dim // 2, dtype=torch.long)
-        for row, offset in ((1, 1), (2, 2)):
-            axis[offset:3 * mrope_section[row]:3] = row
-        self.register_buffer("band_axis", axis, persistent=False)
 
 
 def qwen3_language_model(cfg: TextConfig) -> DecoderLM:

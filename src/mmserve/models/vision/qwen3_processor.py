@@ -1,4 +1,4 @@
-"""Qwen3-VL input processor: resize and patchify media, expand placeholders, M-RoPE positions.
+"""The Qwen3-VL input processor (Qwen3.5 uses it unchanged): resize and patchify media, expand placeholders, M-RoPE positions.
 
 Role: the family's hooks on `MultimodalProcessor`. An image becomes a run of `<|image_pad|>` ids,
 one per merged row (Qwen2-VL's smart resize and patchify, with Qwen3-VL's preprocessor_config.json:
@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from PIL import Image
@@ -30,8 +30,8 @@ from mmserve.inputs.items import IMAGE, VIDEO, MMItem, PromptPositions
 from mmserve.inputs.media import MediaLimits
 from mmserve.inputs.processing import ItemExpansion, MultimodalProcessor
 from mmserve.inputs.tokenizer import TextTokenizer, read_json
-from mmserve.models.qwen3_vl.config import Qwen3VLConfig
-from mmserve.models.qwen3_vl.mrope import FrameRun, mrope_positions
+from mmserve.models.vision.qwen3_mrope import FrameRun, mrope_positions
+from mmserve.models.vision.qwen3_vision_config import VisionConfig
 from mmserve.models.vision.qwen_image_processor import (
     MAX_ASPECT_RATIO,
     ImageProcessorConfig,
@@ -104,12 +104,25 @@ class Qwen3VLVideoProcessor(Qwen2VLImageProcessor):
 
 
 
+class PromptConfig(Protocol):
+    """What the processor reads of a family's config (Qwen3-VL's and Qwen3.5's alike)."""
+
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    vision: VisionConfig
+
+    @property
+    def vocab_size(self) -> int: ...
+
+
 class Qwen3VLProcessor(MultimodalProcessor):
-    def __init__(self, model_dir: str | Path, config: Qwen3VLConfig, limits: MediaLimits | None = None,
+    def __init__(self, model_dir: str | Path, config: PromptConfig, limits: MediaLimits | None = None,
                  num_threads: int | None = None,
                  tokenizer: TextTokenizer | None = None) -> None:
         super().__init__(model_dir, {IMAGE: config.image_token_id, VIDEO: config.video_token_id},
-                         config.text.vocab_size, limits, tokenizer=tokenizer)
+                         config.vocab_size, limits, tokenizer=tokenizer)
         self.config = config
         self.merge = config.vision.spatial_merge_size
         self.image_processor = Qwen2VLImageProcessor(ImageProcessorConfig.from_dict(self.preprocessor_config),

@@ -1,4 +1,5 @@
-"""The Qwen3-VL vision tower: patches -> merged rows, plus one deepstack stream per tapped block.
+"""The Qwen3-VL vision tower (Qwen3.5's too, with no deepstack taps): patches -> merged rows, plus one
+deepstack stream per tapped block.
 
 Role: turn patchified pixels (num_patches, C*T*P*P) of one or more items, with each item's (t, h, w)
 patch grid, into (1 + num_deepstack, num_patches / merge**2, out_hidden) rows in item order: stream 0
@@ -14,6 +15,7 @@ What it does not know: tokens, prompts, caches, the language model.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,7 +23,7 @@ from torch import nn
 
 from mmserve.models.layers.activations import get_activation
 from mmserve.models.layers.rotary import VisionRotaryEmbedding
-from mmserve.models.qwen3_vl.config import VisionConfig
+from mmserve.models.vision.qwen3_vision_config import VisionConfig
 from mmserve.models.vision.segment_attention import (
     GridTHW,
     SegmentPlan,
@@ -139,3 +141,38 @@ class VisionTransformer(nn.Module):
                 streams[1 + order.index(i)] = self.deepstack_merger_list[taps_at[i]](x)
         streams[0] = self.merger(x)
         return torch.stack(streams)
+
+
+_PREFIXES = (("model.visual.", "visual."), ("model.language_model.", "language_model."),
+             ("lm_head.", "language_model.lm_head."))
+
+
+class Qwen3StyleCalls:
+    """What a Qwen3-VL-style family model does alike (mix in before LanguageModelCalls): encode items with its
+    `visual` tower, and map Hugging Face names (`model.visual.*`, `model.language_model.*`, `lm_head.*`)."""
+
+    config: Any
+    visual: VisionTransformer
+    encoder_device: torch.device
+
+    def encode_items(self, payloads: Sequence[Any]) -> list[torch.Tensor]:
+        """One (streams, rows, hidden) tensor per item (streams: 1 + deepstack taps): views into one output."""
+        pixels = torch.from_numpy(np.concatenate([p.pixel_values for p in payloads]))
+        grids = [p.grid_thw for p in payloads]
+        unit = self.config.vision.spatial_merge_size ** 2
+        streams = self.visual(pixels.to(self.encoder_device, non_blocking=True), grids)  # (streams, rows, hidden)
+        return list(streams.split([t * h * w // unit for t, h, w in grids], dim=1))
+
+    def _rename(self, hf_name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        """Hugging Face parameter name -> this module's name (before stacking), or None to skip it."""
+        name = hf_name
+        for prefix, ours in _PREFIXES:
+            if hf_name.startswith(prefix):
+                name = ours + hf_name[len(prefix):]
+                break
+        name = name.replace("visual.patch_embed.proj.", "visual.patch_embed.")
+        if name == "language_model.lm_head.weight" and self.config.text.tie_word_embeddings:
+            return None  # tied: the embedding matrix is the head
+        if name == "visual.patch_embed.weight":
+            tensor = tensor.reshape(tensor.shape[0], -1)  # (out, C, T, P, P) -> (out, C*T*P*P)
+        return name, tensor

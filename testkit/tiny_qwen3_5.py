@@ -1,0 +1,58 @@
+"""A tiny random Qwen3.5 checkpoint built at test time with transformers.
+
+Role: give the hybrid-model tests a real Hugging Face checkpoint directory (the files of
+`tiny_qwen3_vl.py`, with Qwen3.5's config): a decoder whose `layer_types` mix Gated DeltaNet and gated
+full-attention layers in an irregular order (not the released three-to-one repeat), GQA, grouped value heads
+in the DeltaNet layers, partial rotary with interleaved M-RoPE, and the Qwen3-VL vision tower without
+deepstack. `mtp=True` adds a multi-token-prediction head's tensors (`mtp.*`), as hub checkpoints carry.
+
+What it does not know: anything about mmserve; it only writes files the way Hugging Face does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from testkit.tiny_checkpoints import _randomize
+from testkit.tiny_qwen3_vl import media_token_ids, write_processor_files, write_tokenizer
+
+LAYER_TYPES = ("linear_attention", "full_attention", "linear_attention", "linear_attention", "full_attention")
+
+
+def build_qwen3_5_checkpoint(out_dir: Path, seed: int = 0, layer_types: tuple[str, ...] = LAYER_TYPES,
+                             mtp: bool = False) -> Path:
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    out_dir = Path(out_dir)
+    vocab_size, ids = write_tokenizer(out_dir)
+    text = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=len(layer_types),
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+                rms_norm_eps=1e-6, layer_types=list(layer_types), linear_conv_kernel_dim=4,
+                linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.5,
+                                 "mrope_section": [3, 3, 2], "mrope_interleaved": True},
+                bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                pad_token_id=ids["<|endoftext|>"])
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64, patch_size=16,
+                  temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=64,
+                  hidden_act="gelu_pytorch_tanh")
+    config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False, **media_token_ids(ids))
+    torch.manual_seed(seed)
+    model = Qwen3_5ForConditionalGeneration(config)
+    _randomize(model, seed)
+    with torch.no_grad():  # decays of a trained model's range (A in [1, 16], dt_bias small): a stable recurrence
+        for layer in model.model.language_model.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.A_log.uniform_(0.0, 2.7)
+                layer.linear_attn.dt_bias.uniform_(-1.0, 1.0)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if mtp:  # a hub checkpoint's MTP head, which transformers' model does not hold
+        weights = load_file(out_dir / "model.safetensors")
+        weights["mtp.fc.weight"] = torch.randn(64, 128)
+        weights["mtp.layers.0.input_layernorm.weight"] = torch.zeros(64)
+        save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
+    write_processor_files(out_dir, ids)
+    return out_dir
+
