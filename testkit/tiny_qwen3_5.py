@@ -14,16 +14,27 @@ from __future__ import annotations
 from pathlib import Path
 
 from testkit.tiny_checkpoints import _randomize
-from testkit.tiny_qwen3_vl import media_token_ids, write_processor_files, write_tokenizer
+from testkit.tiny_qwen3_vl import fuse_experts, media_token_ids, write_processor_files, write_tokenizer
 
 LAYER_TYPES = ("linear_attention", "full_attention", "linear_attention", "linear_attention", "full_attention")
 
 
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+
+
 def build_qwen3_5_checkpoint(out_dir: Path, seed: int = 0, layer_types: tuple[str, ...] = LAYER_TYPES,
-                             mtp: bool = False) -> Path:
+                             mtp: bool = False, moe: bool = False, fused_experts: bool = False) -> Path:
+    """`moe`: Qwen3.5-MoE (8 experts, top 2, a shared expert), its experts stored one by one
+    (`experts.{e}.gate_proj.weight`, ...) as transformers saves them and the hub has them, or with
+    `fused_experts` as transformers holds them in memory (`experts.gate_up_proj`, `experts.down_proj`)."""
     import torch
     from safetensors.torch import load_file, save_file
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers import (
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForConditionalGeneration,
+    )
 
     out_dir = Path(out_dir)
     vocab_size, ids = write_tokenizer(out_dir)
@@ -38,9 +49,13 @@ def build_qwen3_5_checkpoint(out_dir: Path, seed: int = 0, layer_types: tuple[st
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64, patch_size=16,
                   temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=64,
                   hidden_act="gelu_pytorch_tanh")
-    config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False, **media_token_ids(ids))
+    if moe:
+        text = {k: v for k, v in text.items() if k != "intermediate_size"} | MOE
+    config_class, model_class = ((Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration) if moe
+                                 else (Qwen3_5Config, Qwen3_5ForConditionalGeneration))
+    config = config_class(text_config=text, vision_config=vision, tie_word_embeddings=False, **media_token_ids(ids))
     torch.manual_seed(seed)
-    model = Qwen3_5ForConditionalGeneration(config)
+    model = model_class(config)
     _randomize(model, seed)
     with torch.no_grad():  # decays of a trained model's range (A in [1, 16], dt_bias small): a stable recurrence
         for layer in model.model.language_model.layers:
@@ -48,10 +63,13 @@ def build_qwen3_5_checkpoint(out_dir: Path, seed: int = 0, layer_types: tuple[st
                 layer.linear_attn.A_log.uniform_(0.0, 2.7)
                 layer.linear_attn.dt_bias.uniform_(-1.0, 1.0)
     model.save_pretrained(out_dir, safe_serialization=True)
-    if mtp:  # a hub checkpoint's MTP head, which transformers' model does not hold
+    if mtp or fused_experts:
         weights = load_file(out_dir / "model.safetensors")
-        weights["mtp.fc.weight"] = torch.randn(64, 128)
-        weights["mtp.layers.0.input_layernorm.weight"] = torch.zeros(64)
+        if mtp:  # a hub checkpoint's MTP head, which transformers' model does not hold
+            weights["mtp.fc.weight"] = torch.randn(64, 128)
+            weights["mtp.layers.0.input_layernorm.weight"] = torch.zeros(64)
+        if fused_experts:
+            weights = fuse_experts(weights)
         save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
     write_processor_files(out_dir, ids)
     return out_dir

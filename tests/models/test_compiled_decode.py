@@ -48,7 +48,7 @@ def test_compiled_decode_gives_the_eager_tokens_for_every_family(served_family, 
                                                                                      use_tqdm=False)]
     before = _compiled_graphs()
     llm = LLM(str(served_model_dir), compile_cpu_decode=True, decode_graph_batch_sizes=(1, 2, 4), **ARGS)
-    if llm.engine.spec.linear_state is not None:  # a hybrid model's state layers decode eagerly, asked or not
+    if llm.engine.spec.eager_decode is not None:  # state layers or sparse experts: eager, asked or not
         assert llm.engine.inspect().graphs.decode is None and _compiled_graphs() == before
         assert _served(llm, _chats()) == want
         return

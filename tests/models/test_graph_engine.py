@@ -101,6 +101,6 @@ def test_decode_graphs_for_every_family(served_family, served_model_dir, device)
     assert [o.outputs[0].token_ids for part in parts for o in llm.chat(part, GREEDY, use_tqdm=False)] == want
     graphs = llm.engine.inspect().graphs
     # a hybrid model's state layers decode eagerly, graphs asked or not
-    assert graphs.decode is None if llm.engine.spec.linear_state is not None else graphs.decode.num_replays > 0
+    assert graphs.decode is None if llm.engine.spec.eager_decode is not None else graphs.decode.num_replays > 0
     has_layout = served_family in ("qwen2_vl", "qwen2_5_vl")  # the towers with a graph layout
     assert (graphs.encoder is not None) == has_layout

@@ -14,7 +14,7 @@ from testkit.conversations import GREEDY, NUM_TOKENS, parity_workload
 MIXED = (0, 3, 6, 8, 10, 12, 13, 14)
 # blocks small enough that the mixed batch preempts: an mllama image is one prompt token, so its prompts are short
 # (a hybrid model's prefix hit needs its state snapshot's block still cached: 24 blocks evict every one of them)
-NUM_KV_BLOCKS = {"mllama": 8, "qwen3_5": 40}
+NUM_KV_BLOCKS = {"mllama": 8, "qwen3_5": 40, "qwen3_5_moe": 40}
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])

@@ -100,7 +100,7 @@ def assemble(config: EngineConfig, faults: FaultPlan) -> EngineParts:
     graphs = resolve_runner_graphs(config, encoder_tokens_per_step=budget.max_encoder_tokens_per_step,
                                    encoder_items_per_step=budget.max_items_per_step,
                                    num_kv_blocks=num_blocks, max_model_len=max_model_len,
-                                   num_position_rows=spec.num_position_rows, hybrid=state_slots is not None)
+                                   num_position_rows=spec.num_position_rows, eager_decode=spec.eager_decode)
     # decode graphs' padding rows write to a scratch block after the ones the KV manager hands out
     kv_storage = PagedKVStorage(spec.num_layers, num_blocks + graphs.num_scratch_blocks, config.cache.block_size,
                                 spec.num_kv_heads, spec.head_dim, fmt, loaded.device)

@@ -34,9 +34,9 @@ class RunnerGraphs:
 
 def resolve_runner_graphs(config: EngineConfig, *, encoder_tokens_per_step: int, encoder_items_per_step: int,
                           num_kv_blocks: int, max_model_len: int, num_position_rows: int,
-                          hybrid: bool = False) -> RunnerGraphs:
-    """`num_kv_blocks`: the blocks the KV manager hands out; the scratch block is the one after them. `hybrid`:
-    a model with recurrent-state layers, whose decode steps run eagerly (no captured or compiled step)."""
+                          eager_decode: str | None = None) -> RunnerGraphs:
+    """`num_kv_blocks`: the blocks the KV manager hands out; the scratch block is the one after them.
+    `eager_decode`: why the family's decode steps run eagerly (`FamilySpec.eager_decode`), or None."""
     graphs, device_type = config.graphs, config.device.split(":")[0]
     encoder = None
     if graphs.encoder_graphs_on(device_type):
@@ -47,8 +47,8 @@ def resolve_runner_graphs(config: EngineConfig, *, encoder_tokens_per_step: int,
                                            graphs.encoder_graph_memory_bytes, graphs.encoder_graph_buckets)
     decode = None
     compile_mode = graphs.cpu_decode_compile(device_type, config.cache.kv_cache_dtype)
-    if hybrid and (compile_mode != "off" or graphs.decode_graphs_on(device_type, config.cache.kv_cache_dtype)):
-        logger.info("decode steps: eager, a hybrid model's state layers are not captured or compiled")
+    if eager_decode and (compile_mode != "off" or graphs.decode_graphs_on(device_type, config.cache.kv_cache_dtype)):
+        logger.info("decode steps: eager, not captured or compiled (%s)", eager_decode)
     elif graphs.decode_graphs_on(device_type, config.cache.kv_cache_dtype):
         max_num_seqs = config.scheduler.max_num_seqs
         sizes = graphs.decode_graph_batch_sizes or decode_batch_sizes(max_num_seqs)

@@ -102,6 +102,9 @@ class FamilySpec:
     # a hybrid family's linear-attention layers, whose per-request state lives in slots (None: every layer
     # keeps KV)
     linear_state: LinearStateLayout | None = None
+    # why the decode step cannot be captured or compiled (state layers, sparse experts' data-dependent
+    # routing): it runs eagerly; None: it can be
+    eager_decode: str | None = None
 
     @classmethod
     def for_decoder(cls, name: str, text: DecoderTextConfig, *, eos_token_ids: tuple[int, ...],

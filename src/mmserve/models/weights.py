@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mmserve.models.layers.moe import PerExpertWeights
+
 # hf name, tensor -> (our name, tensor) or None to skip the tensor
 Rename = Callable[[str, torch.Tensor], tuple[str, torch.Tensor] | None]
 # stacked parameter name, parameter -> the sizes of its shards along dim 0
@@ -111,6 +113,7 @@ class CheckpointWeights:
     `_rename(hf_name, tensor)` and a `config.text` with the language model's head layout."""
 
     config: Any
+    stacked: Sequence[StackedParam] = QKV_GATE_UP  # a family with more stacked projections lists them all
 
     def _rename(self, hf_name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
         raise NotImplementedError
@@ -119,11 +122,15 @@ class CheckpointWeights:
         return decoder_shard_sizes(name, param, self.config.text)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[set[str], list[str]]:
-        """Copy checkpoint tensors in. Returns (names of our parameters filled, unexpected hf names).
+        """Copy checkpoint tensors in. Returns (names of our parameters filled, unexpected hf names). Experts
+        stored one by one (`experts.{e}.gate_proj.weight`) fill a sparse block's fused tensors.
 
         Raises ValueError naming the tensor on a shape mismatch."""
-        return load_weights(self, weights, self._rename, QKV_GATE_UP, self._shard_sizes)
+        per_expert = PerExpertWeights(self)
+        loaded, unexpected = load_weights(self, per_expert.take(weights, self._rename), self._rename, self.stacked,
+                                          self._shard_sizes)
+        return loaded | per_expert.complete(), unexpected + per_expert.unexpected
 
     def expected_weight_names(self) -> set[str]:
         """What `load_weights` must have filled for the model to be complete."""
-        return expected_weight_names(self, QKV_GATE_UP)
+        return expected_weight_names(self, self.stacked)

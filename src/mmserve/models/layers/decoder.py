@@ -3,8 +3,8 @@
 Role: embeddings, pre-norm decoder layers (fused q/k/v with grouped-query attention through an
 `AttentionBackend`, a gated MLP), the final norm and the LM head, over a flattened, unpadded batch.
 What differs between families is a choice, not a copy: q/k/v and output biases, per-head q/k
-RMSNorm (Qwen3), the rotary table (M-RoPE, interleaved M-RoPE, 1-D), and extra embedding streams
-added after the first layers (Qwen3-VL's deepstack). Parameter names follow Hugging Face's Qwen2/3
+RMSNorm (Qwen3), the rotary table (M-RoPE, interleaved M-RoPE, 1-D), extra embedding streams
+added after the first layers (Qwen3-VL's deepstack), and sparse expert MLPs in some layers (Qwen3-VL-MoE). Parameter names follow Hugging Face's Qwen2/3
 layout, so the families' weight mapping stays a prefix rename.
 
 What it does not know: images, requests, scheduling, sampling, any family's config format (it
@@ -21,8 +21,19 @@ from torch import nn
 from mmserve.models.config_reader import DecoderTextConfig
 from mmserve.models.layers.attention import AttentionBackend, AttentionMetadata, LayerAttention
 from mmserve.models.layers.mlp import GatedMLP
+from mmserve.models.layers.moe import SparseMoeBlock
 from mmserve.models.layers.norms import RMSNorm
 from mmserve.models.layers.rotary import apply_rotary
+
+
+@dataclass(frozen=True)
+class MoeOptions:
+    """Sparse MLPs (`layers/moe.py`) in the layers listed; the others keep the dense MLP."""
+
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    sparse_layers: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -31,6 +42,7 @@ class DecoderOptions:
     o_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before the rotary
     sliding_window: int | None = None  # Mistral: every layer attends over the last this-many positions
+    moe: MoeOptions | None = None  # Qwen3-VL-MoE: sparse expert MLPs
 
 
 class Attention(nn.Module):
@@ -69,7 +81,10 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderTextConfig, layer_idx: int, options: DecoderOptions) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx, options)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=False)
+        moe = options.moe
+        self.mlp = SparseMoeBlock(cfg.hidden_size, moe.num_experts, moe.top_k, moe.moe_intermediate_size,
+                                  cfg.hidden_act) if moe is not None and layer_idx in moe.sparse_layers \
+            else GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=False)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

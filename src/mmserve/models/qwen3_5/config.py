@@ -29,6 +29,8 @@ from mmserve.models.config_reader import (
 from mmserve.models.vision.qwen3_vision_config import VISION_KEYS, Qwen3StyleConfig, VisionConfig
 
 QWEN3_5 = "Qwen3_5ForConditionalGeneration"
+QWEN3_5_MOE = "Qwen3_5MoeForConditionalGeneration"
+ARCHITECTURES = (QWEN3_5, QWEN3_5_MOE)
 LINEAR, FULL = "linear_attention", "full_attention"
 
 
@@ -44,9 +46,20 @@ class TextConfig(DecoderTextConfig):
     linear_value_head_dim: int = 128
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32
+    num_experts: int = 0  # MoE (Qwen3.5-MoE): every layer's MLP is a sparse block with a shared expert
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ModelLoadError(f"num_experts_per_tok {self.num_experts_per_tok} must be in [1, num_experts "
+                                 f"{self.num_experts}]")
+        if self.num_experts and self.moe_intermediate_size < 1:
+            raise ModelLoadError("moe_intermediate_size must be set for a model with experts")
+        if not self.num_experts and self.intermediate_size < 1:
+            raise ModelLoadError("intermediate_size must be set for a model without experts")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ModelLoadError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} "
                                  "num_hidden_layers")
@@ -98,7 +111,8 @@ def parse_text(t: dict[str, Any], raw: dict[str, Any]) -> TextConfig:
     if rope_type(rope) not in ("default", "mrope"):
         raise ModelLoadError(f"unsupported rope_type {rope_type(rope)!r}")
     layers = int(t.get("num_hidden_layers", 0))
-    return read(TextConfig, t, {**TEXT_KEYS, "max_position_embeddings": Key(default=262144)},
+    return read(TextConfig, t, {**TEXT_KEYS, "max_position_embeddings": Key(default=262144),
+                                "intermediate_size": Key(default=0)},
                 rope_theta=float(rope.get("rope_theta", t.get("rope_theta", 10_000_000.0))),
                 mrope_section=tuple(int(x) for x in rope.get("mrope_section", (11, 11, 10))),
                 partial_rotary_factor=float(rope.get("partial_rotary_factor", t.get("partial_rotary_factor", 0.25))),
@@ -110,8 +124,8 @@ def parse_config(raw: dict[str, Any]) -> Qwen35Config:
     """Build a Qwen35Config from a config.json dict."""
     archs = raw.get("architectures") or []
     arch = archs[0] if archs else ""
-    if arch != QWEN3_5:
-        raise ModelLoadError(f"unsupported architecture {arch!r}; supported: {QWEN3_5}")
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(f"unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
     t = raw.get("text_config") or {}
     text = parse_text(t, raw)
     v = raw.get("vision_config") or {}

@@ -13,7 +13,7 @@ from types import MappingProxyType
 
 from mmserve.inputs.items import IMAGE, VIDEO
 from mmserve.inputs.media import MediaLimits
-from mmserve.models.qwen3_5.config import QWEN3_5, Qwen35Config, TextConfig, parse_config
+from mmserve.models.qwen3_5.config import QWEN3_5, QWEN3_5_MOE, Qwen35Config, TextConfig, parse_config
 from mmserve.models.qwen3_5.model import Qwen35ForConditionalGeneration
 from mmserve.models.spec import FamilySpec, ItemSize, LinearStateLayout, ModelFamily, PositionScheme
 from mmserve.models.vision.qwen3_processor import Qwen3VLProcessor
@@ -30,12 +30,15 @@ def build_spec(config: Qwen35Config, processor: Qwen3VLProcessor, limits: MediaL
     unit = config.vision.spatial_merge_size ** 2
     patches = processor.largest_item_patches(limits.max_video_frames)
     spec = FamilySpec.for_decoder(
-        "qwen3_5", config.text, eos_token_ids=config.eos_token_ids, default_video_fps=processor.default_video_fps,
+        "qwen3_5_moe" if config.text.num_experts else "qwen3_5", config.text, eos_token_ids=config.eos_token_ids, default_video_fps=processor.default_video_fps,
         num_embedding_streams=1, largest_item={m: ItemSize(patches[m], patches[m] // unit) for m in (IMAGE, VIDEO)},
-        position_scheme=PositionScheme.MROPE, linear_state=linear_state_layout(config.text))
+        position_scheme=PositionScheme.MROPE, linear_state=linear_state_layout(config.text),
+        eager_decode="a hybrid model's state layers" + (" and sparse experts" if config.text.num_experts else ""))
     return replace(spec, num_layers=len(config.text.full_layers))  # KV: the full-attention layers only
 
 
 FAMILIES = MappingProxyType({
     QWEN3_5: ModelFamily("qwen3_5", parse_config, Qwen35ForConditionalGeneration, Qwen3VLProcessor, build_spec),
+    QWEN3_5_MOE: ModelFamily("qwen3_5_moe", parse_config, Qwen35ForConditionalGeneration, Qwen3VLProcessor,
+                             build_spec),
 })

@@ -24,6 +24,7 @@ from torch import nn
 from mmserve.models.layers.attention import AttentionBackend, AttentionMetadata, LayerAttention
 from mmserve.models.layers.gated_deltanet import GatedDeltaNet, LinearStateBackend
 from mmserve.models.layers.mlp import GatedMLP
+from mmserve.models.layers.moe import SparseMoeBlock
 from mmserve.models.layers.rotary import InterleavedMRotaryEmbedding, rotate_half
 from mmserve.models.qwen3_5.config import LINEAR, TextConfig
 
@@ -93,7 +94,9 @@ class HybridLayer(nn.Module):
                                              cfg.linear_conv_kernel_dim, cfg.rms_norm_eps, kind)
         else:
             self.self_attn = GatedAttention(cfg, kind)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=False)
+        self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                                  cfg.hidden_act, cfg.shared_expert_intermediate_size) if cfg.num_experts \
+            else GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=False)
         self.input_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

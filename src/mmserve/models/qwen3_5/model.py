@@ -12,8 +12,6 @@ What it does not know: files, tokenizers, scheduling, where KV and state live.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
@@ -21,7 +19,7 @@ from mmserve.models.family_model import LanguageModelCalls
 from mmserve.models.qwen3_5.config import Qwen35Config
 from mmserve.models.qwen3_5.language import HybridLM
 from mmserve.models.vision.qwen3_vision import Qwen3StyleCalls, VisionTransformer
-from mmserve.models.weights import QKV_GATE_UP, StackedParam, even_shards, expected_weight_names, load_weights
+from mmserve.models.weights import QKV_GATE_UP, StackedParam, even_shards
 
 STACKED = (*QKV_GATE_UP,
            StackedParam(".in_proj_qkv.", ".in_proj.", 0), StackedParam(".in_proj_z.", ".in_proj.", 1),
@@ -29,6 +27,7 @@ STACKED = (*QKV_GATE_UP,
 
 
 class Qwen35ForConditionalGeneration(Qwen3StyleCalls, LanguageModelCalls, nn.Module):
+    stacked = STACKED
     def __init__(self, config: Qwen35Config) -> None:
         super().__init__()
         self.config = config
@@ -46,9 +45,3 @@ class Qwen35ForConditionalGeneration(Qwen3StyleCalls, LanguageModelCalls, nn.Mod
             if hasattr(owner, "shard_sizes"):
                 return owner.shard_sizes()
         return even_shards(name, param, 3 if ".qkv_proj." in name else 2)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[set[str], list[str]]:
-        return load_weights(self, weights, self._rename, STACKED, self._shard_sizes)
-
-    def expected_weight_names(self) -> set[str]:
-        return expected_weight_names(self, STACKED)

@@ -18,6 +18,7 @@ from mmserve.models.config_reader import DecoderTextConfig, Key, read, rope_sect
 from mmserve.models.vision.qwen3_vision_config import VISION_KEYS, Qwen3StyleConfig, VisionConfig
 
 QWEN3_VL = "Qwen3VLForConditionalGeneration"
+QWEN3_VL_MOE = "Qwen3VLMoeForConditionalGeneration"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,9 +28,26 @@ class TextConfig(DecoderTextConfig):
     rope_theta: float
     mrope_section: tuple[int, int, int]  # frequency bands driven by t, h, w (interleaved)
     attention_bias: bool = False
+    num_experts: int = 0  # Qwen3-VL-MoE: sparse MLPs in every `decoder_sparse_step`-th layer not in mlp_only_layers
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        if not self.num_experts:
+            return ()
+        return tuple(i for i in range(self.num_hidden_layers)
+                     if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ModelLoadError(f"num_experts_per_tok {self.num_experts_per_tok} must be in [1, num_experts "
+                                 f"{self.num_experts}]")
+        if self.num_experts and self.decoder_sparse_step < 1:
+            raise ModelLoadError(f"decoder_sparse_step {self.decoder_sparse_step} must be at least 1")
         # the model's own bound (transformers' Qwen3VLTextRotaryEmbedding): three sections; the h and w
         # bands interleave at 1, 4, ... and 2, 5, ... up to 3 * section, clipped to head_dim / 2 bands,
         # and every other band follows t: no sum and no upper bound is required
@@ -61,15 +79,16 @@ def _rope(section: dict[str, Any], default_theta: float) -> dict[str, Any]:
     return params
 
 
-TEXT_KEYS = MappingProxyType({**BASE_TEXT_KEYS, "max_position_embeddings": Key(default=128000)})
+TEXT_KEYS = MappingProxyType({**BASE_TEXT_KEYS, "max_position_embeddings": Key(default=128000),
+                              "num_experts": Key(names=("num_experts", "num_local_experts"))})  # (as transformers writes it)
 
 
 def parse_config(raw: dict[str, Any]) -> Qwen3VLConfig:
     """Build a Qwen3VLConfig from a config.json dict."""
     archs = raw.get("architectures") or []
     arch = archs[0] if archs else ""
-    if arch != QWEN3_VL:
-        raise ModelLoadError(f"unsupported architecture {arch!r}; supported: {QWEN3_VL}")
+    if arch not in (QWEN3_VL, QWEN3_VL_MOE):
+        raise ModelLoadError(f"unsupported architecture {arch!r}; supported: {QWEN3_VL}, {QWEN3_VL_MOE}")
     t = raw.get("text_config") or {}
     rope = _rope(t, 5_000_000.0)
     text = read(TextConfig, t, TEXT_KEYS, rope_theta=float(rope["rope_theta"]),

@@ -9,7 +9,7 @@ What it does not know: images, requests, scheduling, sampling.
 
 from __future__ import annotations
 
-from mmserve.models.layers.decoder import DecoderLM, DecoderOptions
+from mmserve.models.layers.decoder import DecoderLM, DecoderOptions, MoeOptions
 from mmserve.models.layers.rotary import InterleavedMRotaryEmbedding
 from mmserve.models.qwen3_vl.config import TextConfig
 
@@ -17,5 +17,7 @@ from mmserve.models.qwen3_vl.config import TextConfig
 def qwen3_language_model(cfg: TextConfig) -> DecoderLM:
     """Qwen3: per-head q/k RMSNorm, `attention_bias` on q/k/v and the output, interleaved M-RoPE; the
     deepstack streams arrive as the decoder's extra streams."""
+    moe = MoeOptions(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.sparse_layers) \
+        if cfg.num_experts else None
     return DecoderLM(cfg, InterleavedMRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section),
-                     DecoderOptions(qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=True))
+                     DecoderOptions(qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=True, moe=moe))
