@@ -23,10 +23,12 @@ MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, share
 
 
 def build_qwen3_5_checkpoint(out_dir: Path, seed: int = 0, layer_types: tuple[str, ...] = LAYER_TYPES,
-                             mtp: bool = False, moe: bool = False, fused_experts: bool = False) -> Path:
+                             mtp: bool = False, moe: bool = False, fused_experts: bool = False,
+                             text_overrides: dict | None = None, randomize=None) -> Path:
     """`moe`: Qwen3.5-MoE (8 experts, top 2, a shared expert), its experts stored one by one
     (`experts.{e}.gate_proj.weight`, ...) as transformers saves them and the hub has them, or with
-    `fused_experts` as transformers holds them in memory (`experts.gate_up_proj`, `experts.down_proj`)."""
+    `fused_experts` as transformers holds them in memory (`experts.gate_up_proj`, `experts.down_proj`). `text_overrides`: text config fields to change (a sized
+    benchmark model); `randomize(model, seed)`: instead of the tests' weights."""
     import torch
     from safetensors.torch import load_file, save_file
     from transformers import (
@@ -51,12 +53,14 @@ def build_qwen3_5_checkpoint(out_dir: Path, seed: int = 0, layer_types: tuple[st
                   hidden_act="gelu_pytorch_tanh")
     if moe:
         text = {k: v for k, v in text.items() if k != "intermediate_size"} | MOE
+    text |= {k: v for k, v in (text_overrides or {}).items() if not (moe and k == "intermediate_size")}
+    vision["out_hidden_size"] = text["hidden_size"]
     config_class, model_class = ((Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration) if moe
                                  else (Qwen3_5Config, Qwen3_5ForConditionalGeneration))
     config = config_class(text_config=text, vision_config=vision, tie_word_embeddings=False, **media_token_ids(ids))
     torch.manual_seed(seed)
     model = model_class(config)
-    _randomize(model, seed)
+    (randomize or _randomize)(model, seed)
     with torch.no_grad():  # decays of a trained model's range (A in [1, 16], dt_bias small): a stable recurrence
         for layer in model.model.language_model.layers:
             if hasattr(layer, "linear_attn"):

@@ -92,10 +92,11 @@ class GatedDeltaNet(nn.Module):
         slots = meta.state_slots
         if all(n == 1 for n in meta.query_lens):  # decodes only: one batched recurrent step
             index = torch.tensor(slots, dtype=torch.long, device=x.device)
-            mixed, new_conv = delta_rule.causal_conv_step(mixed, conv_state[index], weight)
+            mixed, new_conv = delta_rule.causal_conv_step(mixed, conv_state.index_select(0, index), weight)
             conv_state.index_copy_(0, index, new_conv)
             q, k, v = self._heads(mixed)
-            out, new_state = delta_rule.recurrent_delta_step(q, k, v, g_log, beta, recurrent_state[index])
+            out, new_state = delta_rule.recurrent_delta_step(q, k, v, g_log, beta,
+                                                             recurrent_state.index_select(0, index))
             recurrent_state.index_copy_(0, index, new_state.to(recurrent_state.dtype))
         else:
             pieces, start = [], 0
