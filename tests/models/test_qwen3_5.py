@@ -49,6 +49,7 @@ def _with_text_config(model_dir, tmp_path, **changes):
     (dict(num_key_value_heads=3), "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
     (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.0}),
      "partial_rotary_factor"),
+    (dict(num_experts=4, num_experts_per_tok=8, moe_intermediate_size=32), "num_experts_per_tok 8 must be in"),
 ])
 def test_a_config_it_cannot_serve_fails_at_load_naming_the_field(tmp_path, changes, field):
     model_dir = build_qwen3_5_checkpoint(tmp_path / "base", seed=0)

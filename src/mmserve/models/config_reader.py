@@ -161,3 +161,9 @@ def rope_section(section: Mapping[str, Any]) -> dict[str, Any]:
 
 def rope_type(params: Mapping[str, Any]) -> str:
     return params.get("rope_type", params.get("type", "default"))
+
+
+def check_experts(num_experts: int, num_experts_per_tok: int) -> None:
+    """A sparse-MLP config's expert counts (0 experts: a dense model, nothing to check)."""
+    if num_experts and not 1 <= num_experts_per_tok <= num_experts:
+        raise ModelLoadError(f"num_experts_per_tok {num_experts_per_tok} must be in [1, num_experts {num_experts}]")

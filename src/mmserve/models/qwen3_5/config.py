@@ -21,6 +21,7 @@ from mmserve.models.config_reader import (
     TEXT_KEYS,
     DecoderTextConfig,
     Key,
+    check_experts,
     read,
     rope_section,
     rope_type,
@@ -53,9 +54,7 @@ class TextConfig(DecoderTextConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ModelLoadError(f"num_experts_per_tok {self.num_experts_per_tok} must be in [1, num_experts "
-                                 f"{self.num_experts}]")
+        check_experts(self.num_experts, self.num_experts_per_tok)
         if self.num_experts and self.moe_intermediate_size < 1:
             raise ModelLoadError("moe_intermediate_size must be set for a model with experts")
         if not self.num_experts and self.intermediate_size < 1:

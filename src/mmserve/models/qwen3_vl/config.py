@@ -14,7 +14,15 @@ from typing import Any
 
 from mmserve.errors import ModelLoadError
 from mmserve.models.config_reader import TEXT_KEYS as BASE_TEXT_KEYS
-from mmserve.models.config_reader import DecoderTextConfig, Key, read, rope_section, rope_type, token_ids
+from mmserve.models.config_reader import (
+    DecoderTextConfig,
+    Key,
+    check_experts,
+    read,
+    rope_section,
+    rope_type,
+    token_ids,
+)
 from mmserve.models.vision.qwen3_vision_config import VISION_KEYS, Qwen3StyleConfig, VisionConfig
 
 QWEN3_VL = "Qwen3VLForConditionalGeneration"
@@ -43,9 +51,7 @@ class TextConfig(DecoderTextConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ModelLoadError(f"num_experts_per_tok {self.num_experts_per_tok} must be in [1, num_experts "
-                                 f"{self.num_experts}]")
+        check_experts(self.num_experts, self.num_experts_per_tok)
         if self.num_experts and self.decoder_sparse_step < 1:
             raise ModelLoadError(f"decoder_sparse_step {self.decoder_sparse_step} must be at least 1")
         # the model's own bound (transformers' Qwen3VLTextRotaryEmbedding): three sections; the h and w
