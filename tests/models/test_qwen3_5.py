@@ -67,3 +67,30 @@ def test_the_state_budget_is_logged_and_taken_from_the_kv_budget(tmp_path, caplo
     # the KV blocks got what the slots and snapshots left: 2 full-attention layers of 2 kv heads x 32 dims
     per_block = 2 * 2 * 2 * 32 * 4 * 16
     assert stats["kv_blocks_total"] * per_block <= (8 << 20) - 4 * llm.engine.scheduler.states.slots.layout.bytes_per_slot
+
+
+def test_two_long_prompts_sharing_a_prefix_resume_from_a_chunk_boundary_snapshot(all_checkpoints):
+    """Two ~1.8k-token prompts sharing all but their last words, prefilled in 64-token chunks: the second resumes
+    from the state the first left at a chunk boundary inside the shared part, and answers as transformers
+    does (and as an engine without the prefix cache does)."""
+    from testkit.conversations import GREEDY
+    from testkit.families import FAMILIES
+    from tests.models.helpers import reference_inputs
+
+    model_dir = all_checkpoints["qwen3_5"]
+    shared = " ".join(f"item {i} is {'red' if i % 3 else 'blue'}" for i in range(180))
+    chats = [[{"role": "user", "content": shared + ending}] for ending in (" What is item 7?", " Count the blue.")]
+    llm = LLM(str(model_dir), max_num_batched_tokens=64)
+    first = llm.chat(chats[:1], GREEDY, use_tqdm=False)[0]
+    second = llm.chat(chats[1:], GREEDY, use_tqdm=False)[0]
+    llm.check_integrity()
+    assert len(first.prompt_token_ids) > 1000 and 0 < second.num_cached_tokens < len(second.prompt_token_ids)
+    assert second.num_cached_tokens % 64 == 0, second.num_cached_tokens  # a chunk boundary, not the prompt end
+    fresh = LLM(str(model_dir), enable_prefix_caching=False).chat(chats[1:], GREEDY, use_tqdm=False)[0]
+    assert list(second.outputs[0].token_ids) == list(fresh.outputs[0].token_ids)
+    inputs = reference_inputs(model_dir, "qwen3_5", chats[1])
+    reference = FAMILIES["qwen3_5"].reference_class().from_pretrained(model_dir).eval()
+    num = len(fresh.outputs[0].token_ids)
+    with torch.no_grad():
+        want = reference.generate(**inputs, max_new_tokens=num, min_new_tokens=num, do_sample=False)
+    assert list(second.outputs[0].token_ids) == want[0, inputs["input_ids"].shape[1]:].tolist()
