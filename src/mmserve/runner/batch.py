@@ -160,6 +160,7 @@ class BatchBuilder:
             decode_rows=self.decode_rows, decode_groups=self._decode_groups(),
             kernel_tokens=None if self.kernel_tokens is None else self.kernel_tokens.build(),
             state_slots=self.state_slots,
+            state_slot_index=dev(np.asarray(self.state_slots, dtype=np.int64)) if self.state_slots else None,
         )
         fusion = [(rows, dev(positions)) for rows, positions in self.fusion]
         return Batch(dev(np.concatenate(self.ids)), dev(np.concatenate(self.pos, axis=1)), attn, fusion,

@@ -73,6 +73,8 @@ class AttentionMetadata:
     cross: list[CrossAttentionInputs | None] = field(default_factory=list)
     # per sequence, its recurrent-state slot (a hybrid model's linear-attention layers); empty: no such layers
     state_slots: list[int] = field(default_factory=list)
+    # the same slots as an int64 tensor on the model's device, built once per step (None: built by the layer)
+    state_slot_index: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:

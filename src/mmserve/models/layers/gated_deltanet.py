@@ -91,7 +91,8 @@ class GatedDeltaNet(nn.Module):
         g_log = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # (num_tokens, heads), <= 0
         slots = meta.state_slots
         if all(n == 1 for n in meta.query_lens):  # decodes only: one batched recurrent step
-            index = torch.tensor(slots, dtype=torch.long, device=x.device)
+            index = meta.state_slot_index if meta.state_slot_index is not None else \
+                torch.tensor(slots, dtype=torch.long, device=x.device)
             mixed, new_conv = delta_rule.causal_conv_step(mixed, conv_state.index_select(0, index), weight)
             conv_state.index_copy_(0, index, new_conv)
             q, k, v = self._heads(mixed)
