@@ -206,9 +206,10 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     VllmArg("response_role", OK, "the answer's role", accepted_values=("assistant",), server_only=True),
     VllmArg("return_tokens_as_token_ids", W, "logprobs name tokens as 'token_id:N'", switch=True, server_only=True),
     VllmArg("enable_auto_tool_choice", W, "tool_choice auto (always on)", switch=True, server_only=True),
-    VllmArg("tool_call_parser", W, "hermes: <tool_call>{json}</tool_call>, the syntax the chat templates render",
-            server_only=True, example=("hermes",)),
-    VllmArg("tool_parser_plugin", NO, "mmserve imports no user code; the hermes syntax is built in",
+    VllmArg("tool_call_parser", W, "hermes (<tool_call>{json}</tool_call>) or qwen3_xml / qwen3_coder "
+            "(<function=...><parameter=...>); auto: the syntax the chat template renders", server_only=True,
+            example=("qwen3_xml",)),
+    VllmArg("tool_parser_plugin", NO, "mmserve imports no user code; the hermes and qwen3_xml syntaxes are built in",
             server_only=True),
     VllmArg("reasoning_parser", W, "a thinking template's thought is returned as reasoning, whatever the name",
             server_only=True, example=("qwen3",)),

@@ -99,3 +99,9 @@ def test_serve_help_gives_every_flag_a_line_with_its_choices_and_real_default(ca
     for action in serve._actions:
         if action.option_strings and action.dest != "help":
             assert action.help, f"{action.option_strings[0]} has no help"
+
+
+def test_a_tool_call_parser_mmserve_cannot_read_is_refused_before_the_model_loads(capsys, tmp_path):
+    assert cli.main(["serve", str(tmp_path / "absent"), "--tool-call-parser", "mistral"]) == 2
+    error = capsys.readouterr().err
+    assert "--tool-call-parser mistral" in error and "hermes, qwen3_xml, qwen3_coder" in error

@@ -82,12 +82,13 @@ def _limit_per_prompt(text: str) -> dict[str, int]:
 def _serve(args: argparse.Namespace) -> int:
     from mmserve.config import EngineConfig
     from mmserve.entrypoints.openai.server import PortTakenError, bind_port, serve
+    from mmserve.entrypoints.openai.tool_formats import TOOL_FORMATS
     from mmserve.inputs.fetch import FetchPolicy
 
     _log_to_stderr(args.log_level)
-    if args.tool_call_parser not in (None, "hermes", "auto"):
-        print(f"error: --tool-call-parser {args.tool_call_parser}: mmserve reads calls in the syntax the model's "
-              "chat template renders (hermes); give hermes or leave it out", file=sys.stderr)
+    if args.tool_call_parser not in (None, "auto", *TOOL_FORMATS):
+        print(f"error: --tool-call-parser {args.tool_call_parser}: mmserve reads {', '.join(TOOL_FORMATS)} (or "
+              "auto: the syntax the model's chat template renders, the default)", file=sys.stderr)
         return 2
     model = resolved_model(args)
     limits = {"image": 16, "video": 4, **_limit_per_prompt(args.limit_mm_per_prompt)}
@@ -197,7 +198,8 @@ def _server_config(args: argparse.Namespace, model: str, client: EngineClient, f
                         tokenizer_info=args.enable_tokenizer_info_endpoint,
                         force_include_usage=args.enable_force_include_usage,
                         server_load_tracking=args.enable_server_load_tracking,
-                        cors=_cors_policy(args), tls=_tls_files(args))
+                        cors=_cors_policy(args), tls=_tls_files(args),
+                        tool_call_parser=args.tool_call_parser)
 
 
 def _cors_policy(args: argparse.Namespace) -> Any:

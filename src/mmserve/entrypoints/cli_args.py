@@ -279,8 +279,9 @@ def _add_http_flags(http: argparse._ArgumentGroup) -> None:
     http.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                       help="serve GET /tokenizer_info: the tokenizer's configuration and chat template (vLLM's)")
     http.add_argument("--tool-call-parser", default=None, metavar="NAME",
-                      help="accepted for vLLM compatibility: the call syntax is chosen from the model's chat "
-                           "template (hermes: <tool_call>{json}</tool_call>); a name other than that is refused")
+                      help="the tool-call syntax, by vLLM's parser names: hermes (<tool_call>{json}</tool_call>), "
+                           "qwen3_xml or qwen3_coder (<tool_call><function=...><parameter=...>); default auto: the "
+                           "syntax the model's chat template renders")
     http.add_argument("--enable-auto-tool-choice", action="store_true",
                       help="accepted for vLLM compatibility: tool_choice auto is always enabled")
     http.add_argument("--reasoning-parser", default=None, metavar="NAME",

@@ -70,8 +70,11 @@ def read_chat_template_arg(value: str) -> str:
     """vLLM's --chat-template: a file's path (its text), else the template itself inline (its backslash
     escapes decoded, as vLLM decodes them)."""
     path = Path(value).expanduser()
-    if path.is_file():
-        return path.read_text()
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:  # no path can be this (a name too long): the template itself
+        pass
     if any(marker in value for marker in ("{{", "{%")):
         return codecs.decode(value, "unicode_escape")
     raise InvalidInputError(f"chat_template {value!r}: no such file, and not a template inline (no {{{{ or {{%)",
@@ -201,5 +204,7 @@ class ChatTemplate:
         try:
             return self._compiled.render(messages=template_messages(messages),
                                          add_generation_prompt=add_generation_prompt, **context)
-        except jinja2.exceptions.TemplateError as exc:
+        except (jinja2.exceptions.TemplateError, TypeError, ValueError) as exc:
+            # a TypeError or ValueError is the messages' shape meeting a filter (`|items` on a call's arguments
+            # that are text, not an object): the request's fault, as a raise_exception is
             raise InvalidInputError(f"chat template rejected the messages: {exc}", param="messages") from exc

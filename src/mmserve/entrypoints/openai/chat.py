@@ -12,7 +12,6 @@ What it does not know: the engine behind the client, routing beyond its own rout
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any, ClassVar, Literal
@@ -33,7 +32,8 @@ from mmserve.entrypoints.openai.protocol import (
 from mmserve.entrypoints.openai.reasoning import opens_thought, split
 from mmserve.entrypoints.openai.serving import OpenAIServing
 from mmserve.entrypoints.openai.streaming import StreamCursor, choice_usage, usage_of
-from mmserve.entrypoints.openai.tools import ToolFormat, ToolRequest, parse_tools, tool_format
+from mmserve.entrypoints.openai.tool_formats import ToolFormat, tool_format
+from mmserve.entrypoints.openai.tools import ToolRequest, parse_tools, parsed_tool_arguments
 from mmserve.errors import InvalidInputError
 from mmserve.inputs.chat_template import thinks
 from mmserve.inputs.items import ProcessedPrompt
@@ -174,29 +174,6 @@ def _echoed(body: ChatCompletionRequest) -> str:
     return content if isinstance(content, str) else ""
 
 
-def _parsed_tool_arguments(messages: Any) -> Any:
-    """The messages with assistant tool calls' `arguments` as objects, as templates render them (OpenAI
-    sends them as JSON text; vLLM parses them the same way); text that is not JSON is left as it is."""
-    if not isinstance(messages, list):
-        return messages
-    out = []
-    for message in messages:
-        calls = message.get("tool_calls") if isinstance(message, dict) else None
-        if isinstance(calls, list):
-            parsed = []
-            for call in calls:
-                function = call.get("function") if isinstance(call, dict) else None
-                if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-                    try:
-                        call = {**call, "function": {**function, "arguments": json.loads(function["arguments"])}}
-                    except ValueError:
-                        pass
-                parsed.append(call)
-            message = {**message, "tool_calls": parsed}
-        out.append(message)
-    return out
-
-
 class ChatServing:
     """POST /v1/chat/completions over the shared core."""
 
@@ -204,7 +181,7 @@ class ChatServing:
         self.serving = serving
 
     async def _chat_prompt(self, body: ChatCompletionRequest, tools: ToolRequest | None = None) -> ProcessedPrompt:
-        messages = await self.serving.in_worker(resolve_messages, _parsed_tool_arguments(body.messages),
+        messages = await self.serving.in_worker(resolve_messages, parsed_tool_arguments(body.messages),
                                                 self.serving.config.media, body.mm_processor_kwargs)
         template_kwargs = dict(body.chat_template_kwargs or {})
         if tools is not None:
@@ -222,7 +199,8 @@ class ChatServing:
             raise RequestError(str(exc), param=exc.param) from exc
         if tools is None:
             return None
-        fmt = tool_format(self.serving.client.frontend.processor.tokenizer.chat_template)
+        fmt = tool_format(self.serving.client.frontend.processor.tokenizer.chat_template,
+                          self.serving.config.tool_call_parser)
         if fmt is None:
             raise RequestError("this model's chat template renders no tools, so it cannot call them", param="tools",
                                code="unsupported_parameter")

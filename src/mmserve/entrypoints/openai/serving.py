@@ -34,7 +34,8 @@ from mmserve.entrypoints.openai.logprobs import named_by_id
 from mmserve.entrypoints.openai.media import MediaRules
 from mmserve.entrypoints.openai.protocol import RequestError
 from mmserve.entrypoints.openai.streaming import StreamCursor, failed, stream_events
-from mmserve.entrypoints.openai.tools import ToolFormat, ToolRequest
+from mmserve.entrypoints.openai.tool_formats import ToolFormat
+from mmserve.entrypoints.openai.tools import ToolRequest
 from mmserve.errors import InvalidInputError
 from mmserve.inputs.items import ProcessedPrompt
 from mmserve.outputs import RequestOutput
@@ -64,6 +65,7 @@ class ServerConfig:
     server_load_tracking: bool = False  # count generation requests in flight for GET /load (vLLM's flag)
     cors: CorsPolicy = field(default_factory=lambda: CorsPolicy())  # vLLM's CORS flags; its defaults
     tls: TlsFiles | None = None  # vLLM's --ssl-* flags: https instead of http
+    tool_call_parser: str | None = None  # vLLM's --tool-call-parser: the call syntax by name (None: the template's)
 
 
 @dataclass(frozen=True)

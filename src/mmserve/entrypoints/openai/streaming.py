@@ -24,7 +24,8 @@ from mmserve.entrypoints.openai.protocol import (
     Usage,
 )
 from mmserve.entrypoints.openai.reasoning import ReasoningStream
-from mmserve.entrypoints.openai.tools import ToolCallStream, ToolFormat, ToolRequest
+from mmserve.entrypoints.openai.tool_formats import ToolCallStream, ToolFormat
+from mmserve.entrypoints.openai.tools import ToolRequest
 from mmserve.outputs import CompletionOutput, Logprob, RequestOutput
 
 

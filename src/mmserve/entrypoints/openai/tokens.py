@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict
 from mmserve.entrypoints.openai.media import resolve_messages
 from mmserve.entrypoints.openai.protocol import NullMeansUnset, RequestError
 from mmserve.entrypoints.openai.serving import OpenAIServing
-from mmserve.entrypoints.openai.tools import parse_tools, tool_format
+from mmserve.entrypoints.openai.tool_formats import tool_format
+from mmserve.entrypoints.openai.tools import parse_tools, parsed_tool_arguments
 from mmserve.errors import InvalidInputError, out_of_vocabulary
 
 
@@ -80,10 +81,10 @@ class TokensServing:
             except InvalidInputError as exc:
                 raise RequestError(str(exc), param=exc.param) from exc
             tokenizer = self.serving.client.frontend.processor.tokenizer
-            if tools is not None and tool_format(tokenizer.chat_template) is None:  # as chat refuses them
+            if tools is not None and tool_format(tokenizer.chat_template, self.serving.config.tool_call_parser) is None:  # as chat refuses them
                 raise RequestError("this model's chat template renders no tools", param="tools",
                                    code="unsupported_parameter")
-            messages = await self.serving.in_worker(resolve_messages, body.messages, self.serving.config.media,
+            messages = await self.serving.in_worker(resolve_messages, parsed_tool_arguments(body.messages), self.serving.config.media,
                                                     body.mm_processor_kwargs)
             prompt = await self.serving.client.process_chat(
                 messages, body.mm_processor_kwargs, add_generation_prompt=body.add_generation_prompt,

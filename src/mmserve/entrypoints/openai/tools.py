@@ -1,14 +1,10 @@
-"""Tool calling on the chat route: the request's tools, the model's call syntax, the grammar of forced calls.
+"""Tool calling on the chat route: the request's tools, validated.
 
-Role: `parse_tools` validates `tools` / `tool_choice` / `parallel_tool_calls` into a `ToolRequest`;
-`tool_format(chat_template)` picks the model's call syntax from its chat template, with no flag (Qwen's and
-Hermes' `<tool_call>{"name": ..., "arguments": ...}</tool_call>`, which the bundled demo model's template
-and Qwen2.5/Qwen3's render); `ToolFormat.parse` splits a finished answer into content and calls (text that
-only looks like a call stays content); `ToolFormat.structural_tag` is the xgrammar structural tag that makes
-`required` and named choices always parse and match the tool's parameters (whatever `strict` says, as
-vLLM constrains them); `ToolCallStream` turns a
-growing answer into content deltas and whole-call deltas for streaming.
-What it does not know: the engine, HTTP, sampling, pictures.
+Role: `parse_tools` validates `tools` / `tool_choice` / `parallel_tool_calls` into a `ToolRequest` (the
+tools, the functions a forced choice allows, whether calls may come in parallel); `ToolCall` is one parsed
+call. The model's call syntax (JSON or XML inside `<tool_call>`), its parsing, streaming and forced-call
+grammar live in tool_formats.py.
+What it does not know: the engine, HTTP, sampling, pictures, any call syntax.
 """
 
 from __future__ import annotations
@@ -16,11 +12,9 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from mmserve.engine.structured_outputs import json_schema_ebnf
-from mmserve.entrypoints.openai.reasoning import partial_tag_len
 from mmserve.errors import InvalidInputError
 
 
@@ -109,98 +103,24 @@ def parse_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> ToolR
                        True if parallel_tool_calls is None else parallel_tool_calls)
 
 
-@dataclass(frozen=True)
-class ToolFormat:
-    """One call syntax: each call is `begin` + {"name": ..., "arguments": ...} + `end`, calls joined by
-    `separator`."""
-
-    name: str
-    begin: str
-    end: str
-    separator: str
-
-    def parse(self, text: str, tools: ToolRequest) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) of a finished answer. Calls are taken only when every `begin` ... `end` block
-        holds a JSON object naming one of the tools with an object of arguments; else it is all content."""
-        start = text.find(self.begin.strip())
-        if start < 0:
-            return text, []
-        pattern = re.escape(self.begin.strip()) + r"\s*(.*?)\s*" + re.escape(self.end.strip())
-        blocks = list(re.finditer(pattern, text[start:], re.DOTALL))
-        if not blocks or text[start:][blocks[-1].end():].strip():
-            return text, []
-        names = {t.name for t in tools.tools}
-        calls = []
-        for block in blocks:
-            try:
-                call = json.loads(block.group(1))
-            except ValueError:
-                return text, []
-            arguments = call.get("arguments", call.get("parameters")) if isinstance(call, dict) else None
-            if not isinstance(call, dict) or call.get("name") not in names or not isinstance(arguments, dict):
-                return text, []
-            calls.append(ToolCall(new_call_id(), call["name"], json.dumps(arguments, ensure_ascii=False)))
-        if not tools.parallel:  # parallel_tool_calls false: the first call only (a forced choice makes just one)
-            calls = calls[:1]
-        content = text[:start].strip()
-        return content or None, calls
-
-    def structural_tag(self, tools: ToolRequest) -> dict[str, Any]:
-        """xgrammar's structural tag for a forced choice: one call (or, with parallel_tool_calls, one or
-        more) of the forced tools, arguments held to the tool's parameters, with no free whitespace (a
-        small model pads forever)."""
-        tags = [{"type": "tag", "begin": self.begin + json.dumps({"name": t.name})[:-1] + ', "arguments": ',
-                 "content": {"type": "grammar", "grammar": json_schema_ebnf(t.parameters, "tools")},
-                 "end": "}" + self.end} for t in tools.forced]
-        return {"type": "structural_tag", "format": {"type": "tags_with_separator", "tags": tags,
-                                                      "separator": self.separator, "at_least_one": True,
-                                                      "stop_after_first": not tools.parallel}}
-
-
-HERMES = ToolFormat("hermes", "<tool_call>\n", "\n</tool_call>", "\n")
-TOOL_FORMATS = {"hermes": HERMES}
-
-
-def tool_format(chat_template: str | None) -> ToolFormat | None:
-    """The call syntax the model's chat template renders (None: its template renders no tools)."""
-    if chat_template and "tools" in chat_template and "<tool_call>" in chat_template:
-        return HERMES
-    return None
-
-
-@dataclass
-class ToolCallStream:
-    """A growing answer as stream deltas: content until a call may have begun, then each call whole when
-    its end arrives (id and name in one delta, its arguments in the next). Whatever stays unparsed at
-    the end (a broken call) is sent as content."""
-
-    format: ToolFormat
-    tools: ToolRequest
-    sent_content: int = 0  # characters of the text sent as content
-    calls: list[ToolCall] = field(default_factory=list)
-
-    def update(self, text: str, finished: bool) -> tuple[str, list[tuple[int, ToolCall]]]:
-        """(new content, new (index, call) pairs) for the answer's text so far."""
-        begin = self.format.begin.strip()
-        start = text.find(begin)
-        if start < 0:
-            # hold back a tail that could be the start of a call's opening tag
-            safe = len(text) - (0 if finished else partial_tag_len(text, begin))
-            new, self.sent_content = text[self.sent_content:safe], max(self.sent_content, safe)
-            return new, []
-        content_end = len(text[:start].rstrip())
-        new_content = text[self.sent_content:content_end] if content_end > self.sent_content else ""
-        self.sent_content = max(self.sent_content, content_end)
-        calls = self.format.parse(text, self.tools)[1] if finished else self._complete_calls(text[start:])
-        if finished and not calls:  # not calls after all: the rest is content
-            rest, self.sent_content = text[self.sent_content:], len(text)
-            return new_content + rest, []
-        fresh = [(len(self.calls) + i, c) for i, c in enumerate(calls[len(self.calls):])]
-        self.calls.extend(c for _, c in fresh)
-        return new_content, fresh
-
-    def _complete_calls(self, tail: str) -> list[ToolCall]:
-        """The calls whose end tag has arrived (only those past the ones already sent are used)."""
-        end = self.format.end.strip()
-        cut = tail.rfind(end)
-        return [] if cut < 0 else self.format.parse(tail[:cut + len(end)], self.tools)[1]
+def parsed_tool_arguments(messages: Any) -> Any:
+    """The messages with assistant tool calls' `arguments` as objects, as templates render them (OpenAI
+    sends them as JSON text; vLLM parses them the same way); text that is not JSON is left as it is."""
+    if not isinstance(messages, list):
+        return messages
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if isinstance(calls, list):
+            parsed = []
+            for call in calls:
+                function = call.get("function") if isinstance(call, dict) else None
+                if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                    try:
+                        call = {**call, "function": {**function, "arguments": json.loads(function["arguments"])}}
+                    except ValueError:
+                        pass
+                parsed.append(call)
+            message = {**message, "tool_calls": parsed}
+        out.append(message)
+    return out
