@@ -48,7 +48,8 @@ def _reference(q, key, value, table, positions, scale, window):
     return out.reshape(n, -1)
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(10, 2, 64), (4, 4, 8), (7, 1, 16), (6, 2, 128), (3, 3, 72)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(10, 2, 64), (4, 4, 8), (7, 1, 16), (6, 2, 128), (3, 3, 72),
+                                                    (16, 2, 72), (8, 2, 40)])  # groups of 8 and 4, a last chunk
 @pytest.mark.parametrize("window", [None, 1, 7, 40])
 def test_matches_the_mask_rule(heads, kv_heads, head_dim, window):
     q, key, value, table, positions = _case(5, heads, kv_heads, head_dim, width=6)

@@ -8,7 +8,7 @@
 // position pos[i] sees: j <= pos[i] and, with a window w > 0, j > pos[i] - w. Key j of sequence i is
 // row j % block_size of block table[i][j / block_size] of the layer's (blocks, block_size, kv_heads,
 // head_dim) cache. The query heads that share a kv head are done together, so each key and value row
-// is read once per kv head. Each (sequence, kv head) is computed on its own, in the same order
+// is read once per kv head (a group of up to 8 heads; more heads take more groups). Each (sequence, kv head) is computed on its own, in the same order
 // whatever the batch, so a sequence's result does not depend on which sequences share its step.
 #include <immintrin.h>
 #include <math.h>
@@ -54,6 +54,8 @@ template <int G>
 void scores_of(const float* q, int64_t D, const float* const* key_rows, int64_t keys, float* scores, float scale) {
   for (int64_t j = 0; j < keys; j++) {
     const float* k = key_rows[j];
+    if (j + 8 < keys)  // the row 8 keys ahead, each of its cache lines (rows lie a block table apart)
+      for (int64_t d = 0; d < D; d += 16) _mm_prefetch(reinterpret_cast<const char*>(key_rows[j + 8] + d), _MM_HINT_T0);
     __m256 acc[G];
 #pragma GCC unroll 8
     for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
@@ -70,6 +72,7 @@ void scores_of(const float* q, int64_t D, const float* const* key_rows, int64_t 
 void scores_any(int64_t G, const float* q, int64_t D, const float* const* key_rows, int64_t keys, float* scores,
                 float scale) {
   int64_t g = 0;
+  for (; g + 8 <= G; g += 8) scores_of<8>(q + g * D, D, key_rows, keys, scores + g * keys, scale);
   for (; g + 4 <= G; g += 4) scores_of<4>(q + g * D, D, key_rows, keys, scores + g * keys, scale);
   for (; g + 2 <= G; g += 2) scores_of<2>(q + g * D, D, key_rows, keys, scores + g * keys, scale);
   for (; g < G; g++) scores_of<1>(q + g * D, D, key_rows, keys, scores + g * keys, scale);
@@ -97,31 +100,58 @@ float softmax_numerators(float* s, int64_t keys) {
   return sum;
 }
 
-// out[d] = sum_j p[j] v_j[d] / total, D a multiple of 8
-void weighted_values(const float* p, float total, int64_t D, const float* const* value_rows, int64_t keys,
-                     float* out) {
-  const __m256 inv = _mm256_set1_ps(1.0f / total);
-  for (int64_t d0 = 0; d0 < D; d0 += 64) {  // 8 accumulators (64 floats) at a time
-    const int64_t width = D - d0 < 64 ? D - d0 : 64;
-    __m256 acc[8];
+// out[g][d] = sum_j p[g][j] v_j[d] * inv[g] for the G heads of one kv head (p: G rows of `keys`, out: G
+// rows of D; D a multiple of 8). Each value row is read once for all G heads: C vectors of it at a time,
+// G * C accumulators in registers. Each output element sums over j in order, whatever G and C.
+template <int G, int C>
+void weighted_values_of(const float* p, int64_t keys, const float* inv, int64_t D, const float* const* value_rows,
+                        float* out) {
+  for (int64_t d0 = 0; d0 < D; d0 += 8 * C) {
+    const int64_t chunks = (D - d0) / 8 < C ? (D - d0) / 8 : C;
+    __m256 acc[G][C];
 #pragma GCC unroll 8
-    for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
-    if (width == 64) {
+    for (int g = 0; g < G; g++)
+#pragma GCC unroll 8
+      for (int c = 0; c < C; c++) acc[g][c] = _mm256_setzero_ps();
+    if (chunks == C) {
       for (int64_t j = 0; j < keys; j++) {
-        const __m256 pj = _mm256_set1_ps(p[j]);
         const float* v = value_rows[j] + d0;
+        if (j + 8 < keys)  // the chunk of the row 8 keys ahead, each of its cache lines
+          for (int c = 0; c < C; c += 2) _mm_prefetch(reinterpret_cast<const char*>(value_rows[j + 8] + d0 + 8 * c),
+                                                      _MM_HINT_T0);
+        __m256 row[C];
 #pragma GCC unroll 8
-        for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * c), acc[c]);
+        for (int c = 0; c < C; c++) row[c] = _mm256_loadu_ps(v + 8 * c);
+#pragma GCC unroll 8
+        for (int g = 0; g < G; g++) {
+          const __m256 pj = _mm256_set1_ps(p[g * keys + j]);
+#pragma GCC unroll 8
+          for (int c = 0; c < C; c++) acc[g][c] = _mm256_fmadd_ps(pj, row[c], acc[g][c]);
+        }
       }
-    } else {
+    } else {  // the head's last, narrower chunk
       for (int64_t j = 0; j < keys; j++) {
-        const __m256 pj = _mm256_set1_ps(p[j]);
         const float* v = value_rows[j] + d0;
-        for (int64_t c = 0; c < width / 8; c++) acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * c), acc[c]);
+        for (int g = 0; g < G; g++) {
+          const __m256 pj = _mm256_set1_ps(p[g * keys + j]);
+          for (int64_t c = 0; c < chunks; c++) acc[g][c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * c), acc[g][c]);
+        }
       }
     }
-    for (int64_t c = 0; c < width / 8; c++) _mm256_storeu_ps(out + d0 + 8 * c, _mm256_mul_ps(acc[c], inv));
+    for (int g = 0; g < G; g++)
+      for (int64_t c = 0; c < chunks; c++)
+        _mm256_storeu_ps(out + g * D + d0 + 8 * c, _mm256_mul_ps(acc[g][c], _mm256_set1_ps(inv[g])));
   }
+}
+
+// the G heads' weighted values, in groups of 8, 4, 2 and 1 heads (8 to 12 accumulators each)
+void weighted_values_any(int64_t G, const float* p, int64_t keys, const float* inv, int64_t D,
+                         const float* const* value_rows, float* out) {
+  int64_t g = 0;
+  for (; g + 8 <= G; g += 8) weighted_values_of<8, 1>(p + g * keys, keys, inv + g, D, value_rows, out + g * D);
+  for (; g + 4 <= G; g += 4) weighted_values_of<4, 2>(p + g * keys, keys, inv + g, D, value_rows, out + g * D);
+  for (; g + 2 <= G; g += 2) weighted_values_of<2, 4>(p + g * keys, keys, inv + g, D, value_rows, out + g * D);
+  for (; g < G; g++) weighted_values_of<1, 8>(p + g * keys, keys, inv + g, D, value_rows, out + g * D);
 }
 
 }  // namespace
@@ -142,7 +172,7 @@ void mm_paged_attention(const float* q, int64_t n, int64_t heads, int64_t kv_hea
 #pragma omp parallel num_threads(threads)
   {
     std::vector<const float*> key_rows, value_rows;
-    std::vector<float> scores;
+    std::vector<float> scores, inv(group);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < n * kv_heads; task++) {
       const int64_t i = task / kv_heads, h = task % kv_heads;
@@ -160,11 +190,8 @@ void mm_paged_attention(const float* q, int64_t n, int64_t heads, int64_t kv_hea
       }
       const float* qh = q + (i * heads + h * group) * D;
       scores_any(group, qh, D, key_rows.data(), keys, scores.data(), scale);
-      for (int64_t g = 0; g < group; g++) {
-        float* p = scores.data() + g * keys;
-        const float total = softmax_numerators(p, keys);
-        weighted_values(p, total, D, value_rows.data(), keys, out + (i * heads + h * group + g) * D);
-      }
+      for (int64_t g = 0; g < group; g++) inv[g] = 1.0f / softmax_numerators(scores.data() + g * keys, keys);
+      weighted_values_any(group, scores.data(), keys, inv.data(), D, value_rows.data(), out + (i * heads + h * group) * D);
     }
   }
 }
