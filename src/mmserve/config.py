@@ -45,6 +45,9 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 ENCODER_BACKENDS = ("process", "ray")  # where encoder workers run (workers/process_pool.py, workers/ray_pool.py)
 
 
+DEFAULT_SNAPSHOT_INTERVAL_TOKENS = 512  # CacheConfig.snapshot_interval_tokens
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = option(16, "tokens per KV-cache block")
@@ -59,6 +62,11 @@ class CacheConfig:
                                                "included)")
     kv_cache_dtype: str = option("auto", "how keys and values are stored: the model dtype (auto), or int8 / fp8_e4m3 "
                                          "codes with a scale per token and kv head", choices=KV_CACHE_DTYPES)
+    state_snapshot_interval: int | None = option(
+        None, "hybrid models (Qwen3.5): snapshot the recurrent state every this many prompt tokens (a multiple of "
+              "block_size; prefill chunks end there) besides each prompt's last full block, so a later prompt "
+              "sharing only part of one resumes within this many tokens of where they part; 0: only prompt and "
+              "chunk ends", shown="512, rounded down to a multiple of block_size")
     cross_kv_cache_bytes: int | None = option(
         None, "bytes of the running requests' image K/V in a model that cross-attends to its images (Llama 3.2 "
               "Vision; stored in the model dtype)", shown="kv_cache_bytes, lifted to one image")
@@ -72,6 +80,11 @@ class CacheConfig:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.state_snapshot_interval is not None and (
+                self.state_snapshot_interval < 0 or self.state_snapshot_interval % self.block_size):
+            raise ValueError(f"state_snapshot_interval must be 0 or a positive multiple of block_size "
+                             f"({self.block_size}), got {self.state_snapshot_interval}")
+
         if self.cross_kv_cache_bytes is not None and self.cross_kv_cache_bytes <= 0:
             raise ValueError(f"cross_kv_cache_bytes must be positive, got {self.cross_kv_cache_bytes}")
         if self.gpu_memory_utilization is not None:
@@ -80,6 +93,16 @@ class CacheConfig:
             if self.kv_cache_bytes is not None or self.num_kv_blocks is not None:
                 raise ValueError("give one of gpu_memory_utilization, kv_cache_bytes and num_kv_blocks: each sizes "
                                  "the KV cache")
+
+    @property
+    def snapshot_interval_tokens(self) -> int:
+        """The state snapshot interval in effect (0: none): by default 512 tokens, rounded down to whole blocks
+        (benchmarks/engine/hybrid_state.py: on six questions about one document, 512 resumes 0.83 of the later
+        prompts where prompt and chunk ends alone resume none; 256 resumes 0.97 for 1.4x the snapshot bytes,
+        and a released model's snapshot is tens of MB)."""
+        if self.state_snapshot_interval is not None:
+            return self.state_snapshot_interval
+        return max(1, DEFAULT_SNAPSHOT_INTERVAL_TOKENS // self.block_size) * self.block_size
 
 
 @dataclass(frozen=True)

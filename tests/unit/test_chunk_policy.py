@@ -95,3 +95,11 @@ def test_budget_lifted_to_the_longest_span_with_one_warning(caplog):
     assert resolve_token_budget(512, 270, indivisible_items=True) == (512, [])
     with pytest.raises(ValueError):
         resolve_token_budget(0, 10, True)
+
+
+def test_a_snapshot_interval_ends_chunks_at_its_multiples_and_at_the_last_full_block():
+    r = make_request(1000)
+    policy = ChunkBoundaryPolicy(snapshot_block_size=16, snapshot_interval=256)
+    assert [policy.cut(r, s, e) for s, e in ((0, 600), (256, 600), (500, 512), (768, 1000), (992, 1000))] == \
+        [256, 512, 512, 992, 1000]
+    assert ChunkBoundaryPolicy(snapshot_block_size=16).cut(r, 0, 600) == 600  # no interval: chunk ends only

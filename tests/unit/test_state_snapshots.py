@@ -5,6 +5,8 @@ snapshot is accounted for after every step."""
 
 from __future__ import annotations
 
+import pytest
+
 from mmserve.core.chunk_policy import ChunkBoundaryPolicy
 from mmserve.core.kv_cache import KVCacheManager
 from mmserve.core.scheduler import Scheduler, SchedulerLimits
@@ -17,11 +19,12 @@ BLOCK = 4
 
 
 def hybrid_scheduler(num_slots: int = 4, max_snapshots: int = 8, num_blocks: int = 64,
-                     max_num_batched_tokens: int = 64) -> Scheduler:
+                     max_num_batched_tokens: int = 64, snapshot_interval: int | None = None) -> Scheduler:
     kv = KVCacheManager(num_blocks, BLOCK, True)
     states = HybridStates(StateSlotPool(StateSlotLayout(num_slots, 100, max_snapshots)), max_snapshots, BLOCK)
     kv.on_evict = states.evicted
-    chunking = ChunkBoundaryPolicy(snapshot_block_size=BLOCK if max_snapshots else None)
+    chunking = ChunkBoundaryPolicy(snapshot_block_size=BLOCK if max_snapshots else None,
+                                   snapshot_interval=snapshot_interval)
     return Scheduler(SchedulerLimits(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens), kv,
                      make_items(), chunking, states=states)
 
@@ -93,6 +96,24 @@ def test_the_next_turn_resumes_from_the_deepest_decode_snapshot():
     sched.add_request(turn2)
     run_to_completion(sched, runner)
     assert runner.restored == [(turn2.request_id, 16)]  # the deepest boundary turn 1 decoded across
+
+
+@pytest.mark.parametrize("interval, resumed", [(None, []), (8, [40])])
+def test_a_snapshot_interval_lets_a_prompt_sharing_part_of_another_resume_where_they_part(interval, resumed):
+    """Two prompts sharing their first 40 tokens (10 blocks): the first's own snapshot (its last full block,
+    44) lies past the shared part, so the second resumes only from an interval's snapshot (at 40)."""
+    sched, runner = hybrid_scheduler(max_snapshots=16, snapshot_interval=interval), StateRunner()
+    shared = [200 + i for i in range(40)]
+    first = make_request(prompt=shared + [1, 2, 3, 4, 5, 6], max_tokens=1)
+    sched.add_request(first)
+    run_to_completion(sched, runner)
+    assert [h.num_scheduled_tokens[first.request_id] for h in runner.history[:2]] == ([44, 2] if interval is None
+                                                                                    else [8, 8])
+    second = make_request(prompt=shared + [7, 8, 9], max_tokens=1)
+    sched.add_request(second)
+    run_to_completion(sched, runner)
+    assert [n for _, n in runner.restored] == resumed and second.num_cached_tokens == sum(resumed)
+    sched.states.check_integrity(set())
 
 
 def test_a_prefix_hit_without_a_snapshot_is_not_taken():

@@ -6,7 +6,7 @@ last ones). Then no chunk ends strictly inside such a span: a chunk that would i
 span's start, or to nothing when the span began before the chunk (a prefix-cache hit that ended
 inside it: the rest of the span must come in one chunk). A hybrid model that snapshots its recurrent state
 (core/state_snapshots.py) has chunks end at the prompt's last full-block boundary when they would cross it,
-so its state is taken exactly there. At start, `resolve_token_budget` lifts
+so its state is taken exactly there, and with `state_snapshot_interval` at every multiple of it. At start, `resolve_token_budget` lifts
 `max_num_batched_tokens` to the longest span, so every span fits one step, and says so in one line.
 
 What it does not know: tensors, attention, encoder budgets, KV blocks.
@@ -26,12 +26,16 @@ logger = logging.getLogger("mmserve.budget")
 class ChunkBoundaryPolicy:
     indivisible_items: bool = False  # no chunk ends strictly inside an item's span
     snapshot_block_size: int | None = None  # a chunk crossing the prompt's last full block of this size ends there
+    snapshot_interval: int | None = None  # and a chunk crossing a multiple of this many tokens ends at the first
 
     def cut(self, request: Request, start: int, end: int) -> int:
         """The end of the chunk [start, end) after the policy: end itself, or earlier (>= start)."""
         if self.snapshot_block_size is not None:
             boundary = request.num_prompt_tokens // self.snapshot_block_size * self.snapshot_block_size
             end = boundary if start < boundary < end else end
+            if self.snapshot_interval:
+                boundary = (start // self.snapshot_interval + 1) * self.snapshot_interval
+                end = boundary if boundary < end else end
         if not self.indivisible_items:
             return end
         for item in request.items:

@@ -11,6 +11,9 @@ Which boundaries are snapshotted (`HybridStates`):
   (`ChunkBoundaryPolicy.snapshot_block_size`), so the state is taken exactly at the boundary (a repeated
   prompt, a sibling choice of n > 1, a shared system prompt); and the end of any other prefill chunk that
   falls on a block boundary (a long prompt's chunks: a later prompt sharing only its start resumes there);
+  with `state_snapshot_interval` k, chunks also end at every multiple of k, each snapshotted (a prompt that
+  shares any part of an earlier one resumes within k tokens of where they part: more snapshots, shorter
+  chunks; benchmarks/engine/hybrid_state.py measures the trade);
 - while decoding, every block boundary the request crosses, each replacing the request's previous decode
   snapshot: when it finishes, its deepest boundary stays cached (the next turn of a chat resumes there).
 Snapshots are bounded (`max_snapshots`, from the bytes resolved at start), least recently used first out;

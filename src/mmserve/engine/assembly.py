@@ -128,7 +128,8 @@ def _scheduler(config: EngineConfig, spec: FamilySpec, dtype: torch.dtype, num_b
     sched = config.scheduler
     snapshots = state_slots is not None and state_slots.num_snapshots > 0
     chunking = ChunkBoundaryPolicy(indivisible_items=spec.bidirectional_media,
-                                   snapshot_block_size=config.cache.block_size if snapshots else None)
+                                   snapshot_block_size=config.cache.block_size if snapshots else None,
+                                   snapshot_interval=config.cache.snapshot_interval_tokens if snapshots else None)
     max_batched, _ = resolve_token_budget(sched.max_num_batched_tokens, spec.max_item_span,
                                           chunking.indivisible_items)
     cross_kv_bytes = resolve_cross_kv_bytes(config.cache, spec, dtype)
