@@ -30,7 +30,7 @@ def _alive(pid):
     return True
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "qwen3_5"])
 def test_workers_answer_like_inline_and_transformers(all_checkpoints, expected_tokens, family):
     model_dir = str(all_checkpoints[family])
     with LLM(model_dir, encoder_workers=2, max_num_batched_tokens=64) as llm:

@@ -213,8 +213,9 @@ def test_n_choices_share_one_prefill_and_one_encode(all_checkpoints):
     llm.check_integrity()
 
 
-def test_greedy_n_returns_n_copies_with_logprobs(all_checkpoints):
-    llm = LLM(str(all_checkpoints["qwen2_vl"]))
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_5"])  # qwen3_5: each choice forks the prompt's state
+def test_greedy_n_returns_n_copies_with_logprobs(all_checkpoints, family):
+    llm = LLM(str(all_checkpoints[family]))
     chat = _image_chat()
     single = llm.chat([chat], SamplingParams(temperature=0, max_tokens=6, logprobs=2), use_tqdm=False)[0].outputs[0]
     many = llm.chat([chat], SamplingParams(n=3, temperature=0, max_tokens=6, logprobs=2), use_tqdm=False)[0]

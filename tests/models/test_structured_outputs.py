@@ -167,12 +167,13 @@ def test_unconstrained_neighbours_are_untouched(demo):
         assert _valid(constrained.structured_outputs, mixed[i].outputs[0].text)
 
 
-def test_grammar_follows_chunking_preemption_and_n_choices(all_checkpoints):
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_5"])  # qwen3_5: the state recomputed, forked, resumed
+def test_grammar_follows_chunking_preemption_and_n_choices(all_checkpoints, family):
     """On a tiny random checkpoint, a tight KV cache preempts and prompts are chunked: greedy constrained
     outputs equal those of an unhurried engine and stay valid; n=3 greedy gives 3 identical valid
     outputs, n=3 sampled 3 valid ones, each choice with its own matcher."""
-    model_dir = str(all_checkpoints["qwen2_vl"])
-    chats = parity_workload("qwen2_vl")[:8]
+    model_dir = str(all_checkpoints[family])
+    chats = parity_workload(family)[:8]
     so = StructuredOutputsParams(json=SCHEMAS[3])
     params = SamplingParams(temperature=0, max_tokens=48, structured_outputs=so)
     calm = LLM(model_dir)
