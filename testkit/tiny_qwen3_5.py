@@ -76,5 +76,15 @@ def build_qwen3_5_checkpoint(out_dir: Path, seed: int = 0, layer_types: tuple[st
             weights = fuse_experts(weights)
         save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
     write_processor_files(out_dir, ids)
+    _write_hub_pretokenizer(out_dir)
     return out_dir
+
+
+def _write_hub_pretokenizer(out_dir: Path) -> None:
+    """tokenizer.json with the pre-tokenizer transformers' Qwen3.5 tokenizer builds (the hub's: digits split
+    one by one), as the hub's file has it: the trained tokenizer's plain byte-level one would read " 0" as a
+    token where transformers and vLLM read two."""
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(out_dir).backend_tokenizer.save(str(out_dir / "tokenizer.json"))
 

