@@ -1,5 +1,5 @@
 """Two engine replicas behind one server (cluster/): the same answers as one engine, routing by image,
-a replica killed mid-run, and nothing left running afterwards.
+a replica killed mid-run, a hybrid (Qwen3.5) model, and nothing left running afterwards.
 
 In-process: a `ReplicaSet` of two local replica processes (the `mp` backend) over the tiny Qwen2-VL
 checkpoint, driven as the server drives it; its answers are compared with the offline `LLM`'s.
@@ -169,6 +169,26 @@ def test_two_replicas_answer_as_one_engine_route_by_image_and_survive_a_kill(mod
         while replicas.stats()["replicas_alive"] < 2 and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
         assert await _ask(replicas, "after", pngs[1], QUESTIONS[1]) == reference[(1, QUESTIONS[1])]
+        await replicas.check_integrity()
+
+    _run_then_shut_down(replicas, run, pids)
+
+
+def test_two_replicas_serve_a_hybrid_model_as_one_engine(all_checkpoints, pngs):
+    """Qwen3.5 (its state slots and snapshots live in each replica's engine): the same answers as one engine,
+    every replica's slots and snapshots consistent after."""
+    model = str(all_checkpoints["qwen3_5"])
+    reference = _offline_answers(model, pngs[:2])
+    replicas = ReplicaSet(EngineConfig.from_kwargs(model, **ENGINE_ARGS), 2, RouterConfig(policy="cache_aware"),
+                          threads_per_replica=1)
+    replicas.launch()
+    pids = dict(replicas.replica_pids())
+
+    async def run() -> None:
+        replicas.start()
+        work = [(i, q) for i in range(2) for q in QUESTIONS]
+        got = await asyncio.gather(*(_ask(replicas, f"h{n}", pngs[i], q) for n, (i, q) in enumerate(work)))
+        assert dict(zip(work, got, strict=True)) == reference
         await replicas.check_integrity()
 
     _run_then_shut_down(replicas, run, pids)
