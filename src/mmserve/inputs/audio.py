@@ -1,0 +1,266 @@
+"""Decode the bytes of an audio file into mono float32 samples at a requested sampling rate, with limits.
+
+Role: `decode_audio(data, param=..., sampling_rate_hz=..., limits=...)` reads any container and codec
+PyAV reads (wav/pcm, mp3, flac, ogg vorbis/opus, m4a/aac, webm/opus, ...), mixes the channels down to
+mono by averaging them, scales integer PCM to float32 as librosa/soundfile do (int16 / 32768, ...), and
+resamples with soxr at "HQ" quality: librosa's default `res_type="soxr_hq"`, the loading transformers'
+and vLLM's audio paths use, so the samples match theirs. Every bad input raises `InvalidInputError`
+naming `param` (or `param.format`): oversized bytes (refused before decoding), undecodable or audio-less
+files, impossible stream parameters, a declared or decoded duration over the limit.
+
+Memory and time are bounded by the limits, not by what a header says: the byte cap is checked first,
+the declared duration (the container's, and a WAV header's own data size, which FFmpeg clamps to the
+bytes present) is refused before decoding, and decoded samples are counted frame by frame so decoding
+stops as soon as they pass `max_duration_s`. Samples are resampled as they are decoded, so only the
+output rate's samples are ever held.
+
+What it does not know: models, feature extraction, HTTP, where the bytes came from.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import av
+import numpy as np
+import soxr
+
+from mmserve.errors import InvalidInputError
+
+AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")
+
+# The demuxer name(s) PyAV reports for a file of each requested format.
+_CONTAINER_NAMES = {"wav": ("wav",), "mp3": ("mp3",), "flac": ("flac",), "ogg": ("ogg",)}
+
+# Only audio containers may be probed: without a whitelist FFmpeg would also open playlists (hls,
+# concat) that name other files or URLs, and image or subtitle demuxers no audio can come from.
+_DEMUXERS = ",".join(("wav", "w64", "mp3", "flac", "ogg", "aac", "aiff", "caf", "au",
+                      "mov,mp4,m4a,3gp,3g2,mj2", "matroska,webm"))
+
+# PyAV's and FFmpeg's failures (av.FFmpegError subclasses ValueError/OSError/...), soxr's ValueError.
+_DECODE_ERRORS = (av.FFmpegError, OSError, ValueError, EOFError, RuntimeError)
+
+# (offset, divisor) turning each integer sample format into float32 in [-1, 1], as libsndfile does.
+_INT_SCALES = {"u8": (128.0, 128.0), "s16": (0.0, 32768.0), "s32": (0.0, 2.0**31), "s64": (0.0, 2.0**63)}
+
+_MAX_WAV_CHUNKS = 64  # real WAV files carry a handful; a header walk must not scan megabytes of chunks
+
+
+@dataclass(frozen=True)
+class AudioLimits:
+    """What one audio input may cost. The decoded samples held are at most
+    `max_duration_s * sampling_rate_hz` (the requested output rate); decoding work is at most
+    `max_duration_s * max_sampling_rate_hz * max_channels` samples."""
+
+    max_bytes: int = 25 * 1024 * 1024  # OpenAI's audio upload limit
+    max_duration_s: float = 600.0
+    max_sampling_rate_hz: int = 192_000  # the highest rate common (studio) audio uses
+    max_channels: int = 8  # 7.1 surround
+
+    def __post_init__(self) -> None:
+        if min(self.max_bytes, self.max_duration_s, self.max_sampling_rate_hz, self.max_channels) <= 0:
+            raise ValueError("audio limits must be positive")
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: numpy arrays do not compare to one bool
+class AudioClip:
+    """Mono float32 samples (1-D) at `sampling_rate_hz`."""
+
+    samples: np.ndarray
+    sampling_rate_hz: int
+
+    @property
+    def duration_s(self) -> float:
+        return len(self.samples) / self.sampling_rate_hz
+
+
+def _check_format_name(format: str | None, param: str) -> str | None:
+    if format is None:
+        return None
+    name = format.strip().lower()
+    if name not in AUDIO_FORMATS:
+        raise InvalidInputError(f"audio format {format!r} is not one of {', '.join(AUDIO_FORMATS)}",
+                                param=f"{param}.format")
+    return name
+
+
+def _check_container(container: av.container.InputContainer, format: str | None, param: str) -> None:
+    if format is None:
+        return
+    names = container.format.name.split(",")
+    if not set(names) & set(_CONTAINER_NAMES[format]):
+        raise InvalidInputError(f"audio format is given as {format!r} but the data is {names[0]!r}",
+                                param=f"{param}.format")
+
+
+def _wav_declared_duration_s(data: bytes) -> float | None:
+    """What a RIFF/WAVE header's data chunk size says, in seconds; None when it says nothing.
+
+    FFmpeg clamps a data size past the end of the bytes to what is there, so a header claiming hours
+    over a few bytes would pass unnoticed; this reads the claim itself. 0 and 0xFFFFFFFF are the
+    conventional "size unknown" (streamed WAV) and count as no claim."""
+    if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        return None
+    offset, byte_rate = 12, 0
+    for _ in range(_MAX_WAV_CHUNKS):
+        if offset + 8 > len(data):
+            return None
+        chunk_id, size = data[offset:offset + 4], struct.unpack_from("<I", data, offset + 4)[0]
+        body = offset + 8
+        if chunk_id == b"fmt " and size >= 14 and body + 14 <= len(data):
+            _tag, _channels, rate, byte_rate, block_align = struct.unpack_from("<HHIIH", data, body)
+            byte_rate = byte_rate or rate * block_align
+        elif chunk_id == b"data":
+            if byte_rate <= 0 or size in (0, 0xFFFFFFFF):
+                return None
+            return size / byte_rate
+        offset = body + size + (size & 1)  # chunks are padded to an even size
+    return None
+
+
+def _declared_duration_s(data: bytes, container: av.container.InputContainer,
+                         stream: av.audio.stream.AudioStream) -> float | None:
+    """The longest duration the file claims for itself, from whichever of its headers say one."""
+    claims = []
+    if stream.duration is not None and stream.time_base is not None:
+        claims.append(float(stream.duration * stream.time_base))
+    if container.duration is not None:
+        claims.append(container.duration / av.time_base)
+    wav = _wav_declared_duration_s(data)
+    if wav is not None:
+        claims.append(wav)
+    return max(claims) if claims else None
+
+
+def _audio_stream(data: bytes, container: av.container.InputContainer,
+                  limits: AudioLimits, param: str) -> av.audio.stream.AudioStream:
+    """The first audio stream, once its header shows nothing the limits refuse."""
+    if not container.streams.audio:
+        raise InvalidInputError("the file has no audio stream", param=param)
+    stream = container.streams.audio[0]
+    if stream.codec_context is None:  # FFmpeg has no decoder for what the header names
+        raise InvalidInputError("audio codec is unknown or unsupported", param=param)
+    rate, channels = stream.codec_context.sample_rate, stream.codec_context.channels
+    if not 0 < rate <= limits.max_sampling_rate_hz:
+        raise InvalidInputError(f"audio sampling rate {rate} Hz is not in "
+                                f"1..{limits.max_sampling_rate_hz} Hz", param=param)
+    if not 0 < channels <= limits.max_channels:
+        raise InvalidInputError(f"audio has {channels} channels, not 1..{limits.max_channels}", param=param)
+    declared = _declared_duration_s(data, container, stream)
+    if declared is not None and declared > limits.max_duration_s:
+        raise InvalidInputError(f"audio declares a duration of {declared:.1f} s, over the limit of "
+                                f"{limits.max_duration_s:g} s", param=param)
+    return stream
+
+
+def _mono_float32(frame: av.AudioFrame, param: str) -> np.ndarray:
+    """One decoded frame as mono float32: integer PCM scaled as libsndfile scales it, channels averaged
+    (librosa's `to_mono`: a float32 mean over channels)."""
+    planar = frame.format.is_planar
+    base = frame.format.name[:-1] if planar else frame.format.name  # "s16p" -> "s16"
+    channels = len(frame.layout.channels)
+    if channels <= 0:
+        raise InvalidInputError("audio has a frame with no channels", param=param)
+    array = frame.to_ndarray()
+    if not planar:  # interleaved: one row of samples * channels values
+        array = array.reshape(-1, channels).T
+    if base in _INT_SCALES:
+        offset, divisor = _INT_SCALES[base]
+        # rounding to float32 first then dividing by a power of two rounds once, as dividing exactly would
+        values = (array.astype(np.float32) - np.float32(offset)) / np.float32(divisor)
+    elif base in ("flt", "dbl"):
+        values = array.astype(np.float32, copy=False)
+    else:
+        raise InvalidInputError(f"audio sample format {frame.format.name!r} is not supported", param=param)
+    mono = values[0] if channels == 1 else values.mean(axis=0, dtype=np.float32)
+    if not np.isfinite(mono).all():  # librosa refuses these too; they would poison every feature downstream
+        raise InvalidInputError("audio contains non-finite (NaN or infinite) samples", param=param)
+    return mono
+
+
+def _decode_mono(container: av.container.InputContainer, stream: av.audio.stream.AudioStream,
+                 sampling_rate_hz: int, limits: AudioLimits, param: str) -> np.ndarray:
+    """Decode, mix down and resample frame by frame, stopping as soon as the samples decoded pass the
+    duration limit, whatever the header said.
+
+    soxr's stream resampler gives the very samples `soxr.resample(whole, in_rate, out_rate, "HQ")`
+    gives (chunking does not change its output), without holding the input rate's samples."""
+    in_rate = stream.codec_context.sample_rate
+    max_samples = limits.max_duration_s * in_rate
+    resampler = None if in_rate == sampling_rate_hz else soxr.ResampleStream(
+        in_rate, sampling_rate_hz, 1, dtype="float32", quality="HQ")
+    chunks: list[np.ndarray] = []
+    decoded = 0
+    for frame in container.decode(stream):
+        if frame.sample_rate != in_rate:
+            raise InvalidInputError(f"audio changes its sampling rate mid-stream ({in_rate} -> "
+                                    f"{frame.sample_rate} Hz)", param=param)
+        channels = len(frame.layout.channels)
+        if channels > limits.max_channels:
+            raise InvalidInputError(f"audio has a frame of {channels} channels, over the limit of "
+                                    f"{limits.max_channels}", param=param)
+        decoded += frame.samples
+        if decoded > max_samples:
+            raise InvalidInputError(f"audio is longer than the limit of {limits.max_duration_s:g} s "
+                                    f"(decoded past it)", param=param)
+        mono = _mono_float32(frame, param)
+        chunks.append(mono if resampler is None else resampler.resample_chunk(mono))
+    if decoded == 0:
+        raise InvalidInputError("audio has no decodable samples", param=param)
+    if resampler is not None:
+        chunks.append(resampler.resample_chunk(np.zeros(0, np.float32), last=True))
+    return np.concatenate(chunks)
+
+
+def _short(exc: BaseException) -> str:
+    """FFmpeg's own words for a failure, without errno numbers or a traceback; at most 200 characters."""
+    text = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+    return str(text).splitlines()[0][:200]
+
+
+@contextmanager
+def _opened(data: bytes, param: str) -> Iterator[av.container.InputContainer]:
+    try:
+        # metadata is never used: a tag in Latin-1 (common in ID3 and RIFF INFO) must not fail the file
+        container = av.open(io.BytesIO(data), mode="r", container_options={"format_whitelist": _DEMUXERS},
+                            metadata_errors="ignore")
+    except _DECODE_ERRORS as exc:
+        # the demuxer whitelist answers "invalid argument" to a container it recognised but refuses
+        detail = "not an audio container" if isinstance(exc, av.error.ArgumentError) else _short(exc)
+        raise InvalidInputError(f"the data is not a readable audio file ({detail})", param=param) from exc
+    with container:
+        yield container
+
+
+def decode_audio(data: bytes, *, param: str, sampling_rate_hz: int, limits: AudioLimits,
+                 format: str | None = None) -> AudioClip:
+    """The bytes of an audio file -> mono float32 samples at `sampling_rate_hz`.
+
+    `param` names the request field the bytes came from (errors carry it); `format`, when the request
+    gives one, must be one of AUDIO_FORMATS and match the bytes (errors name `param.format`). A
+    non-positive `sampling_rate_hz` is the caller's bug, not the request's: ValueError."""
+    if sampling_rate_hz <= 0:
+        raise ValueError(f"sampling_rate_hz must be positive, not {sampling_rate_hz}")
+    if len(data) > limits.max_bytes:
+        raise InvalidInputError(f"audio is {len(data)} bytes, over the limit of {limits.max_bytes} bytes",
+                                param=param)
+    if not data:
+        raise InvalidInputError("audio is empty (0 bytes)", param=param)
+    name = _check_format_name(format, param)
+    try:
+        with _opened(data, param) as container:
+            _check_container(container, name, param)
+            stream = _audio_stream(data, container, limits, param)
+            samples = _decode_mono(container, stream, sampling_rate_hz, limits, param)
+    except InvalidInputError:
+        raise
+    except _DECODE_ERRORS as exc:
+        raise InvalidInputError(f"audio could not be decoded (corrupt or truncated): {_short(exc)}",
+                                param=param) from exc
+    if len(samples) == 0:
+        raise InvalidInputError(f"audio is too short to resample to {sampling_rate_hz} Hz", param=param)
+    return AudioClip(samples=samples, sampling_rate_hz=sampling_rate_hz)
