@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from fastapi import APIRouter, Request
@@ -174,6 +176,18 @@ def _echoed(body: ChatCompletionRequest) -> str:
     return content if isinstance(content, str) else ""
 
 
+@dataclass
+class SubmittedChat:
+    """A chat submitted to the engine: its first output, the rest to come, its tools (the request's and the
+    model's call syntax; None without tools) and whether the answer starts inside a thought (None: the
+    template does not think)."""
+
+    first: RequestOutput
+    outputs: AsyncIterator[RequestOutput]
+    tools: tuple[ToolRequest, ToolFormat] | None
+    in_thought: bool | None
+
+
 class ChatServing:
     """POST /v1/chat/completions over the shared core."""
 
@@ -232,11 +246,12 @@ class ChatServing:
             ToolCallModel(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls])
         return message, tool_finish_reason(completion.finish_reason, tools[0])
 
-    async def create(self, body: ChatCompletionRequest, raw: Request) -> Any:
-        """Answer one chat request: a JSON response, or a stream of chunks with `stream`."""
+    async def submit(self, body: ChatCompletionRequest, raw: Request, request_id: str) -> SubmittedChat:
+        """Build the chat's prompt (its tools rendered, its media loaded), submit it and wait for the first
+        output: what every route that speaks in messages (chat, Responses, Messages) runs, so the same
+        conversation is the same prompt and the same answer whichever route it came by."""
         arrival_time = time.time()
-        model = self.serving.check_model(body.model)
-        request_id = raw.state.request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        raw.state.request_id = request_id
         # the media and the processed prompt live in no frame of this request past submission: once
         # encoded, the engine releases the pixels and nothing else holds them
         tools = self._tools(body)
@@ -247,9 +262,15 @@ class ChatServing:
         with self.serving.traced("media_load", raw):
             prompt = await self._chat_prompt(body, tools and tools[0])
         first, outputs = await self.serving.start(request_id, prompt, body, raw, arrival_time, grammar)
+        return SubmittedChat(first, outputs, tools, self._in_thought(first))
 
+    async def create(self, body: ChatCompletionRequest, raw: Request) -> Any:
+        """Answer one chat request: a JSON response, or a stream of chunks with `stream`."""
+        model = self.serving.check_model(body.model)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        submitted = await self.submit(body, raw, request_id)
+        first, outputs, tools, in_thought = submitted.first, submitted.outputs, submitted.tools, submitted.in_thought
         num_logprobs = body.requested_logprobs()
-        in_thought = self._in_thought(first)
         role, echoed = _role(body), _echoed(body)
 
         def whole(final: RequestOutput) -> BaseModel:
