@@ -68,11 +68,12 @@ def test_out_of_vocab_banned_ids_are_ignored():
     assert out.item() == logits.argmax().item()
 
 
-def test_tiny_top_p_keeps_only_the_top_token():
+@pytest.mark.parametrize("top_p", [1e-6, 1e-300])  # 1e-300 is 0 in float32: still the top token, no failure
+def test_tiny_top_p_keeps_only_the_top_token(top_p):
     logits = random_logits(8, seed=2)
     torch.manual_seed(0)
     for _ in range(20):
-        out = Sampler()(logits, meta_for(8, temperature=2.0, top_p=1e-6))
+        out = Sampler()(logits, meta_for(8, temperature=2.0, top_p=top_p))
         assert torch.equal(out, logits.argmax(dim=-1))
 
 

@@ -259,7 +259,7 @@ def startup_summary(client: EngineClient, served_name: str, base_url: str, *, we
         "--generation-config vllm turns them off)",
         f"KV cache      {stats['kv_capacity_tokens']} tokens ({stats['kv_cache_dtype']})",
         f"image cache   {_mib(stats['budget_encoder_cache_bytes'])}; encoder {encoder}",
-        f"API           {base_url}/v1  (OpenAI-compatible: /v1/chat/completions, /v1/completions)",
+        f"API           {base_url}/v1  (OpenAI-compatible: /v1/chat/completions, /v1/completions, /v1/responses; Anthropic's /v1/messages)",
     ]
     if replicas:
         lines.insert(1, f"replicas      {replicas} ({stats['replica_backend']}), "

@@ -342,10 +342,11 @@ def _apply_top_p(logits: torch.Tensor, top_ps: torch.Tensor) -> None:
     """Keep the smallest highest-probability set whose cumulative probability reaches top_p."""
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # (batch, vocab) each
     sorted_probs = sorted_logits.softmax(dim=-1)
-    # A token is dropped when the tokens ranked above it already reach top_p; the first token's
-    # exclusive sum is 0 < top_p, so every row keeps at least one token.
+    # A token is dropped when the tokens ranked above it already reach top_p; the first token is always
+    # kept (its exclusive sum is 0, which a top_p below float32's range, 1e-300, also rounds to)
     mass_above = sorted_probs.cumsum(dim=-1).sub_(sorted_probs)
     drop_sorted = mass_above >= top_ps.unsqueeze(1)
+    drop_sorted[:, 0] = False
     drop = torch.empty_like(drop_sorted).scatter_(1, sorted_ids, drop_sorted)
     logits.masked_fill_(drop, -torch.inf)
 

@@ -1,9 +1,10 @@
 """A request-body size limit for the HTTP server, enforced before a body is held whole.
 
 Role: an ASGI middleware. A request whose `Content-Length` is over `max_bytes` is answered 413
-with OpenAI's error JSON without any of its body being held. A body without a length (chunked) is
-read here as it arrives and refused with the same 413 as soon as it passes the limit (so no more
-than the limit is ever held), else handed on to the app whole. Other requests are not affected.
+with OpenAI's error JSON (Anthropic's on its Messages routes: http_errors.py's `error_body`) without
+any of its body being held. A body without a length (chunked) is read here as it arrives and refused
+with the same 413 as soon as it passes the limit (so no more than the limit is ever held), else handed
+on to the app whole. Other requests are not affected.
 
 Before a 413 goes out, the rest of the refused body (up to `DRAIN_MAX_BYTES`) is read and dropped:
 a server that closes a connection with unread bytes in its socket makes the kernel send a reset,
@@ -18,6 +19,8 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from mmserve.entrypoints.openai.http_errors import error_body
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -29,11 +32,10 @@ DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 DRAIN_MAX_BYTES = 256 * 1024 * 1024
 
 
-def _message(max_bytes: int, size: int | None) -> bytes:
+def _message(max_bytes: int, size: int | None, path: str) -> bytes:
     got = f"{size} bytes" if size is not None else "more than that"
-    error = {"message": f"the request body is {got}; the limit is {max_bytes} bytes (--max-request-bytes)",
-             "type": "invalid_request_error", "param": None, "code": "request_too_large"}
-    return json.dumps({"error": error}).encode()
+    return json.dumps(error_body(path, 413, f"the request body is {got}; the limit is {max_bytes} bytes "
+                                 "(--max-request-bytes)", code="request_too_large")).encode()
 
 
 async def _drain(receive: Receive, more_body: bool = True) -> None:
@@ -47,8 +49,8 @@ async def _drain(receive: Receive, more_body: bool = True) -> None:
         more_body = message.get("more_body", False)
 
 
-async def _send_413(send: Send, max_bytes: int, size: int | None) -> None:
-    body = _message(max_bytes, size)
+async def _send_413(send: Send, max_bytes: int, size: int | None, path: str) -> None:
+    body = _message(max_bytes, size, path)
     await send({"type": "http.response.start", "status": 413,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})
@@ -70,7 +72,7 @@ class BodyLimit:
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             if int(length) <= DRAIN_MAX_BYTES:
                 await _drain(receive)
-            await _send_413(send, self.max_bytes, int(length))
+            await _send_413(send, self.max_bytes, int(length), scope.get("path", ""))
             return
         if length is not None:  # the server reads exactly that many bytes: within the limit
             await self.app(scope, receive, send)
@@ -86,7 +88,7 @@ class BodyLimit:
             received += len(chunks[-1])
             if received > self.max_bytes:
                 await _drain(receive, message.get("more_body", False))
-                await _send_413(send, self.max_bytes, None)
+                await _send_413(send, self.max_bytes, None, scope.get("path", ""))
                 return
             if not message.get("more_body", False):
                 break

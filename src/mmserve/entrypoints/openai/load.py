@@ -14,7 +14,8 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 # the routes whose requests vLLM's load_aware_call counts (those mmserve serves)
-COUNTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize")
+COUNTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/tokenize",
+                 "/detokenize")
 
 
 class LoadCounter:

@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server: the app's assembly (`build_app`) and `serve()`.
 
 Role: put the app together from its parts — each endpoint module's routes (chat.py, completions.py,
-models.py and health.py's /v1/stats under `/v1`; tokens.py's at the root; health.py's /health and
-/metrics; the web chat's from web_ui.py unless it is turned off), HEAD beside every GET
-(head_requests.py: a HEAD goes on as GET, its body dropped), the `--root-path` prefix (served with and without it), Bearer-token authentication
+anthropic_messages.py, responses.py, models.py and health.py's /v1/stats under `/v1`; tokens.py's at the root;
+health.py's /health and /metrics; the web chat's from web_ui.py unless it is turned off), HEAD beside
+every GET (head_requests.py: a HEAD goes on as GET, its body dropped), the `--root-path` prefix (served
+with and without it), Bearer-token (or Anthropic's `x-api-key`) authentication
 on all but /health, /metrics and the web chat, the request body limit (`body_limit.py`), the trace
 middleware, X-Request-Id where asked, and one error shape for every failure (http_errors.py). The client's engine
 thread or replicas start and stop with the app's lifespan. All state lives on the app (no module
@@ -31,6 +32,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 
 from mmserve.engine.client import EngineClient, ShuttingDownError
+from mmserve.entrypoints.openai.anthropic_messages import messages_router
 from mmserve.entrypoints.openai.body_limit import BodyLimit
 from mmserve.entrypoints.openai.chat import chat_router
 from mmserve.entrypoints.openai.completions import completions_router
@@ -41,6 +43,8 @@ from mmserve.entrypoints.openai.load import LoadCounter, ServerLoad, load_router
 from mmserve.entrypoints.openai.metrics import ServerMetrics, cache_info
 from mmserve.entrypoints.openai.models import models_router
 from mmserve.entrypoints.openai.protocol import RequestError
+from mmserve.entrypoints.openai.responses import responses_router
+from mmserve.entrypoints.openai.responses_store import ResponseStore
 from mmserve.entrypoints.openai.serving import OpenAIServing, ServerConfig
 from mmserve.entrypoints.openai.tokens import tokens_router
 from mmserve.entrypoints.openai.trace_middleware import TraceMiddleware
@@ -50,13 +54,18 @@ logger = logging.getLogger("mmserve.server")
 
 
 def _auth_dependency(api_key: str | None) -> Callable[[Request], Any]:
+    """The API key, sent as `Authorization: Bearer <key>` (OpenAI's clients) or `x-api-key: <key>`
+    (Anthropic's)."""
     async def check(request: Request) -> None:
         if api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise RequestError("Incorrect or missing API key; send 'Authorization: Bearer <key>'.",
-                               status_code=401, code="invalid_api_key")
+        bearer = token.strip() if scheme.lower() == "bearer" else None
+        for sent in (bearer, request.headers.get("x-api-key")):
+            if sent is not None and hmac.compare_digest(sent.strip().encode(), api_key.encode()):
+                return
+        raise RequestError("Incorrect or missing API key; send 'Authorization: Bearer <key>' or "
+                           "'x-api-key: <key>'.", status_code=401, code="invalid_api_key")
     return check
 
 
@@ -64,7 +73,9 @@ def _include_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics
     """Each endpoint module's routes; adding an endpoint is adding its router here."""
     client, config = serving.client, serving.config
     auth = [Depends(_auth_dependency(config.api_key))]
-    for router in (chat_router(serving), completions_router(serving), models_router(serving), stats_router(client)):
+    for router in (chat_router(serving), completions_router(serving), messages_router(serving),
+                   responses_router(serving, app.state.response_store), models_router(serving),
+                   stats_router(client)):
         app.include_router(router, prefix="/v1", dependencies=auth)
     app.include_router(tokens_router(serving), dependencies=auth)
     if config.web_ui:  # the chat page and its files need no API key: the user types it into the page
@@ -92,6 +103,8 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="mmserve", summary="OpenAI-compatible server for vision-language models",
                   lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.serving = client, metrics, serving
+    app.state.response_store = ResponseStore(config.response_store_bytes, config.response_store_age_s,
+                                             config.response_chain_depth)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     if client.tracing is not None:  # outermost: the span covers the whole exchange
         app.add_middleware(TraceMiddleware, tracing=client.tracing)

@@ -33,6 +33,11 @@ from mmserve.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from mmserve.entrypoints.openai.logprobs import named_by_id
 from mmserve.entrypoints.openai.media import MediaRules
 from mmserve.entrypoints.openai.protocol import RequestError
+from mmserve.entrypoints.openai.responses_store import (
+    DEFAULT_MAX_AGE_S,
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_CHAIN_DEPTH,
+)
 from mmserve.entrypoints.openai.streaming import StreamCursor, failed, stream_events
 from mmserve.entrypoints.openai.tool_formats import ToolFormat
 from mmserve.entrypoints.openai.tools import ToolRequest
@@ -66,6 +71,10 @@ class ServerConfig:
     cors: CorsPolicy = field(default_factory=lambda: CorsPolicy())  # vLLM's CORS flags; its defaults
     tls: TlsFiles | None = None  # vLLM's --ssl-* flags: https instead of http
     tool_call_parser: str | None = None  # vLLM's --tool-call-parser: the call syntax by name (None: the template's)
+    # the Responses API's store of responses for previous_response_id (responses_store.py): its limits
+    response_store_bytes: int = DEFAULT_MAX_BYTES
+    response_store_age_s: float = DEFAULT_MAX_AGE_S
+    response_chain_depth: int = DEFAULT_MAX_CHAIN_DEPTH
 
 
 @dataclass(frozen=True)

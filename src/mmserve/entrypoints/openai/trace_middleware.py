@@ -1,6 +1,7 @@
 """The server's span of each generation request (with `--otlp-traces-endpoint`).
 
-Role: an ASGI middleware around `POST /v1/chat/completions` and `/v1/completions`. It opens the
+Role: an ASGI middleware around `POST /v1/chat/completions`, `/v1/completions`, `/v1/responses` and
+`/v1/messages`. It opens the
 request's server span — continuing the client's W3C `traceparent` header when there is one — before
 the app reads the body, and ends it when the last byte of the answer (a whole stream included) is
 sent, with the status code and the request id the serving layer chose. The span's own traceparent is
@@ -15,7 +16,7 @@ from typing import Any
 from mmserve.entrypoints.openai.body_limit import ASGIApp, Message, Receive, Scope, Send
 from mmserve.tracing import Tracing
 
-TRACED_PATHS = ("/v1/chat/completions", "/v1/completions")
+TRACED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 
 
 class TraceMiddleware:
