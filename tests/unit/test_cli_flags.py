@@ -105,3 +105,23 @@ def test_a_tool_call_parser_mmserve_cannot_read_is_refused_before_the_model_load
     assert cli.main(["serve", str(tmp_path / "absent"), "--tool-call-parser", "mistral"]) == 2
     error = capsys.readouterr().err
     assert "--tool-call-parser mistral" in error and "hermes, qwen3_xml, qwen3_coder" in error
+
+
+def test_the_response_store_flags_reach_the_server_config():
+    from types import SimpleNamespace
+
+    parser = cli_args.build_parser()
+    args = parser.parse_args(["serve", "m", "--response-store-bytes", "2MiB", "--response-store-max-age", "90"])
+    assert (args.response_store_bytes, args.response_store_max_age) == (2 * 1024**2, 90.0)
+    media = SimpleNamespace(frontend=SimpleNamespace(config=SimpleNamespace(media=None), spec=SimpleNamespace(
+        default_video_fps=None)))
+    config = cli._server_config(args, "m", media, None, {})
+    assert (config.response_store_bytes, config.response_store_age_s) == (2 * 1024**2, 90.0)
+
+
+
+def test_a_response_store_limit_that_is_not_positive_is_refused_before_the_model_loads(capsys):
+    from mmserve.demo.eval import default_model_dir
+
+    assert cli.main(["serve", str(default_model_dir()), "--response-store-max-age", "0"]) == 2
+    assert "--response-store-max-age (0.0)" in capsys.readouterr().err

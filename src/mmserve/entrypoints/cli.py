@@ -97,7 +97,7 @@ def _serve(args: argparse.Namespace) -> int:
                         allow_private=args.allow_private_media_urls)
     _tls_files(args)  # the TLS and CORS flags checked before the model loads (the server reads them again)
     _cors_policy(args)
-    error = (_served_names_error(args) or _replica_args_error(args)
+    error = (_served_names_error(args) or _replica_args_error(args) or _response_store_error(args)
              or _tracing_error(config.otlp_traces_endpoint))
     if error is not None:
         print(f"error: {error}", file=sys.stderr)
@@ -121,6 +121,13 @@ def _serve(args: argparse.Namespace) -> int:
     serve(client, server_config, args.host, args.port, args.log_level, args.shutdown_timeout,
           on_ready=lambda: print(summary, file=sys.stderr, flush=True), sock=sock)
     return 0
+
+
+def _response_store_error(args: argparse.Namespace) -> str | None:
+    if args.response_store_bytes <= 0 or not args.response_store_max_age > 0:
+        return (f"--response-store-bytes ({args.response_store_bytes}) and --response-store-max-age "
+                f"({args.response_store_max_age}) must be positive")
+    return None
 
 
 def _served_names_error(args: argparse.Namespace) -> str | None:
@@ -199,7 +206,8 @@ def _server_config(args: argparse.Namespace, model: str, client: EngineClient, f
                         force_include_usage=args.enable_force_include_usage,
                         server_load_tracking=args.enable_server_load_tracking,
                         cors=_cors_policy(args), tls=_tls_files(args),
-                        tool_call_parser=args.tool_call_parser)
+                        tool_call_parser=args.tool_call_parser, response_store_bytes=args.response_store_bytes,
+                        response_store_age_s=args.response_store_max_age)
 
 
 def _cors_policy(args: argparse.Namespace) -> Any:
