@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mmserve.config import EngineConfig
-from mmserve.entrypoints import cli, cli_args
+from mmserve.entrypoints import cli, cli_args, server_flags
 from mmserve.envs import COMPILE_CPU_DECODE
 from mmserve.errors import InvalidInputError
 
@@ -115,7 +115,7 @@ def test_the_response_store_flags_reach_the_server_config():
     assert (args.response_store_bytes, args.response_store_max_age) == (2 * 1024**2, 90.0)
     media = SimpleNamespace(frontend=SimpleNamespace(config=SimpleNamespace(media=None), spec=SimpleNamespace(
         default_video_fps=None)))
-    config = cli._server_config(args, "m", media, None, {})
+    config = server_flags.build_server_config(args, "m", media, None, {})
     assert (config.response_store_bytes, config.response_store_age_s) == (2 * 1024**2, 90.0)
 
 

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mmserve.config import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 from mmserve.engine.client import EngineClient
 from mmserve.engine.generation_defaults import describe
 from mmserve.entrypoints.cli_args import build_parser, default_device, engine_kwargs, resolved_model
+from mmserve.entrypoints.server_flags import build_server_config, cors_policy, response_store_error, tls_files
 from mmserve.errors import InvalidInputError, ModelLoadError
 from mmserve.inputs.media import MediaLimits
 from mmserve.tracing import otlp_exporter
@@ -95,9 +95,9 @@ def _serve(args: argparse.Namespace) -> int:
     config = EngineConfig.from_kwargs(model, **engine_kwargs(args))
     fetch = FetchPolicy(timeout_s=args.media_fetch_timeout, allowed_domains=tuple(args.allowed_media_domains),
                         allow_private=args.allow_private_media_urls)
-    _tls_files(args)  # the TLS and CORS flags checked before the model loads (the server reads them again)
-    _cors_policy(args)
-    error = (_served_names_error(args) or _replica_args_error(args) or _response_store_error(args)
+    tls_files(args)  # the TLS and CORS flags checked before the model loads (the server reads them again)
+    cors_policy(args)
+    error = (_served_names_error(args) or _replica_args_error(args) or response_store_error(args)
              or _tracing_error(config.otlp_traces_endpoint))
     if error is not None:
         print(f"error: {error}", file=sys.stderr)
@@ -115,19 +115,12 @@ def _serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("stopped while loading the model", file=sys.stderr)
         return 0
-    server_config = _server_config(args, model, client, fetch, limits)
+    server_config = build_server_config(args, model, client, fetch, limits)
     summary = startup_summary(client, server_config.served_model_name,
                               f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{sock.getsockname()[1]}", web_ui=args.web_ui)
     serve(client, server_config, args.host, args.port, args.log_level, args.shutdown_timeout,
           on_ready=lambda: print(summary, file=sys.stderr, flush=True), sock=sock)
     return 0
-
-
-def _response_store_error(args: argparse.Namespace) -> str | None:
-    if args.response_store_bytes <= 0 or not args.response_store_max_age > 0:
-        return (f"--response-store-bytes ({args.response_store_bytes}) and --response-store-max-age "
-                f"({args.response_store_max_age}) must be positive")
-    return None
 
 
 def _served_names_error(args: argparse.Namespace) -> str | None:
@@ -184,63 +177,6 @@ def _engine_client(args: argparse.Namespace, config: Any) -> EngineClient:
     from mmserve.engine.llm_engine import Engine
 
     return AsyncEngine(Engine(config))
-
-
-def _server_config(args: argparse.Namespace, model: str, client: EngineClient, fetch: Any,
-                   limits: dict[str, int]) -> Any:
-    """The server's own settings (a `ServerConfig`) from its flags."""
-    from mmserve.entrypoints.openai.media import MediaRules
-    from mmserve.entrypoints.openai.serving import ServerConfig
-
-    names = args.served_model_name or [args.model or args.model_flag or DEMO_MODEL_NAME]
-    name = names[0]
-    extra = tuple(dict.fromkeys(n for n in (*names[1:], model) if n != name))
-    rules = MediaRules(client.frontend.config.media, fetch, args.max_video_bytes, limits,
-                       client.frontend.spec.default_video_fps)
-    return ServerConfig(name, rules, args.api_key, extra_model_names=extra,
-                        max_request_bytes=args.max_request_bytes, web_ui=args.web_ui,
-                        demo_model=Path(model).resolve() == DEMO_MODEL_DIR.resolve(),
-                        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                        request_id_headers=args.enable_request_id_headers, root_path=args.root_path,
-                        tokenizer_info=args.enable_tokenizer_info_endpoint,
-                        force_include_usage=args.enable_force_include_usage,
-                        server_load_tracking=args.enable_server_load_tracking,
-                        cors=_cors_policy(args), tls=_tls_files(args),
-                        tool_call_parser=args.tool_call_parser, response_store_bytes=args.response_store_bytes,
-                        response_store_age_s=args.response_store_max_age)
-
-
-def _cors_policy(args: argparse.Namespace) -> Any:
-    from mmserve.entrypoints.openai.serving import CorsPolicy
-
-    return CorsPolicy(*(_json_strings(getattr(args, name), name) for name in
-                        ("allowed_origins", "allowed_methods", "allowed_headers")),
-                      allow_credentials=args.allow_credentials)
-
-
-def _tls_files(args: argparse.Namespace) -> Any:
-    """vLLM's --ssl-* flags as the server's TlsFiles, or None for plain http; a key without its certificate
-    (or the reverse) is refused."""
-    from mmserve.entrypoints.openai.serving import TlsFiles
-
-    if args.ssl_keyfile is None and args.ssl_certfile is None:
-        return None
-    if args.ssl_keyfile is None or args.ssl_certfile is None:
-        missing = "ssl_keyfile" if args.ssl_keyfile is None else "ssl_certfile"
-        raise InvalidInputError(f"https needs both --ssl-keyfile and --ssl-certfile: give --{missing.replace('_', '-')}",
-                                param=missing, setting=missing)
-    for path in (args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs):
-        if path is not None and not Path(path).is_file():
-            raise InvalidInputError(f"no such file: {path}", param="ssl", setting="ssl")
-    return TlsFiles(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
-
-
-def _json_strings(value: Any, name: str) -> tuple[str, ...]:
-    """A CORS flag's JSON value, which must be a list of strings (vLLM's form)."""
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise InvalidInputError(f"--{name.replace('_', '-')} takes a JSON list of strings, got {value!r}",
-                                param=name, setting=name)
-    return tuple(value)
 
 
 def _log_to_stderr(level: str) -> None:

@@ -27,6 +27,7 @@ from mmserve.config import (
     SchedulerConfig,
     resolve_model,
 )
+from mmserve.entrypoints.server_flags import add_response_store_args
 from mmserve.errors import InvalidInputError
 from mmserve.inputs.media import MediaLimits
 from mmserve.vllm_args import VLLM_ARGS, Support, VllmArg, check_accepted
@@ -289,11 +290,7 @@ def _add_http_flags(http: argparse._ArgumentGroup) -> None:
                            "its thought returned as reasoning (and reasoning_content), and grammars apply after it, whatever the name")
     http.add_argument("--enable-force-include-usage", action="store_true",
                       help="every streamed answer ends with its usage, as if stream_options.include_usage were set")
-    http.add_argument("--response-store-bytes", type=int_or_size, default=64 * 1024 * 1024, metavar="N",
-                      help="the Responses API's stored responses (previous_response_id): their bytes, the oldest "
-                           "evicted first (default: 64MiB)")
-    http.add_argument("--response-store-max-age", type=float, default=3600.0, metavar="SECONDS",
-                      help="the Responses API's stored responses: how long one is kept (default: 3600)")
+    add_response_store_args(http, int_or_size)
     http.add_argument("--enable-server-load-tracking", action="store_true",
                       help="count the generation requests in flight: GET /load answers {\"server_load\": N}")
     http.add_argument("--root-path", default="", metavar="PATH",
