@@ -72,11 +72,11 @@ def test_usage_is_sent_as_vllm_decides(include_usage, continuous):
 
 def test_a_thought_is_reasoning_and_reasoning_content_whole_and_streamed():
     completion = CompletionOutput(0, "Look closely.\n</think>\n\nA red circle.", [5, 6], "stop")
-    message, finish = ChatServing._message(completion, None, in_thought=True)
+    message, finish = ChatServing.message_of(completion, None, in_thought=True)
     body = message.model_dump()
     assert body["reasoning"] == body["reasoning_content"] == "Look closely." and body["content"] == "A red circle."
     assert "tool_calls" not in body and finish == "stop"
-    plain = ChatServing._message(CompletionOutput(0, "Hi.", [5], "stop"), None)[0].model_dump()
+    plain = ChatServing.message_of(CompletionOutput(0, "Hi.", [5], "stop"), None)[0].model_dump()
     assert plain["reasoning"] is None and plain["reasoning_content"] is None and "tool_calls" not in plain
     chunks = stream(["Look", " closely.", "\n</think>\n\n", "A red", " circle."], in_thought=True)
     deltas = [c["choices"][0]["delta"] for c in chunks[1:]]

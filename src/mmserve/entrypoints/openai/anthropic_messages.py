@@ -245,7 +245,7 @@ def answer_blocks(completion: CompletionOutput, submitted: SubmittedChat,
                   ) -> list[ThinkingBlock | TextBlock | ToolUseBlock]:
     """A finished choice's blocks, as chat's message splits it: its thought, its text, its calls (a block
     only where there is something in it)."""
-    message, _ = ChatServing._message(completion, submitted.tools, submitted.in_thought)
+    message, _ = ChatServing.message_of(completion, submitted.tools, submitted.in_thought)
     blocks: list[ThinkingBlock | TextBlock | ToolUseBlock] = []
     if message.reasoning:
         blocks.append(ThinkingBlock(thinking=message.reasoning))
@@ -304,8 +304,8 @@ class MessagesServing:
         self.serving.check_model(body.model)
         translation = to_chat(body)
         try:
-            tools = self.chat._tools(translation.request)
-            prompt = await self.chat._chat_prompt(translation.request, tools and tools[0])
+            tools = self.chat.request_tools(translation.request)
+            prompt = await self.chat.chat_prompt(translation.request, tools and tools[0])
         except (RequestError, InvalidInputError) as exc:
             raise translation.paths.reworded(exc) from exc
         return CountTokensResponse(input_tokens=prompt.num_tokens)

@@ -194,7 +194,7 @@ class ChatServing:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
 
-    async def _chat_prompt(self, body: ChatCompletionRequest, tools: ToolRequest | None = None) -> ProcessedPrompt:
+    async def chat_prompt(self, body: ChatCompletionRequest, tools: ToolRequest | None = None) -> ProcessedPrompt:
         messages = await self.serving.in_worker(resolve_messages, parsed_tool_arguments(body.messages),
                                                 self.serving.config.media, body.mm_processor_kwargs)
         template_kwargs = dict(body.chat_template_kwargs or {})
@@ -205,7 +205,7 @@ class ChatServing:
                                                       continue_final_message=body.continue_final_message,
                                                       **template_kwargs)
 
-    def _tools(self, body: ChatCompletionRequest) -> tuple[ToolRequest, ToolFormat] | None:
+    def request_tools(self, body: ChatCompletionRequest) -> tuple[ToolRequest, ToolFormat] | None:
         """The request's tools and the model's call syntax (None: no tools), or a 400 naming the field."""
         try:
             tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
@@ -231,7 +231,7 @@ class ChatServing:
         return opens_thought(tokenizer.decode(list(output.prompt_token_ids[-8:]), skip_special_tokens=False))
 
     @staticmethod
-    def _message(completion: CompletionOutput, tools: tuple[ToolRequest, ToolFormat] | None,
+    def message_of(completion: CompletionOutput, tools: tuple[ToolRequest, ToolFormat] | None,
                  in_thought: bool | None = None) -> tuple[ChatMessage, str | None]:
         """The choice's message (its thought apart, its calls parsed out, where the request has tools) and
         finish reason. A forced choice (required, named) has content "" rather than null, as vLLM answers."""
@@ -254,13 +254,13 @@ class ChatServing:
         raw.state.request_id = request_id
         # the media and the processed prompt live in no frame of this request past submission: once
         # encoded, the engine releases the pixels and nothing else holds them
-        tools = self._tools(body)
+        tools = self.request_tools(body)
         grammar = None
         if tools is not None and tools[0].forced:
             grammar = StructuredOutputsParams(structural_tag=tools[1].structural_tag(tools[0]))
         # fetching and decoding the media, the template, the processor
         with self.serving.traced("media_load", raw):
-            prompt = await self._chat_prompt(body, tools and tools[0])
+            prompt = await self.chat_prompt(body, tools and tools[0])
         first, outputs = await self.serving.start(request_id, prompt, body, raw, arrival_time, grammar)
         return SubmittedChat(first, outputs, tools, self._in_thought(first))
 
@@ -276,7 +276,7 @@ class ChatServing:
         def whole(final: RequestOutput) -> BaseModel:
             choices = []
             for c in final.outputs:
-                message, finish_reason = self._message(c, tools, in_thought)
+                message, finish_reason = self.message_of(c, tools, in_thought)
                 message.role = role
                 if echoed:
                     message.content = echoed + (message.content or "")

@@ -154,7 +154,7 @@ class ResponsesServing:
         final = first if first.finished else await unless_disconnected(last_output(outputs), raw)
         raise_if_failed(final)
         completion = final.outputs[0]
-        message, _ = ChatServing._message(completion, submitted.tools, submitted.in_thought)
+        message, _ = ChatServing.message_of(completion, submitted.tools, submitted.in_thought)
         calls = [ToolCall(c.id, c.function.name or "", c.function.arguments or "") for c in message.tool_calls or ()]
         response = snapshot("incomplete" if completion.finish_reason == "length" else "completed",
                             output_items(message.reasoning, message.content, calls, completion.finish_reason), final)
