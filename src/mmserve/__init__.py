@@ -15,7 +15,16 @@ if TYPE_CHECKING:
     from mmserve.entrypoints.llm import LLM
     from mmserve.errors import InvalidInputError, ModelLoadError
     from mmserve.inputs.media import VideoFrames
-    from mmserve.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
+    from mmserve.outputs import (
+        BeamSearchOutput,
+        BeamSearchSequence,
+        CompletionOutput,
+        EmbeddingRequestOutput,
+        Logprob,
+        RequestOutput,
+        ScoringRequestOutput,
+    )
+    from mmserve.pooling import PoolerConfig, PoolingParams
     from mmserve.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 # each public name -> the module that defines it
@@ -29,12 +38,33 @@ _HOMES = {
     "CompletionOutput": "mmserve.outputs",
     "Logprob": "mmserve.outputs",
     "RequestOutput": "mmserve.outputs",
+    "EmbeddingRequestOutput": "mmserve.outputs",
+    "ScoringRequestOutput": "mmserve.outputs",
+    "PoolerConfig": "mmserve.pooling",
+    "PoolingParams": "mmserve.pooling",
     "BeamSearchParams": "mmserve.sampling_params",
     "SamplingParams": "mmserve.sampling_params",
     "StructuredOutputsParams": "mmserve.sampling_params",
 }
 
-__all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "InvalidInputError", "Logprob", "ModelLoadError", "RequestOutput", "SamplingParams", "StructuredOutputsParams", "VideoFrames"]
+__all__ = [
+    "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
+    "CompletionOutput",
+    "EmbeddingRequestOutput",
+    "InvalidInputError",
+    "Logprob",
+    "ModelLoadError",
+    "PoolerConfig",
+    "PoolingParams",
+    "RequestOutput",
+    "SamplingParams",
+    "ScoringRequestOutput",
+    "StructuredOutputsParams",
+    "VideoFrames",
+]
 __version__ = "0.1.0"
 
 

@@ -222,7 +222,7 @@ class GraphConfig:
 # the engine arguments EngineConfig holds itself, not in one of its groups
 TOP_LEVEL_ARGS = ("dtype", "device", "seed", "quantization", "logprobs_mode", "otlp_traces_endpoint", "tokenizer",
                   "chat_template", "generation_config", "trust_remote_code", "mm_processor_kwargs",
-                  "default_chat_template_kwargs")
+                  "default_chat_template_kwargs", "runner", "pooler_config", "hf_overrides")
 GENERATION_CONFIG_MODES = ("auto", "vllm")  # or a folder holding a generation_config.json
 
 
@@ -246,6 +246,11 @@ class EngineConfig:
     mm_processor_kwargs: dict[str, Any] | None = None
     # chat template variables every chat starts from (vLLM's --default-chat-template-kwargs); a request's win
     default_chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's --runner: "generate", or "pooling" (the step returns pooled hidden states: embeddings, reranker
+    # scores; mmserve/pooling.py); "auto": pooling when pooler_config or hf_overrides is given
+    runner: str = "auto"
+    pooler_config: Any = None  # vLLM's --pooler-config: a pooling.PoolerConfig, its dict or JSON (None: the model's)
+    hf_overrides: dict[str, Any] | None = None  # only the reranker/Matryoshka keys pooling.RerankerOverrides reads
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
@@ -253,6 +258,7 @@ class EngineConfig:
     graphs: GraphConfig = field(default_factory=GraphConfig)
 
     def __post_init__(self) -> None:
+        _resolve_pooling_args(self)
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None; "
                              f"got {self.quantization!r}")
@@ -295,3 +301,21 @@ class EngineConfig:
                    scheduler=SchedulerConfig(**groups["scheduler"]), encoder=EncoderConfig(**groups["encoder"]),
                    media=MediaLimits(**groups["media"]), graphs=GraphConfig(**groups["graphs"]),
                    **groups["top"])
+
+
+def _resolve_pooling_args(config: EngineConfig) -> None:
+    """The runner ("auto" resolved), the pooler config parsed and the overrides checked, or ValueError naming
+    the argument."""
+    from mmserve.pooling import RUNNERS, PoolerConfig, RerankerOverrides
+
+    if config.runner not in (*RUNNERS, "auto"):
+        raise ValueError(f"runner must be auto, {' or '.join(RUNNERS)}, got {config.runner!r}")
+    RerankerOverrides.parse(config.hf_overrides)  # refused early: keys mmserve does not read
+    runner = config.runner
+    if runner == "auto":  # vLLM reads the architecture; here a pooler config or a reranker's overrides say pooling
+        runner = "pooling" if config.pooler_config is not None or config.hf_overrides else "generate"
+    object.__setattr__(config, "runner", runner)
+    object.__setattr__(config, "pooler_config", PoolerConfig.parse(config.pooler_config))
+    if runner == "generate" and (config.pooler_config is not None or config.hf_overrides):
+        raise ValueError("pooler_config and hf_overrides shape a pooling model: pass runner='pooling' "
+                         "(--runner pooling)")

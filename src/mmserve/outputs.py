@@ -66,6 +66,9 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: one entry per prompt token (None for the first, which nothing
     # predicts); complete once the prompt is computed
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # a pooling engine's vector (float32 values): the prompt's pooled hidden state, or a reranker's "yes" logit
+    # minus its "no" logit; mmserve/pooling.py makes it an embedding or a score
+    pooled: list[float] | None = None
 
 
 @dataclass
@@ -86,3 +89,37 @@ class BeamSearchOutput:
     """The best `beam_width` hypotheses of one prompt, best first."""
 
     sequences: list[BeamSearchSequence]
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's `LLM.embed` result: one prompt's embedding."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """vLLM's `LLM.score` result: one (query, document) pair's score."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

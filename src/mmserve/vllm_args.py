@@ -74,7 +74,9 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     VllmArg("tokenizer_mode", OK, "the fast tokenizer from tokenizer.json", accepted_values=("auto", "hf")),
     VllmArg("skip_tokenizer_init", NO, "mmserve needs the tokenizer to render prompts and text", switch=True),
     VllmArg("hf_token", NO, "set the HF_TOKEN environment variable"),
-    VllmArg("hf_overrides", NO, "edit the checkpoint's config.json in a copy of the directory"),
+    VllmArg("hf_overrides", W, "only a reranker's keys (architectures *ForSequenceClassification, "
+            "classifier_from_token, is_original_qwen3_reranker) and is_matryoshka, matryoshka_dimensions; for any "
+            "other, edit config.json in a copy of the checkpoint", example=('{"classifier_from_token": ["no", "yes"]}',)),
     VllmArg("rope_scaling", NO, "edit rope_parameters in a copy of the checkpoint's config.json"),
     VllmArg("rope_theta", NO, "edit rope_parameters in a copy of the checkpoint's config.json"),
     VllmArg("disable_sliding_window", NO, "a sliding-window model runs with its window", switch=True),
@@ -128,7 +130,11 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
             short=("-O",)),
     VllmArg("speculative_config", NO, "mmserve does no speculative decoding"),
     VllmArg("task", OK, "mmserve generates text", accepted_values=("auto", "generate")),
-    VllmArg("runner", OK, "mmserve generates text", accepted_values=("auto", "generate")),
+    VllmArg("runner", W, "generate, or pooling: embeddings and reranker scores (/v1/embeddings, /v1/score, "
+            "/v1/rerank; docs/embeddings.md); auto: pooling when --pooler-config or --hf-overrides is given",
+            example=("pooling",)),
+    VllmArg("pooler_config", W, "task (embed, score), pooling_type (LAST, MEAN, CLS), use_activation, dimensions; "
+            "vLLM's other keys are refused", example=('{"pooling_type": "MEAN"}',)),
     VllmArg("logprobs_mode", W, "raw or processed logprobs or logits", example=("processed_logprobs",)),
     VllmArg("structured_outputs_backend", OK, "grammars compile with xgrammar",
             accepted_values=("auto", "xgrammar")),

@@ -113,8 +113,8 @@ def test_the_response_store_flags_reach_the_server_config():
     parser = cli_args.build_parser()
     args = parser.parse_args(["serve", "m", "--response-store-bytes", "2MiB", "--response-store-max-age", "90"])
     assert (args.response_store_bytes, args.response_store_max_age) == (2 * 1024**2, 90.0)
-    media = SimpleNamespace(frontend=SimpleNamespace(config=SimpleNamespace(media=None), spec=SimpleNamespace(
-        default_video_fps=None)))
+    media = SimpleNamespace(frontend=SimpleNamespace(config=SimpleNamespace(media=None, runner="generate"),
+                                                     spec=SimpleNamespace(default_video_fps=None)))
     config = server_flags.build_server_config(args, "m", media, None, {})
     assert (config.response_store_bytes, config.response_store_age_s) == (2 * 1024**2, 90.0)
 

@@ -37,6 +37,9 @@ RESPONSE_MODELS = {
     "FunctionCallItem", "IncompleteDetails", "InputTokensDetails", "OutputMessage", "OutputText",
     "OutputTokensDetails", "ReasoningItem", "ReasoningText", "ResponseError", "ResponseObject", "ResponseUsage",
     "StreamEvent",
+    # the pooling routes (pooling_protocol.py)
+    "EmbeddingData", "EmbeddingResponse", "ListResponse", "PoolingUsage", "RerankDocument", "RerankResponse", "RerankResult",
+    "ScoreData", "ScoreResponse",
 }
 BASE_MODELS = {"NullMeansUnset", "WireModel", "Strict"}  # bases that declare no field of their own
 RF = "tests/models/test_request_fields.py::"
@@ -47,10 +50,35 @@ AM = "tests/models/test_anthropic_messages.py::"
 RA = "tests/models/test_responses_api.py::"
 AC = "tests/e2e/test_api_clients_anthropic.py::"
 RC = "tests/e2e/test_api_clients_responses.py::"
+PO = "tests/models/test_pooling_api.py::"
 UNSUPPORTED = [RF + "test_unsupported_fields_are_refused_unless_neutral"]
 ROUTE = [RF + "test_route_unsupported_fields"]
 # "Model.field" (the model that declares it) or "extra.field" (taken undeclared) -> the tests that exercise it
 FIELD_TESTS: dict[str, list[str]] = {
+    "PoolingRequestBase.model": [PO + "test_malformed_bodies_are_400s_naming_the_field"],
+    "PoolingRequestBase.user": [PO + "test_embeddings_in_every_input_form_equal_the_offline_ones"],
+    "PoolingRequestBase.truncate_prompt_tokens": [PO + "test_dimensions_activation_and_truncation"],
+    "PoolingRequestBase.use_activation": [PO + "test_dimensions_activation_and_truncation",
+                                          PO + "test_a_reranker_scores_pairs_through_its_score_template"],
+    "PoolingRequestBase.mm_processor_kwargs": [PO + "test_messages_with_an_image_embed_as_the_rendered_chat"],
+    "EmbeddingRequest.input": [PO + "test_embeddings_in_every_input_form_equal_the_offline_ones"],
+    "EmbeddingRequest.messages": [PO + "test_messages_with_an_image_embed_as_the_rendered_chat"],
+    "EmbeddingRequest.encoding_format": [PO + "test_embeddings_in_every_input_form_equal_the_offline_ones"],
+    "EmbeddingRequest.dimensions": [PO + "test_dimensions_activation_and_truncation"],
+    "EmbeddingRequest.normalize": [PO + "test_dimensions_activation_and_truncation"],
+    "EmbeddingRequest.add_generation_prompt": [PO + "test_messages_with_an_image_embed_as_the_rendered_chat"],
+    "EmbeddingRequest.continue_final_message": [PO + "test_messages_with_an_image_embed_as_the_rendered_chat"],
+    "EmbeddingRequest.chat_template_kwargs": [PO + "test_messages_with_an_image_embed_as_the_rendered_chat"],
+    "ScoreRequest.data_1": [PO + "test_score_and_rerank_spellings_agree_with_the_offline_cosine"],
+    "ScoreRequest.data_2": [PO + "test_score_and_rerank_spellings_agree_with_the_offline_cosine"],
+    "ScoreRequest.text_1": [PO + "test_score_and_rerank_spellings_agree_with_the_offline_cosine"],
+    "ScoreRequest.text_2": [PO + "test_score_and_rerank_spellings_agree_with_the_offline_cosine"],
+    "ScoreRequest.queries": [PO + "test_score_and_rerank_spellings_agree_with_the_offline_cosine"],
+    "ScoreRequest.documents": [PO + "test_score_and_rerank_spellings_agree_with_the_offline_cosine"],
+    "RerankRequest.query": [PO + "test_score_and_rerank_spellings_agree_with_the_offline_cosine"],
+    "RerankRequest.documents": [PO + "test_score_and_rerank_spellings_agree_with_the_offline_cosine"],
+    "RerankRequest.top_n": [PO + "test_score_and_rerank_spellings_agree_with_the_offline_cosine"],
+    "RerankRequest.return_documents": [PO + "test_score_and_rerank_spellings_agree_with_the_offline_cosine"],
     "GenerationRequest.model": [RF + "test_model_names_the_served_model"],
     "GenerationRequest.max_tokens": [SRV + "test_chat_matches_offline_llm"],
     "GenerationRequest.temperature": [RF + "test_sampling_fields_change_the_answer"],

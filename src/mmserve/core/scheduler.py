@@ -61,9 +61,8 @@ class Scheduler(SchedulerViews):
     def __init__(self, limits: SchedulerLimits, kv: KVCacheManager, items: ItemScheduler,
                  chunking: ChunkBoundaryPolicy | None = None, cross_kv: CrossKVBook | None = None,
                  states: HybridStates | None = None) -> None:
-        """`cross_kv`: the cross-attention KV budget of a family that cross-attends to its images;
-        `states`: a hybrid family's recurrent-state slots (one per running request) and snapshots (a prefix
-        hit resumes from one, never from a guess)."""
+        """`cross_kv`: the cross-attention KV budget of a family that cross-attends to its images; `states`: a
+        hybrid family's state slots (one per running request) and snapshots (a prefix hit resumes from one)."""
         self.limits = limits
         self.cross_kv = cross_kv
         self.states = states  # told of evicted blocks by `kv.on_evict` (assembly wires it)
@@ -101,10 +100,7 @@ class Scheduler(SchedulerViews):
             request = self.requests.get(rid)
             if request is None or request.is_finished:
                 continue
-            if request in self.running:
-                self.running.remove(request)
-            elif request in self.waiting:
-                self.waiting.remove(request)
+            self._dequeue(request)
             self._finish(request, status, error)
 
     def drop_tokens(self, request_id: str, num_tokens: int) -> None:
@@ -114,9 +110,13 @@ class Scheduler(SchedulerViews):
         if request is not None:
             del request.output_token_ids[-num_tokens:]
 
+    def _dequeue(self, request: Request) -> None:
+        for queue in (self.running, self.waiting):
+            if request in queue:
+                queue.remove(request)
+
     def _finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
-        request.status = status
-        request.error = error
+        request.status, request.error = status, error
         self.handoff.forget(request.request_id)
         self._free_kv(request)
         self.encoder_cache.release(request.request_id)
@@ -134,9 +134,8 @@ class Scheduler(SchedulerViews):
 
     # ---- hand-offs (core/handoff.py) --------------------------------------------------------------
     def admit_transferred(self, request: Request) -> list[int] | None:
-        """Take a request whose prompt's KV comes from a prefill replica (its first token already in
-        `output_token_ids`): the indices of the prompt blocks to send, or None while the blocks or a
-        sequence slot are not free (backpressure)."""
+        """Take a request whose prompt's KV comes from a prefill replica (its first token in `output_token_ids`):
+        the indices of the prompt blocks to send, or None while blocks or a sequence slot are not free."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if len(self.running) + len(self.handoff.receiving) >= self.limits.max_num_seqs:
@@ -346,6 +345,11 @@ class Scheduler(SchedulerViews):
                 outputs.append(self._fail(request, result.failed[rid]))
                 continue
             self.kv.cache_full_blocks(request)
+            if rid in result.pooled:  # a pooling runner's request ends with its prompt: no token
+                self.running.remove(request)
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                outputs.append(EngineCoreOutput(rid, (), "stop", pooled=result.pooled[rid]))
+                continue
             tokens = per_token(result.sampled_token_ids.get(rid))
             if tokens:
                 outputs.append(self._take_tokens(request, tokens, per_token(result.sampled_logprobs.get(rid))))
@@ -355,10 +359,7 @@ class Scheduler(SchedulerViews):
         return outputs
 
     def _fail(self, request: Request, error: str) -> EngineCoreOutput:
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
+        self._dequeue(request)
         self._finish(request, RequestStatus.FINISHED_ERROR, error)
         return EngineCoreOutput(request.request_id, (), "error", error=error)
 

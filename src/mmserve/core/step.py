@@ -85,6 +85,8 @@ class ModelRunnerOutput:
     encoder_in_flight_keys: set[str] = field(default_factory=set)
     # requests whose scheduled tokens were not computed (an item they needed failed): no progress
     skipped: set[str] = field(default_factory=set)
+    # a pooling runner's requests whose prompt this step finished: their pooled vector (instead of a token)
+    pooled: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -109,3 +111,4 @@ class EngineCoreOutput:
     error: str | None = None
     new_logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token, when the request asked for logprobs
     parked: bool = False  # its first token: now parked, its KV held for a decode replica (core/handoff.py)
+    pooled: tuple[float, ...] | None = None  # a pooling runner's vector: the request finished with it

@@ -44,6 +44,7 @@ from mmserve.runner.encoder.pool import EncoderPool
 from mmserve.runner.kv_quant import kv_format
 from mmserve.runner.kv_storage import PagedKVStorage
 from mmserve.runner.model_runner import ModelRunner
+from mmserve.runner.pooler import StepPooler
 from mmserve.runner.state_storage import LinearStateStorage
 from mmserve.workers.factory import make_pool
 from mmserve.workers.spec import WorkerSpec
@@ -105,14 +106,18 @@ def assemble(config: EngineConfig, faults: FaultPlan) -> EngineParts:
     kv_storage = PagedKVStorage(spec.num_layers, num_blocks + graphs.num_scratch_blocks, config.cache.block_size,
                                 spec.num_kv_heads, spec.head_dim, fmt, loaded.device)
     encoder_pool = _start_encoder_pool(config, faults) if config.encoder.encoder_workers else None
+    # MEAN and CLS pooling need every prompt row computed: no prefix hits (vLLM's rule too)
+    prefix_caching = config.cache.enable_prefix_caching and (frontend.pooling is None
+                                                             or frontend.pooling.pooling_type == "LAST")
     scheduler = _scheduler(config, spec, loaded.dtype, num_blocks, max_model_len, budget, encoder_pool is not None,
-                           state_slots)
+                           state_slots, prefix_caching)
     state = None if state_slots is None else LinearStateStorage(spec.linear_state, state_slots.num_slots,
                                                                 state_slots.num_snapshots, loaded.device)
+    pooling = frontend.pooling  # a pooling runner decodes nothing: no decode graphs
+    pooler = None if pooling is None else StepPooler(loaded.model, pooling.pooling_type, frontend.classifier_token_ids)
     runner = ModelRunner(loaded.model, spec, PagedAttentionBackend(kv_storage, state=state), loaded.device,
-                         encoder_pool,
-                         config.encoder.encoder_timeout_s, graphs.encoder, graphs.decode, faults,
-                         config.logprobs_mode)
+                         encoder_pool, config.encoder.encoder_timeout_s, graphs.encoder,
+                         graphs.decode if pooler is None else None, faults, config.logprobs_mode, pooler)
     # bytes of one item row's cross-attention K/V (the model dtype), for a family that cross-attends
     cross_kv_bytes_per_row = 0 if spec.cross_attention is None else spec.cross_attention.bytes_per_row(
         torch.empty((), dtype=loaded.dtype).element_size())
@@ -121,8 +126,9 @@ def assemble(config: EngineConfig, faults: FaultPlan) -> EngineParts:
 
 
 def _scheduler(config: EngineConfig, spec: FamilySpec, dtype: torch.dtype, num_blocks: int, max_model_len: int,
-               budget: EncoderBudget, encoder_workers: bool, state_slots: StateSlotLayout | None) -> Scheduler:
-    kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+               budget: EncoderBudget, encoder_workers: bool, state_slots: StateSlotLayout | None,
+               prefix_caching: bool) -> Scheduler:
+    kv = KVCacheManager(num_blocks, config.cache.block_size, prefix_caching)
     items = ItemScheduler(EncoderCacheManager(budget.cache_bytes, budget.output_budget_bytes), budget,
                           outputs_arrive_later=encoder_workers)
     sched = config.scheduler

@@ -28,6 +28,7 @@ from mmserve.inputs.items import ProcessedPrompt
 from mmserve.inputs.tokenizer import TextTokenizer
 from mmserve.models.loader import generation_eos_ids, read_config
 from mmserve.models.registry import resolve
+from mmserve.pooling import Pooling, RerankerOverrides, resolve_pooling
 
 logger = logging.getLogger("mmserve.engine")
 _said_no_remote_code = False  # trust_remote_code is answered once per process
@@ -53,6 +54,19 @@ def _checked_processor_kwargs(frontend: Frontend, kwargs: Any) -> dict[str, Any]
         raise InvalidInputError(f"mm_processor_kwargs: {exc}", param="mm_processor_kwargs",
                                 setting="mm_processor_kwargs") from exc
     return dict(kwargs)
+
+
+def _classifier_ids(pooling: Pooling, tokenizer: TextTokenizer) -> tuple[int, int] | None:
+    """A reranker's classifier tokens as ids (vLLM's: each a vocabulary token), or ValueError naming it."""
+    if pooling.classifier_from_token is None:
+        return None
+    ids = []
+    for token in pooling.classifier_from_token:
+        found = tokenizer.token_to_id(token)
+        if found is None:
+            raise ValueError(f"hf_overrides.classifier_from_token: {token!r} is not a token of the tokenizer")
+        ids.append(found)
+    return ids[0], ids[1]
 
 
 def _answer_trust_remote_code(config: EngineConfig) -> None:
@@ -82,6 +96,11 @@ class Frontend:
         self.max_model_len: int | None = None
         # SamplingParams field -> the checkpoint's default, for a request that leaves the field unset
         self.default_sampling: dict[str, Any] = generation_defaults(config.model, config.generation_config)
+        # a pooling engine's pooling (mmserve/pooling.py), and a reranker's (no, yes) token ids; None: it generates
+        self.pooling = None if config.runner != "pooling" else resolve_pooling(
+            config.model, self.spec.embed_dim, config.pooler_config, RerankerOverrides.parse(config.hf_overrides))
+        self.classifier_token_ids = None if self.pooling is None else _classifier_ids(self.pooling,
+                                                                                      self.processor.tokenizer)
         self.default_processor_kwargs: dict[str, Any] = {}
         if config.mm_processor_kwargs:
             self.default_processor_kwargs = _checked_processor_kwargs(self, config.mm_processor_kwargs)

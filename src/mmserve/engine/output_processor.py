@@ -141,6 +141,8 @@ class OutputProcessor:
             state = self._states[core.request_id]
             if core.new_token_ids:
                 _token_step(state, now_s)
+            if core.pooled is not None:
+                state.pooled = list(core.pooled)
             finish, error, cut = self._take_tokens(state, core)
             if cut.status is not None or cut.num_dropped_tokens:
                 cuts[core.request_id] = cut
@@ -219,7 +221,8 @@ class OutputProcessor:
             max(request.num_cached_tokens, 0), state.metrics, error, delta, internal_error=state.internal_error,
             num_mm_items=request.num_mm_items, num_encoder_cached_mm_items=request.num_encoder_cached_items,
             num_prefix_cached_mm_items=request.num_prefix_cached_items,
-            prompt_logprobs=None if state.prompt_logprobs is None else list(state.prompt_logprobs)))
+            prompt_logprobs=None if state.prompt_logprobs is None else list(state.prompt_logprobs),
+            pooled=state.pooled))
 
     def _release(self, state: RequestState, finish: str, error: str | None) -> None:
         """A request finished: close its metrics and spans, drop its state and its grammar matcher."""

@@ -30,6 +30,7 @@ class RequestState:
     cumulative_logprob: float = 0.0
     stop_reason: int | str | None = None
     internal_error: bool = False  # failed by a fault in a model step, not by its input
+    pooled: list[float] | None = None  # a pooling engine's vector, once its prompt is computed
     timeline: RequestTimeline | None = None  # only when traced
     # seconds between consecutive steps that gave tokens; into the metrics at the finish (not sent every step)
     inter_token_latencies_s: list[float] = field(default_factory=list)

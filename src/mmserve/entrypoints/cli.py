@@ -117,7 +117,8 @@ def _serve(args: argparse.Namespace) -> int:
         return 0
     server_config = build_server_config(args, model, client, fetch, limits)
     summary = startup_summary(client, server_config.served_model_name,
-                              f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{sock.getsockname()[1]}", web_ui=args.web_ui)
+                              f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{sock.getsockname()[1]}",
+                              web_ui=server_config.web_ui)
     serve(client, server_config, args.host, args.port, args.log_level, args.shutdown_timeout,
           on_ready=lambda: print(summary, file=sys.stderr, flush=True), sock=sock)
     return 0
@@ -205,6 +206,10 @@ def startup_summary(client: EngineClient, served_name: str, base_url: str, *, we
         f"image cache   {_mib(stats['budget_encoder_cache_bytes'])}; encoder {encoder}",
         f"API           {base_url}/v1  (OpenAI-compatible: /v1/chat/completions, /v1/completions, /v1/responses; Anthropic's /v1/messages)",
     ]
+    if frontend.pooling is not None:  # a pooling engine: no sampling defaults, other routes
+        pooling = frontend.pooling
+        lines[2] = f"pooling       {pooling.task}: {pooling.pooling_type} token, activation {pooling.use_activation}"
+        lines[-1] = f"API           {base_url}/v1  (/v1/embeddings, /v1/score, /v1/rerank)"
     if replicas:
         lines.insert(1, f"replicas      {replicas} ({stats['replica_backend']}), "
                         f"routed {stats['router']['policy']}; "

@@ -28,6 +28,7 @@ from mmserve.config import (
     resolve_model,
 )
 from mmserve.entrypoints.server_flags import add_response_store_args
+from mmserve.entrypoints.text_flags import add_text_flags
 from mmserve.errors import InvalidInputError
 from mmserve.inputs.media import MediaLimits
 from mmserve.vllm_args import VLLM_ARGS, Support, VllmArg, check_accepted
@@ -146,41 +147,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                           "encode, prefill chunks and decode) to this OTLP collector, e.g. http://localhost:4318 "
                           "(OTLP/HTTP; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc for gRPC); needs mmserve[otel] "
                           "(default: no tracing)")
-    _add_text_flags(top)
+    add_text_flags(top)
     for title, cls in ENGINE_ARG_GROUPS:
         group = parser.add_argument_group(title)
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             _add_field_flag(group, f, hints[f.name])
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
-
-
-def _add_text_flags(top: argparse._ArgumentGroup) -> None:
-    """The tokenizer, chat template and sampling defaults (vLLM's flags, same meaning)."""
-    top.add_argument("--tokenizer", default=argparse.SUPPRESS, metavar="DIR",
-                     help="a directory or Hugging Face id holding the tokenizer (tokenizer.json, tokenizer_config.json, "
-                          "chat template) to use instead of the model's (default: the model's)")
-    top.add_argument("--chat-template", default=argparse.SUPPRESS, metavar="FILE_OR_TEMPLATE",
-                     help="a Jinja chat template file, or the template itself, instead of the tokenizer's")
-    top.add_argument("--mm-processor-kwargs", default=argparse.SUPPRESS, type=_json_object, metavar="JSON",
-                     help="processor kwargs every request starts from, e.g. '{\"max_pixels\": 401408}'; a "
-                          "request's own mm_processor_kwargs win (default: none)")
-    top.add_argument("--default-chat-template-kwargs", default=argparse.SUPPRESS, type=_json_object, metavar="JSON",
-                     help="chat template variables every chat starts from, e.g. '{\"enable_thinking\": false}'; "
-                          "a request's chat_template_kwargs win (default: none)")
-    top.add_argument("--generation-config", default=argparse.SUPPRESS, metavar="auto|vllm|FOLDER",
-                     help="sampling defaults for what a request leaves unset (temperature, top_p, top_k, min_p, "
-                          "repetition_penalty, max_new_tokens as max_tokens): auto, the checkpoint's "
-                          "generation_config.json; vllm, none; or a folder's generation_config.json (default: auto)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""The offline API, vLLM-compatible: `LLM(model, **engine_args).generate(...)`, `.chat(...)` and `.beam_search(...)`.
+"""The offline API, vLLM-compatible: `LLM(model, **engine_args).generate(...)`, `.chat(...)` and `.beam_search(...)`;
+with `runner="pooling"`, `.embed(...)` and `.score(...)`.
 
 Role: validate and process every prompt first (bad input raises `InvalidInputError` before any
 request is added, so nothing runs half-way), submit them all, step the engine until they finish,
@@ -17,10 +18,19 @@ from typing import Any
 from mmserve.config import EngineConfig, resolve_model
 from mmserve.engine.beam_driver import run_offline
 from mmserve.engine.llm_engine import Engine
+from mmserve.entrypoints.pooling_prompts import carrier_params, pair_prompt, score_pairs, side_prompt
 from mmserve.errors import InvalidInputError
 from mmserve.faults import FaultPlan
 from mmserve.inputs.items import ProcessedPrompt
-from mmserve.outputs import BeamSearchOutput, RequestOutput
+from mmserve.outputs import (
+    BeamSearchOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from mmserve.pooling import PoolingParams, cosine
 from mmserve.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -74,19 +84,15 @@ class LLM:
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, mm_processor_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
-        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        processed = []
-        for i, raw in enumerate(prompt_list):
-            try:
-                processed.append(self.engine.process(raw, mm_processor_kwargs))
-            except InvalidInputError as exc:
-                raise exc.reworded(f"prompt {i}: {exc}") from exc
+        self._require_runner("generate", "generate")
+        processed = self._processed(prompts, mm_processor_kwargs)
         return self._run(processed, self._per_prompt_params(sampling_params, len(processed)), use_tqdm)
 
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, mm_processor_kwargs: dict[str, Any] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """One conversation (a list of message dicts) or a list of conversations."""
+        self._require_runner("generate", "chat")
         if not isinstance(messages, list) or not messages:
             raise InvalidInputError("messages must be a non-empty list of message dicts (or of conversations)")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
@@ -103,6 +109,7 @@ class LLM:
         """vLLM's `LLM.beam_search`: each prompt's `params.beam_width` best hypotheses, best first, as
         transformers' `generate(num_beams=..., num_return_sequences=...)` finds them (engine/beam_search.py).
         Prompts are what `generate` takes (text, token ids, media)."""
+        self._require_runner("generate", "beam_search")
         if not isinstance(params, BeamSearchParams):
             raise InvalidInputError("params must be a mmserve.BeamSearchParams", param="params")
         del use_tqdm  # vLLM's argument; the search reports no progress
@@ -120,6 +127,61 @@ class LLM:
             processed.append(prompt)
         decode = self.engine.processor.tokenizer.decode
         return run_offline(self.engine, processed, params, decode, f"offline-{next(self._ids)}")
+
+    # ---- a pooling engine (runner="pooling") ------------------------------------------------------
+    def embed(self, prompts: Any, pooling_params: PoolingParams | None = None, use_tqdm: bool = True,
+              mm_processor_kwargs: dict[str, Any] | None = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's `LLM.embed`: each prompt's embedding (prompts as `generate` takes them: text, token ids,
+        dicts with `multi_modal_data`), pooled as the engine's pooling says, `pooling_params.dimensions`
+        (Matryoshka) and normalization applied."""
+        pooling = self._require_runner("pooling", "embed")
+        if pooling.task != "embed":
+            raise InvalidInputError("this model scores pairs (a reranker): call score()", param="runner")
+        params = pooling_params or PoolingParams()
+        pooling.check_dimensions(params.dimensions, "pooling_params.dimensions")
+        processed = self._processed(prompts, mm_processor_kwargs)
+        outputs = self._run(processed, [carrier_params(params)] * len(processed), use_tqdm)
+        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(params.finish(pooling, _pooled(o))),
+                                       o.prompt_token_ids) for o in outputs]
+
+    def score(self, data_1: Any, data_2: Any, pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """vLLM's `LLM.score`: one `data_1` against every `data_2`, or pairwise; each a string or
+        `{"content": [parts]}` with images. A reranker scores each pair's prompt (pooling_prompts.pair_prompt);
+        an embedding model the cosine of the two sides' embeddings."""
+        pooling = self._require_runner("pooling", "score")
+        params = pooling_params or PoolingParams()
+        pairs = score_pairs(data_1, data_2)
+        frontend = self.engine.frontend
+        if pooling.task == "score":
+            prompts = [pair_prompt(frontend, q, d, ("data_1", "data_2")) for q, d in pairs]
+            outputs = self._run(prompts, [carrier_params(params)] * len(prompts), use_tqdm)
+            return [ScoringRequestOutput(o.request_id, ScoringOutput(float(params.finish(pooling, _pooled(o)))),
+                                         o.prompt_token_ids) for o in outputs]
+        sides = [side_prompt(frontend, datum, name) for pair in pairs for datum, name in zip(pair, ("data_1", "data_2"))]
+        outputs = self._run(sides, [carrier_params(params)] * len(sides), use_tqdm)
+        vectors = [params.finish(pooling, _pooled(o)) for o in outputs]
+        return [ScoringRequestOutput(f"{outputs[2 * i].request_id}_{outputs[2 * i + 1].request_id}",
+                                     ScoringOutput(cosine(vectors[2 * i], vectors[2 * i + 1])),
+                                     outputs[2 * i].prompt_token_ids + outputs[2 * i + 1].prompt_token_ids)
+                for i in range(len(pairs))]
+
+    def _processed(self, prompts: Any, mm_processor_kwargs: dict[str, Any] | None) -> list[ProcessedPrompt]:
+        """Every prompt processed before any runs: a bad one raises InvalidInputError naming its index."""
+        processed = []
+        for i, raw in enumerate([prompts] if isinstance(prompts, (str, dict)) else list(prompts)):
+            try:
+                processed.append(self.engine.process(raw, mm_processor_kwargs))
+            except InvalidInputError as exc:
+                raise exc.reworded(f"prompt {i}: {exc}") from exc
+        return processed
+
+    def _require_runner(self, runner: str, call: str) -> Any:
+        """The engine's pooling (None for a generating engine), or InvalidInputError when `call` is not its."""
+        if self.engine.config.runner != runner:
+            raise InvalidInputError(f"LLM.{call}() needs runner={runner!r}; this LLM was built with runner="
+                                    f"{self.engine.config.runner!r}", param="runner")
+        return self.engine.frontend.pooling
 
     def _run(self, processed: list[ProcessedPrompt], params: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
@@ -162,3 +224,10 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _pooled(output: RequestOutput) -> list[float]:
+    """A finished pooling request's vector, or the error that finished it without one."""
+    if output.pooled is None:
+        raise RuntimeError(f"request {output.request_id} finished without a pooled vector: {output.error}")
+    return output.pooled

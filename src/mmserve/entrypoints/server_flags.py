@@ -45,7 +45,8 @@ def build_server_config(args: argparse.Namespace, model: str, client: EngineClie
     rules = MediaRules(client.frontend.config.media, fetch, args.max_video_bytes, limits,
                        client.frontend.spec.default_video_fps)
     return ServerConfig(name, rules, args.api_key, extra_model_names=extra,
-                        max_request_bytes=args.max_request_bytes, web_ui=args.web_ui,
+                        max_request_bytes=args.max_request_bytes,
+                        web_ui=args.web_ui and client.frontend.config.runner == "generate",  # a chat page
                         demo_model=Path(model).resolve() == DEMO_MODEL_DIR.resolve(),
                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                         request_id_headers=args.enable_request_id_headers, root_path=args.root_path,

@@ -1,4 +1,5 @@
-"""The model runner: execute one `SchedulerOutput` on the device, return sampled tokens.
+"""The model runner: execute one `SchedulerOutput` on the device, return sampled tokens (a pooling runner:
+vectors, runner/pooler.py).
 
 Role: keep per-request device-side state (token ids, block table, positions, the fusion map),
 encode the items the scheduler asked for (their payloads arrive keyed by content key with the
@@ -33,7 +34,7 @@ from mmserve.models.layers.attention import CrossAttentionInputs
 from mmserve.models.layers.cross_attention import CrossKV, step_inputs
 from mmserve.models.spec import FamilyModel, FamilySpec
 from mmserve.runner.attention import PagedAttentionBackend
-from mmserve.runner.batch import BatchBuilder, PromptLogprobRows
+from mmserve.runner.batch import Batch, BatchBuilder, PromptLogprobRows
 from mmserve.runner.encoder.async_dispatch import AsyncEncoder
 from mmserve.runner.encoder.pool import EncoderPool, ItemOutcome
 from mmserve.runner.encoder.runner import EncoderRunner, OutputShape
@@ -45,6 +46,7 @@ from mmserve.runner.graphs.encoder_graphs import (
     build_encoder_graphs,
     graphed_encode_fn,
 )
+from mmserve.runner.pooler import StepPooler
 from mmserve.runner.sampler import SampledLogprobs, Sampler, make_generator, sampled_logprobs, to_device
 from mmserve.runner.sampling_state import RequestSampling, SampledRow, needs_state, sampling_metadata
 from mmserve.runner.state import RunnerPrompt, RunnerRequest, StepInputs
@@ -91,8 +93,10 @@ class ModelRunner:
                  device: torch.device, pool: EncoderPool | None = None, encoder_timeout_s: float = 30.0,
                  encoder_graphs: EncoderGraphSettings | None = None,
                  decode_graphs: DecodeGraphSettings | None = None, faults: FaultPlan | None = None,
-                 logprobs_mode: str = "raw_logprobs") -> None:
-        """`logprobs_mode` (config.LOGPROBS_MODES): what sampled tokens' logprob entries report."""
+                 logprobs_mode: str = "raw_logprobs", pooler: StepPooler | None = None) -> None:
+        """`logprobs_mode` (config.LOGPROBS_MODES): what sampled tokens' logprob entries report; `pooler`: a
+        pooling runner's (each finished prompt's vector instead of a sampled token)."""
+        self.pooler = pooler
         self.model = model
         self.spec = spec
         self.attention = attention
@@ -287,8 +291,13 @@ class ModelRunner:
         cross = self._cross_inputs(scheduled)
         logits = None if self.decode_graphs is None or cross else self._decode_graph_logits(builder)
         if logits is None:
-            logits, forward_started, result.prompt_logprobs = self._eager_logits(builder, cross)
-        if builder.sample_rows:
+            hidden, batch, forward_started = self._eager_forward(builder, cross)
+            if self.pooler is not None:  # a pooling runner: each finished prompt's vector, nothing sampled
+                result.pooled = self.pooler.pool(hidden, [(self.requests[rid], n) for rid, n in scheduled.items()])
+            else:
+                logits = self.model.compute_logits(hidden[batch.sample_index]) if batch.sample_rows else None
+                result.prompt_logprobs = self._prompt_logprobs(hidden, batch.prompt_logprob_rows)
+        if builder.sample_rows and self.pooler is None:
             rows = builder.sample_rows
             meta = sampling_metadata([self._sampled_row(r, logits.shape[1], token_bitmasks.get(r.request_id))
                                       for r in rows], self.device)
@@ -315,11 +324,11 @@ class ModelRunner:
             return None  # the eager path raises the test fault
         return self.decode_graphs.run(builder)
 
-    def _eager_logits(self, builder: BatchBuilder, cross: list[CrossAttentionInputs | None]
-                      ) -> tuple[torch.Tensor | None, float, dict[str, tuple[int, tuple[TokenLogprobs, ...]]]]:
-        """(num_sampled, vocab) logits of the step's sampled rows (None when none is sampled), when the
-        model forward began (after the batch is built and fused), and the prompt logprobs of the requests
-        that asked for them. `cross`: the sequences' cross-attention inputs ([]: none cross-attends)."""
+    def _eager_forward(self, builder: BatchBuilder, cross: list[CrossAttentionInputs | None]
+                       ) -> tuple[torch.Tensor, Batch, float]:
+        """The step's (num_tokens, hidden) final hidden states, its batch, and when the model forward began
+        (after the batch is built and fused). `cross`: the sequences' cross-attention inputs ([]: none
+        cross-attends)."""
         batch = builder.build()
         batch.attn.cross = cross
         embeds = self.model.embed(batch.input_ids)
@@ -333,9 +342,7 @@ class ModelRunner:
         if self.fault_token is not None and bool((batch.input_ids == self.fault_token).any()):
             raise RuntimeError(f"test fault: token {self.fault_token} in the batch (FaultPlan.step_fault_token_id)")
         forward_started = time.perf_counter()
-        hidden = self.model(embeds, batch.positions, self.attention, batch.attn, extra)
-        logits = self.model.compute_logits(hidden[batch.sample_index]) if batch.sample_rows else None
-        return logits, forward_started, self._prompt_logprobs(hidden, batch.prompt_logprob_rows)
+        return self.model(embeds, batch.positions, self.attention, batch.attn, extra), batch, forward_started
 
     def _prompt_logprobs(self, hidden: torch.Tensor, wanted: list[PromptLogprobRows]
                          ) -> dict[str, tuple[int, tuple[TokenLogprobs, ...]]]:

@@ -67,6 +67,7 @@ class RunnerRequest:
     sampling: RequestSampling | None = None  # device-side sampling state, for requests whose options need it
     cross: CrossKV | None = None  # its cross-attention K/V, built at its first chunk (again after a preemption)
     state_slot: int | None = None  # a hybrid model's recurrent-state slot
+    pooled: Any = None  # a pooling runner's partial vector (runner/pooler.py): MEAN's sum, CLS's first row
 
     @property
     def num_output_tokens(self) -> int:

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: the app's assembly (`build_app`) and `serve()`.
 
 Role: put the app together from its parts — each endpoint module's routes (chat.py, completions.py,
-anthropic_messages.py, responses.py, models.py and health.py's /v1/stats under `/v1`; tokens.py's at the root;
+anthropic_messages.py, responses.py, models.py and health.py's /v1/stats under `/v1`; pooling_routes.py's
+under `/v1` and at the root (each runner's routes refused on the other's server); tokens.py's at the root;
 health.py's /health and /metrics; the web chat's from web_ui.py unless it is turned off), HEAD beside
 every GET (head_requests.py: a HEAD goes on as GET, its body dropped), the `--root-path` prefix (served
 with and without it), Bearer-token (or Anthropic's `x-api-key`) authentication
@@ -42,6 +43,7 @@ from mmserve.entrypoints.openai.http_errors import install_error_handlers
 from mmserve.entrypoints.openai.load import LoadCounter, ServerLoad, load_router
 from mmserve.entrypoints.openai.metrics import ServerMetrics, cache_info
 from mmserve.entrypoints.openai.models import models_router
+from mmserve.entrypoints.openai.pooling_routes import pooling_router, runner_guard
 from mmserve.entrypoints.openai.protocol import RequestError
 from mmserve.entrypoints.openai.responses import responses_router
 from mmserve.entrypoints.openai.responses_store import ResponseStore
@@ -73,10 +75,17 @@ def _include_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics
     """Each endpoint module's routes; adding an endpoint is adding its router here."""
     client, config = serving.client, serving.config
     auth = [Depends(_auth_dependency(config.api_key))]
+    # each runner's routes answer a server of the other runner with a 400 naming the runner that serves them
+    generating = [*auth, Depends(runner_guard(serving, "generate"))]
     for router in (chat_router(serving), completions_router(serving), messages_router(serving),
-                   responses_router(serving, app.state.response_store), models_router(serving),
-                   stats_router(client)):
+                   responses_router(serving, app.state.response_store)):
+        app.include_router(router, prefix="/v1", dependencies=generating)
+    for router in (models_router(serving), stats_router(client)):
         app.include_router(router, prefix="/v1", dependencies=auth)
+    pooling_v1, pooling_root = pooling_router(serving)
+    pooling = [*auth, Depends(runner_guard(serving, "pooling"))]
+    app.include_router(pooling_v1, prefix="/v1", dependencies=pooling)
+    app.include_router(pooling_root, dependencies=pooling)
     app.include_router(tokens_router(serving), dependencies=auth)
     if config.web_ui:  # the chat page and its files need no API key: the user types it into the page
         app.include_router(web_ui_router(config.demo_model, api_key_required=config.api_key is not None))
