@@ -125,3 +125,8 @@ def test_a_response_store_limit_that_is_not_positive_is_refused_before_the_model
 
     assert cli.main(["serve", str(default_model_dir()), "--response-store-max-age", "0"]) == 2
     assert "--response-store-max-age (0.0)" in capsys.readouterr().err
+
+
+def test_the_terminal_chat_refuses_the_pooling_runner_before_loading(capsys):
+    assert cli.main(["chat", "--runner", "pooling"]) == 2
+    assert "--runner pooling is served by mmserve serve" in capsys.readouterr().err

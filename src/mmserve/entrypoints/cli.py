@@ -305,7 +305,11 @@ def _chat(args: argparse.Namespace) -> int:
 
     model = resolved_model(args)
     print(f"loading {model} ...", file=sys.stderr, flush=True)
-    engine = Engine(EngineConfig.from_kwargs(model, **engine_kwargs(args)))
+    config = EngineConfig.from_kwargs(model, **engine_kwargs(args))
+    if config.runner != "generate":
+        raise InvalidInputError("mmserve chat generates answers: --runner pooling is served by mmserve serve "
+                                "(/v1/embeddings, /v1/score, /v1/rerank)", param="runner")
+    engine = Engine(config)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     conversation = _Conversation([{"role": "system", "content": args.system}] if args.system else [])
     conversation.clear()
