@@ -222,7 +222,8 @@ class GraphConfig:
 # the engine arguments EngineConfig holds itself, not in one of its groups
 TOP_LEVEL_ARGS = ("dtype", "device", "seed", "quantization", "logprobs_mode", "otlp_traces_endpoint", "tokenizer",
                   "chat_template", "generation_config", "trust_remote_code", "mm_processor_kwargs",
-                  "default_chat_template_kwargs", "runner", "pooler_config", "hf_overrides")
+                  "default_chat_template_kwargs", "runner", "pooler_config", "hf_overrides",
+                  "speculative_config")
 GENERATION_CONFIG_MODES = ("auto", "vllm")  # or a folder holding a generation_config.json
 
 
@@ -251,6 +252,8 @@ class EngineConfig:
     runner: str = "auto"
     pooler_config: Any = None  # vLLM's --pooler-config: a pooling.PoolerConfig, its dict or JSON (None: the model's)
     hf_overrides: dict[str, Any] | None = None  # only the reranker/Matryoshka keys pooling.RerankerOverrides reads
+    # vLLM's speculative_config: a speculative.SpeculativeConfig, its dict or JSON (None: no speculation)
+    speculative_config: Any = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
@@ -304,9 +307,10 @@ class EngineConfig:
 
 
 def _resolve_pooling_args(config: EngineConfig) -> None:
-    """The runner ("auto" resolved), the pooler config parsed and the overrides checked, or ValueError naming
-    the argument."""
+    """The runner ("auto" resolved), the pooler and speculative configs parsed and the overrides checked, or
+    ValueError naming the argument."""
     from mmserve.pooling import RUNNERS, PoolerConfig, RerankerOverrides
+    from mmserve.speculative import SpeculativeConfig
 
     if config.runner not in (*RUNNERS, "auto"):
         raise ValueError(f"runner must be auto, {' or '.join(RUNNERS)}, got {config.runner!r}")
@@ -316,6 +320,7 @@ def _resolve_pooling_args(config: EngineConfig) -> None:
         runner = "pooling" if config.pooler_config is not None or config.hf_overrides else "generate"
     object.__setattr__(config, "runner", runner)
     object.__setattr__(config, "pooler_config", PoolerConfig.parse(config.pooler_config))
+    object.__setattr__(config, "speculative_config", SpeculativeConfig.parse(config.speculative_config))
     if runner == "generate" and (config.pooler_config is not None or config.hf_overrides):
         raise ValueError("pooler_config and hf_overrides shape a pooling model: pass runner='pooling' "
                          "(--runner pooling)")

@@ -128,7 +128,9 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     VllmArg("async_scheduling", NO, "mmserve schedules a step after the one before it has sampled", switch=True),
     VllmArg("compilation_config", NO, "use --enforce-eager, --compile-cpu-decode or the CUDA-graph flags",
             short=("-O",)),
-    VllmArg("speculative_config", NO, "mmserve does no speculative decoding"),
+    VllmArg("speculative_config", W, "method ngram (num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, "
+            "disable_by_batch_size): greedy requests verify prompt-lookup drafts; other methods are refused",
+            example=('{"method": "ngram", "num_speculative_tokens": 3}',)),
     VllmArg("task", OK, "mmserve generates text", accepted_values=("auto", "generate")),
     VllmArg("runner", W, "generate, or pooling: embeddings and reranker scores (/v1/embeddings, /v1/score, "
             "/v1/rerank; docs/embeddings.md); auto: pooling when --pooler-config or --hf-overrides is given",

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from mmserve.core import snapshots
 from mmserve.core.chunk_policy import ChunkBoundaryPolicy
 from mmserve.core.cross_kv import CrossKVBook
+from mmserve.core.drafts import DraftPolicy
 from mmserve.core.encoder_cache import EntryState
 from mmserve.core.encoder_results import apply_encoder_results
 from mmserve.core.handoff import HandOffBook
@@ -29,6 +30,7 @@ from mmserve.core.invariants import check_scheduler_books
 from mmserve.core.item_scheduler import EncoderStep, ItemScheduler
 from mmserve.core.kv_cache import KVBlock, KVCacheManager
 from mmserve.core.request import Request, RequestStatus
+from mmserve.core.scheduler_handoff import HandOffCalls
 from mmserve.core.scheduler_views import SchedulerViews
 from mmserve.core.state_snapshots import HybridStates
 from mmserve.core.step import (
@@ -57,15 +59,16 @@ class _StepPlan:
     encoder: EncoderStep = field(default_factory=EncoderStep)
 
 
-class Scheduler(SchedulerViews):
+class Scheduler(SchedulerViews, HandOffCalls):
     def __init__(self, limits: SchedulerLimits, kv: KVCacheManager, items: ItemScheduler,
                  chunking: ChunkBoundaryPolicy | None = None, cross_kv: CrossKVBook | None = None,
-                 states: HybridStates | None = None) -> None:
+                 states: HybridStates | None = None, drafter: DraftPolicy | None = None) -> None:
         """`cross_kv`: the cross-attention KV budget of a family that cross-attends to its images; `states`: a
         hybrid family's state slots (one per running request) and snapshots (a prefix hit resumes from one)."""
         self.limits = limits
         self.cross_kv = cross_kv
         self.states = states  # told of evicted blocks by `kv.on_evict` (assembly wires it)
+        self.drafter = drafter  # speculative decoding's draft tokens (None: one token per decode step)
         self.kv = kv
         self.items = items
         self.chunking = chunking or ChunkBoundaryPolicy()
@@ -132,30 +135,6 @@ class Scheduler(SchedulerViews):
         """Requests a step may compute: not parked for a hand-off, not waiting for their KV."""
         return len(self.requests) - len(self.handoff.parked) - len(self.handoff.receiving)
 
-    # ---- hand-offs (core/handoff.py) --------------------------------------------------------------
-    def admit_transferred(self, request: Request) -> list[int] | None:
-        """Take a request whose prompt's KV comes from a prefill replica (its first token in `output_token_ids`):
-        the indices of the prompt blocks to send, or None while blocks or a sequence slot are not free."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        if len(self.running) + len(self.handoff.receiving) >= self.limits.max_num_seqs:
-            return None
-        needed = self.handoff.receive(request, self.kv)
-        if needed is not None:  # its prompt was counted where it was computed
-            self.requests[request.request_id] = request
-        return needed
-
-    def hand_off_sent(self, request_id: str, num_blocks: int) -> None:
-        """A parked request's blocks went to a decode replica: it finishes here (its blocks stay cached)."""
-        self.handoff.handed_off(request_id, num_blocks)
-        self.finish_requests([request_id], RequestStatus.FINISHED_STOPPED)
-
-    def transfer_done(self, request_id: str, num_blocks: int) -> None:
-        """Its KV is in its blocks: it runs from its first token on."""
-        request = self.handoff.received(request_id, num_blocks)
-        self.running.append(request)
-        self.kv.cache_full_blocks(request)
-
     # ---- schedule -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan()
@@ -181,6 +160,9 @@ class Scheduler(SchedulerViews):
             request = self.running[i]
             start = request.num_computed_tokens
             num_new = self.chunking.cut(request, start, start + min(request.num_tokens - start, budget)) - start
+            drafts = () if self.drafter is None or request.num_tokens - start != 1 else \
+                self.drafter.drafts(request, len(self.running))[:budget - 1]
+            num_new += len(drafts)  # a decode verifies its drafts in the same forward
             if num_new == 0:  # its next span does not fit what is left of the budget: next step
                 i += 1
                 continue
@@ -197,6 +179,8 @@ class Scheduler(SchedulerViews):
             # blocks allocated for a cut chunk are used by later chunks; the runner learns of them now
             plan.out.cached_requests.append(
                 CachedRequestData(request.request_id, tuple(new_ids), request.num_computed_tokens))
+            if drafts:
+                plan.out.spec_token_ids[request.request_id] = drafts
             if num_new > 0:
                 plan.out.num_scheduled_tokens[request.request_id] = num_new
                 self._plan_snapshot(request, start, num_new, plan)
@@ -338,6 +322,11 @@ class Scheduler(SchedulerViews):
             if request is None or request.status != RequestStatus.RUNNING or rid in result.skipped:
                 continue  # finished (aborted, failed) while the step ran, or not computed
             start = request.num_computed_tokens
+            drafts = sched.spec_token_ids.get(rid, ())
+            tokens = per_token(result.sampled_token_ids.get(rid))
+            if drafts and rid not in result.failed:  # KV holds the last token and the accepted drafts only
+                num = len(tokens)
+                self.drafter.settled(len(drafts), len(tokens) - 1)
             request.num_computed_tokens += num
             self.stats.prompt_tokens_computed += max(0, min(request.num_computed_tokens, request.num_prompt_tokens)
                                                      - start)
@@ -350,7 +339,6 @@ class Scheduler(SchedulerViews):
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
                 outputs.append(EngineCoreOutput(rid, (), "stop", pooled=result.pooled[rid]))
                 continue
-            tokens = per_token(result.sampled_token_ids.get(rid))
             if tokens:
                 outputs.append(self._take_tokens(request, tokens, per_token(result.sampled_logprobs.get(rid))))
         for rid, error in result.failed.items():  # failed without tokens this step (a faulted step's waiting requests)

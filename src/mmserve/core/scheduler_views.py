@@ -38,6 +38,19 @@ class SchedulerViews:
         return snapshots.scheduler_snapshot(len(self.running), len(self.waiting), self.stats, self.kv,
                                             self.encoder_cache, self.handoff, self.cross_kv)
 
+    def draft_counts(self) -> dict[str, int]:
+        """Speculative decoding's counters with vLLM's names (empty without speculation): drafts, draft tokens,
+        accepted tokens, and accepted tokens at each draft position."""
+        drafter = getattr(self, "drafter", None)
+        if drafter is None:
+            return {}
+        d = drafter.stats
+        counts = {"spec_decode_num_drafts": d.num_drafts, "spec_decode_num_draft_tokens": d.num_draft_tokens,
+                  "spec_decode_num_accepted_tokens": d.num_accepted_tokens}
+        counts.update({f"spec_decode_num_accepted_tokens_per_pos_{i}": n
+                       for i, n in enumerate(d.accepted_per_position)})
+        return counts
+
     def ownership(self) -> snapshots.SchedulerOwnership:
         """Who owns what (as large as the books: for integrity checks only)."""
         return snapshots.scheduler_ownership(self.requests, self.encoder_cache, self.cross_kv)

@@ -53,6 +53,9 @@ class SchedulerOutput:
     # a hybrid model's requests whose state this step ends at a snapshotted block boundary: request id ->
     # the snapshot id to save it into after the step
     state_snapshots: dict[str, int] = field(default_factory=dict)
+    # speculative decoding: a decoding request's draft tokens, computed after its last known token this step
+    # (its scheduled tokens are 1 + the drafts); the runner answers with the tokens the drafts verified
+    spec_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

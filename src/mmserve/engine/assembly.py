@@ -19,6 +19,7 @@ from mmserve.config import EngineConfig
 from mmserve.core.budget import EncoderBudget
 from mmserve.core.chunk_policy import ChunkBoundaryPolicy, resolve_token_budget
 from mmserve.core.cross_kv import CrossKVBook
+from mmserve.core.drafts import DraftPolicy
 from mmserve.core.encoder_cache import EncoderCacheManager
 from mmserve.core.item_scheduler import ItemScheduler
 from mmserve.core.kv_cache import KVCacheManager
@@ -144,7 +145,17 @@ def _scheduler(config: EngineConfig, spec: FamilySpec, dtype: torch.dtype, num_b
         states = HybridStates(StateSlotPool(state_slots), state_slots.num_snapshots, config.cache.block_size)
         kv.on_evict = states.evicted
     return Scheduler(SchedulerLimits(sched.max_num_seqs, max_batched, sched.enable_chunked_prefill, max_model_len),
-                     kv, items, chunking, None if cross_kv_bytes is None else CrossKVBook(cross_kv_bytes), states)
+                     kv, items, chunking, None if cross_kv_bytes is None else CrossKVBook(cross_kv_bytes), states,
+                     _drafter(config, max_model_len))
+
+
+def _drafter(config: EngineConfig, max_model_len: int) -> DraftPolicy | None:
+    """Speculative decoding's drafts (a pooling engine decodes nothing: none)."""
+    spec = config.speculative_config
+    if spec is None or config.runner == "pooling":
+        return None
+    return DraftPolicy(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, max_model_len,
+                       spec.disable_by_batch_size)
 
 
 def _start_encoder_pool(config: EngineConfig, faults: FaultPlan) -> EncoderPool:

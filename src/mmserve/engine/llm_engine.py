@@ -39,6 +39,7 @@ from mmserve.inputs.items import ProcessedPrompt
 from mmserve.outputs import CompletionOutput, RequestOutput
 from mmserve.runner.encoder.pool import ItemOutcome
 from mmserve.sampling_params import SamplingParams
+from mmserve.speculative import speculates
 
 logger = logging.getLogger("mmserve.engine")
 IDLE_POLL_S = 0.002  # a step with nothing to compute but outputs due from encoder workers waits this long
@@ -143,6 +144,9 @@ class Engine:
         request = new_request(request_id, prompt, params, self.eos_token_ids, arrival_time,
                               self.cross_kv_bytes_per_row, prefill_after)
         request.hand_off = hand_off
+        # drafts are verified greedily, and a hybrid model's recurrent state cannot take back a rejected one
+        request.speculate = (self.config.speculative_config is not None and self.spec.linear_state is None
+                             and speculates(params))
         self.output_processor.add(request, prompt.prompt, trace_parent)
         self.inputs.add(request, runner_prompt(prompt, request, self.spec.bidirectional_media, bad_words),
                         {i: it.payload for i, it in enumerate(prompt.items)})
@@ -268,7 +272,8 @@ class Engine:
 
     # ---- introspection --------------------------------------------------------------------------
     def get_stats(self) -> dict[str, int | float | str]:
-        return engine_stats(self.scheduler.snapshot(), self.sizes, self.runner, self.encoder_pool, self.structured)
+        return {**engine_stats(self.scheduler.snapshot(), self.sizes, self.runner, self.encoder_pool, self.structured),
+                **self.scheduler.draft_counts()}
 
     def wait_for_compiled_decode(self, timeout_s: float | None = None) -> bool:
         """Block until the CPU's decode step, compiled in the background, replays (True), or it is not

@@ -20,6 +20,7 @@ import torch
 from mmserve.runner.attention import DecodeGroup, PagedAttentionMetadata
 from mmserve.runner.cpu.attention_plan import CpuAttentionPlan, KernelTokenTables
 from mmserve.runner.fusion import ChunkPiece, gather_chunk_rows
+from mmserve.runner.speculation import DraftRows
 from mmserve.runner.state import RunnerRequest
 
 # A decode joins a length bucket while its block count is at least this share of the bucket's
@@ -68,14 +69,16 @@ class BatchBuilder:
         self.fusion: list[tuple[torch.Tensor, np.ndarray]] = []
         self.sample_index: list[int] = []
         self.sample_rows: list[RunnerRequest] = []
+        self.draft_rows: list[DraftRows] = []  # speculative decoding's rows to verify
         self.prompt_logprob_rows: list[PromptLogprobRows] = []
         self.state_slots: list[int] = []  # a hybrid model's: each sequence's recurrent-state slot
         self.num_tokens = 0
 
     def add(self, state: RunnerRequest, num: int, pieces: list[ChunkPiece],
-            item_outputs: dict[int, torch.Tensor]) -> None:
+            item_outputs: dict[int, torch.Tensor], num_drafts: int = 0) -> None:
         """Append `num` tokens of `state`; `pieces` are the encoder rows the chunk fuses (its plan) and
-        `item_outputs` maps each piece's item index -> that item's encoder rows."""
+        `item_outputs` maps each piece's item index -> that item's encoder rows. `num_drafts`: a decode whose
+        last `num_drafts` tokens are drafts (runner/speculation.py verifies them instead of sampling)."""
         start, end = state.num_computed_tokens, state.num_computed_tokens + num
         offset = self.num_tokens
         self.ids.append(np.asarray(state.token_ids[start:end], dtype=np.int64))
@@ -109,7 +112,10 @@ class BatchBuilder:
                                    bool(state.prompt.attention_spans))
         for rows, piece in zip(gather_chunk_rows(pieces, item_outputs), pieces):
             self.fusion.append((rows, piece.token_positions + offset))
-        if end == len(state.token_ids):  # the chunk reaches the last known token: sample the next
+        if num_drafts:  # its last known token's row and each draft's give the greedy token after it
+            self.draft_rows.append(DraftRows(state.request_id, offset + num - 1 - num_drafts,
+                                             tuple(state.token_ids[end - num_drafts:end])))
+        elif end == len(state.token_ids):  # the chunk reaches the last known token: sample the next
             self.sample_index.append(offset + num - 1)
             self.sample_rows.append(state)
         # prompt logprobs: positions before the last prompt token predict a prompt token

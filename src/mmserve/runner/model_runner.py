@@ -49,6 +49,7 @@ from mmserve.runner.graphs.encoder_graphs import (
 from mmserve.runner.pooler import StepPooler
 from mmserve.runner.sampler import SampledLogprobs, Sampler, make_generator, sampled_logprobs, to_device
 from mmserve.runner.sampling_state import RequestSampling, SampledRow, needs_state, sampling_metadata
+from mmserve.runner.speculation import accept, verify_greedy
 from mmserve.runner.state import RunnerPrompt, RunnerRequest, StepInputs
 
 PROMPT_LOGPROB_ROWS = 64  # prompt rows whose logits are materialized at once (each a vocabulary wide)
@@ -210,6 +211,8 @@ class ModelRunner:
             state = self.requests[cached.request_id]
             state.block_ids.extend(cached.new_block_ids)
             assert state.num_computed_tokens == cached.num_computed_tokens, "runner and scheduler disagree"
+        for rid, drafts in sched.spec_token_ids.items():  # computed after its last token, verified below
+            self.requests[rid].token_ids.extend(drafts)
         result = ModelRunnerOutput()
         if self.async_encoder is None:
             outcome = self.encoder.forward_items(inputs.encoder_jobs)
@@ -225,7 +228,7 @@ class ModelRunner:
         result.skipped = {rid for rid, pieces in plans.items() if not self._rows_ready(rid, pieces)}
         scheduled = {rid: n for rid, n in sched.num_scheduled_tokens.items() if rid not in result.skipped}
         if scheduled:
-            self._forward(scheduled, plans, result, inputs.token_bitmasks)
+            self._forward(scheduled, plans, result, inputs.token_bitmasks, sched.spec_token_ids)
         for rid, snapshot_id in sched.state_snapshots.items():  # states at block boundaries, for prefix hits
             if rid in scheduled:
                 state = self.attention.state
@@ -279,13 +282,13 @@ class ModelRunner:
             out.append(step_inputs(state.cross, start, start + num, self.device))
         return out if any(c is not None for c in out) else []
 
-    def _forward(self, scheduled: dict[str, int], plans: dict[str, list[ChunkPiece]],
-                 result: ModelRunnerOutput, token_bitmasks: dict[str, torch.Tensor]) -> None:
+    def _forward(self, scheduled: dict[str, int], plans: dict[str, list[ChunkPiece]], result: ModelRunnerOutput,
+                 token_bitmasks: dict[str, torch.Tensor], drafts: dict[str, tuple[int, ...]]) -> None:
         builder = BatchBuilder(self.block_size, self.device, self.attention.cpu_plan)
         for rid, num in scheduled.items():
             state, pieces = self.requests[rid], plans[rid]
             outputs = {p.item_index: self.encoder.store[state.prompt.item_keys[p.item_index]] for p in pieces}
-            builder.add(state, num, pieces, outputs)
+            builder.add(state, num, pieces, outputs, len(drafts.get(rid, ())))
         forward_started = time.perf_counter()
         # a captured decode step holds no cross-attention: a step with a sequence that cross-attends runs eagerly
         cross = self._cross_inputs(scheduled)
@@ -297,6 +300,9 @@ class ModelRunner:
             else:
                 logits = self.model.compute_logits(hidden[batch.sample_index]) if batch.sample_rows else None
                 result.prompt_logprobs = self._prompt_logprobs(hidden, batch.prompt_logprob_rows)
+                for rid, tokens in verify_greedy(self.model, hidden, builder.draft_rows).items():
+                    scheduled[rid] = accept(self.requests[rid], len(drafts[rid]), tokens)
+                    result.sampled_token_ids[rid] = tokens
         if builder.sample_rows and self.pooler is None:
             rows = builder.sample_rows
             meta = sampling_metadata([self._sampled_row(r, logits.shape[1], token_bitmasks.get(r.request_id))

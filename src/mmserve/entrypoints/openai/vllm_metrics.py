@@ -150,12 +150,35 @@ def _stat_families(stats: dict[str, Any], label_values: tuple[str, str],
     yield config
 
 
+SPEC_PREFIX = "spec_decode_num_accepted_tokens_per_pos_"
+
+
+def _spec_families(stats: dict[str, Any], label_values: tuple[str, str]) -> Iterator[Metric]:
+    """vLLM's speculative-decoding counters, with speculation on (the engine's spec_decode_* counters)."""
+    for key, doc in (("num_drafts", "Number of spec decoding drafts."),
+                     ("num_draft_tokens", "Number of draft tokens."),
+                     ("num_accepted_tokens", "Number of accepted tokens.")):
+        if f"spec_decode_{key}" in stats:
+            metric = CounterMetricFamily(f"vllm:spec_decode_{key}", doc, labels=LABELS)
+            metric.add_metric(list(label_values), stats[f"spec_decode_{key}"])
+            yield metric
+    per_position = sorted((int(k[len(SPEC_PREFIX):]), v) for k, v in stats.items() if k.startswith(SPEC_PREFIX))
+    if per_position:
+        metric = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted tokens per draft's position.", labels=[*LABELS, "position"])
+        for position, value in per_position:
+            metric.add_metric([*label_values, str(position)], value)
+        yield metric
+
+
 class _EngineStats(Collector):
     def __init__(self, stats: StatsFn, label_values: tuple[str, str], cache_info: dict[str, str]) -> None:
         self._stats, self._label_values, self._cache_info = stats, label_values, cache_info
 
     def collect(self) -> Iterator[Metric]:
-        yield from _stat_families(self._stats(), self._label_values, self._cache_info)
+        stats = self._stats()
+        yield from _stat_families(stats, self._label_values, self._cache_info)
+        yield from _spec_families(stats, self._label_values)
 
 
 class VllmMetrics:

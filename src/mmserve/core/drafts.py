@@ -1,0 +1,79 @@
+"""Draft tokens for speculative decoding, proposed by prompt lookup (n-gram), and their counters.
+
+Role: `DraftPolicy.drafts(request, num_running)`: for a decoding request that may speculate, the tokens that
+followed the latest earlier occurrence of its last n tokens (n from the largest lookup size down to the
+smallest, the longest match winning, as vLLM's n-gram proposer picks), at most `num_speculative_tokens`,
+never past its `max_tokens` or the context; none while `disable_by_batch_size` requests run. `settled`
+counts what a verification accepted (vLLM's spec_decode counters, per position too).
+What it does not know: tensors, how drafts are verified (the runner), sampling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mmserve.core.request import Request
+
+
+@dataclass
+class DraftStats:
+    """vLLM's spec_decode counters: drafts proposed, their tokens, the tokens accepted (and at each position)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+
+@dataclass
+class DraftPolicy:
+    num_speculative_tokens: int
+    lookup_min: int
+    lookup_max: int
+    max_model_len: int
+    disable_by_batch_size: int | None = None
+    stats: DraftStats = field(default_factory=DraftStats)
+
+    def __post_init__(self) -> None:
+        self.stats.accepted_per_position = [0] * self.num_speculative_tokens
+
+    def drafts(self, request: Request, num_running: int) -> tuple[int, ...]:
+        """The tokens to verify after this request's next one (empty: it decodes one token)."""
+        if not request.speculate or (self.disable_by_batch_size is not None
+                                     and num_running >= self.disable_by_batch_size):
+            return ()
+        tokens = request.all_token_ids
+        # the step computes the last known token plus the drafts; each draft it accepts becomes an output
+        room = min(self.num_speculative_tokens,
+                   request.sampling_params.max_tokens - len(request.output_token_ids) - 1,
+                   self.max_model_len - len(tokens) - 1)
+        if room <= 0:
+            return ()
+        return lookup(tokens, self.lookup_min, self.lookup_max, room)
+
+    def settled(self, num_drafted: int, num_accepted: int) -> None:
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafted
+        stats.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            stats.accepted_per_position[position] += 1
+
+
+def lookup(tokens: list[int], lookup_min: int, lookup_max: int, k: int) -> tuple[int, ...]:
+    """Up to `k` tokens after the latest earlier occurrence of the longest suffix of `tokens` of a length in
+    [lookup_min, lookup_max] that `k` tokens follow (else after the latest occurrence: in a run of one
+    token the latest match overlaps the suffix and only one token follows it); () when none occurs."""
+    length = len(tokens)
+    for n in range(min(lookup_max, length - 1), lookup_min - 1, -1):
+        suffix = tokens[length - n:]
+        first, latest = suffix[0], None
+        # candidate starts, latest first; an occurrence must start before the suffix itself does
+        for start in range(length - n - 1, -1, -1):
+            if tokens[start] == first and tokens[start:start + n] == suffix:
+                if start + n + k <= length:
+                    return tuple(tokens[start + n:start + n + k])
+                latest = start if latest is None else latest
+        if latest is not None:
+            return tuple(tokens[latest + n:latest + n + k])
+    return ()

@@ -1,0 +1,127 @@
+"""Speculative decoding (n-gram prompt lookup) on tiny Qwen2-VL and Qwen2.5-VL checkpoints: greedy outputs are
+token for token those of speculation off — in batches with images, in small prefill chunks, with the prefix
+cache hit twice, with n > 1, a stop string or max_tokens inside an accepted run, under preemption, beside
+requests that do not speculate (logprobs, sampling, a grammar) whose outputs are unchanged too; drafts are
+proposed and accepted (vLLM's counters, also on /metrics); nothing leaks after heavy rejection; invalid
+configs stop start-up naming the key."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from mmserve import LLM, SamplingParams, StructuredOutputsParams
+from mmserve.engine.async_engine import AsyncEngine
+from mmserve.entrypoints.openai.media import MediaRules
+from mmserve.entrypoints.openai.server import build_app
+from mmserve.entrypoints.openai.serving import ServerConfig
+from testkit.conversations import parity_workload
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+REPEATING = ["a b c a b c a b c a b", "one two three one two three one", "x y x y x y x y"]
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [list(c.token_ids) for o in outputs for c in o.outputs]
+
+
+def _run(model_dir, call, **engine_args):
+    """(speculation off, speculation on) results of `call(llm)`, each engine checked for leaks after."""
+    results = []
+    for extra in ({}, {"speculative_config": NGRAM}):
+        with LLM(str(model_dir), num_kv_blocks=256, **engine_args, **extra) as llm:
+            results.append(call(llm))
+            llm.check_integrity()
+            if extra:
+                stats = llm.get_stats()
+    return results[0], results[1], stats
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_greedy_outputs_are_unchanged_with_images_chunks_and_prefix_hits(all_checkpoints, family):
+    conversations = parity_workload(family)[:8]
+
+    def call(llm):
+        first = llm.chat(conversations, GREEDY, use_tqdm=False)
+        again = llm.chat(conversations[3:6], GREEDY, use_tqdm=False)  # the prefix cache hit, twice
+        twice = llm.chat(conversations[3:6], GREEDY, use_tqdm=False)
+        text = llm.generate(REPEATING, GREEDY, use_tqdm=False)
+        return _tokens(first) + _tokens(again) + _tokens(twice) + _tokens(text)
+
+    off, on, stats = _run(all_checkpoints[family], call, max_num_batched_tokens=32)
+    assert on == off
+    assert stats["spec_decode_num_drafts"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+    assert stats["prefix_cache_hit_tokens"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] <= stats["spec_decode_num_draft_tokens"]
+    assert stats["spec_decode_num_accepted_tokens_per_pos_0"] >= stats["spec_decode_num_accepted_tokens_per_pos_1"]
+
+
+def test_stops_inside_an_accepted_run_n_choices_and_other_requests(all_checkpoints):
+    model_dir = all_checkpoints["qwen2_vl"]
+    with LLM(str(model_dir), num_kv_blocks=256) as plain:
+        reference = plain.generate(REPEATING[0], GREEDY, use_tqdm=False)[0].outputs[0].text
+    stop = reference[len(reference) // 2:len(reference) // 2 + 3]  # a stop string in the middle of the answer
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, stop=[stop]),
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),  # max_tokens inside a run
+        SamplingParams(temperature=0, max_tokens=12, n=2, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True),  # no drafts: logprobs
+        SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True),  # no drafts: sampled
+        SamplingParams(temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(json=schema)),
+    ]
+
+    def call(llm):
+        outputs = llm.generate([REPEATING[0]] * 3 + REPEATING[:3], params, use_tqdm=False)
+        logprobs = [[(t, e[t].logprob) for t, e in zip(c.token_ids, c.logprobs)] for c in outputs[3].outputs]
+        return _tokens(outputs), [c.text for o in outputs for c in o.outputs], logprobs
+
+    off, on, stats = _run(model_dir, call)
+    assert on == off
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    assert len(on[1][0]) < len(reference) and stop not in on[1][0]  # the stop string ended it mid-answer
+
+
+def test_preemption_and_heavy_rejection_leave_nothing_behind(all_checkpoints):
+    model_dir = all_checkpoints["qwen2_5_vl"]
+    # a drafter that is almost always wrong: the earliest, shortest matches of a prompt full of one token
+    prompts = ["z " * 40 + w for w in ("alpha", "beta", "gamma", "delta", "epsilon", "zeta")]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    results = []
+    for extra in ({}, {"speculative_config": {**NGRAM, "num_speculative_tokens": 5}}):
+        with LLM(str(model_dir), num_kv_blocks=24, block_size=16, **extra) as llm:  # too few blocks: preempts
+            results.append(_tokens(llm.generate(prompts, params, use_tqdm=False)))
+            llm.check_integrity()
+            stats = llm.get_stats()
+    assert results[1] == results[0]
+    assert stats["num_preemptions"] > 0
+    assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"]
+
+
+def test_the_counters_are_on_the_metrics_page(all_checkpoints):
+    llm = LLM(str(all_checkpoints["qwen2_vl"]), num_kv_blocks=128, speculative_config=NGRAM)
+    app = build_app(AsyncEngine(llm.engine), ServerConfig("tiny", MediaRules(llm.engine.config.media)))
+    with TestClient(app) as client:
+        reply = client.post("/v1/completions", json={"prompt": REPEATING[2], "max_tokens": 16, "temperature": 0,
+                                                     "ignore_eos": True})
+        assert reply.status_code == 200, reply.text
+        page = client.get("/metrics").text
+    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total", 'vllm:spec_decode_num_accepted_tokens_per_pos_total'):
+        assert name in page, name
+    drafts = next(line for line in page.splitlines() if line.startswith("vllm:spec_decode_num_drafts_total"))
+    assert float(drafts.rsplit(" ", 1)[1]) > 0
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "not supported by mmserve yet"),
+    ({"method": "ngram"}, "num_speculative_tokens is required"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "positive integer"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "<="),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "key(s) model"),
+    ({"method": "unknown", "num_speculative_tokens": 2}, "must be one of"),
+])
+def test_invalid_configs_stop_start_up_naming_the_key(all_checkpoints, config, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        LLM(str(all_checkpoints["qwen2_vl"]), speculative_config=config)

@@ -1,0 +1,105 @@
+"""Speculative decoding's pure parts: the n-gram lookup, the draft policy's limits (max_tokens, the context,
+disable_by_batch_size, requests that may not speculate), vLLM's counters, the scheduler's steps with drafts
+against fake runner outputs (KV and counts follow only the accepted tokens), the config's parsing and which
+requests may speculate."""
+
+from __future__ import annotations
+
+import pytest
+
+from mmserve.core.budget import EncoderBudget
+from mmserve.core.drafts import DraftPolicy, lookup
+from mmserve.core.encoder_cache import EncoderCacheManager
+from mmserve.core.item_scheduler import ItemScheduler
+from mmserve.core.kv_cache import KVCacheManager
+from mmserve.core.request import Request
+from mmserve.core.scheduler import Scheduler, SchedulerLimits
+from mmserve.core.step import ModelRunnerOutput
+from mmserve.sampling_params import SamplingParams
+from mmserve.speculative import SpeculativeConfig, speculates
+
+
+@pytest.mark.parametrize(("tokens", "k", "expected"), [
+    ([1, 2, 3, 9, 1, 2, 3], 2, (9, 1)),  # the 3-gram 1 2 3 occurred before: what followed it
+    ([1, 2, 3, 9, 8, 5, 1, 2, 3], 3, (9, 8, 5)),
+    ([4, 2, 3, 7, 5, 2, 3, 8, 1, 2, 3], 1, (8,)),  # 1 2 3 never before; 2 3 latest at 5: then 8
+    ([5, 5, 5, 5, 5], 2, (5, 5)),  # a run: a match that k tokens follow
+    ([1, 2, 3, 4], 2, ()),  # nothing repeats
+    ([7], 2, ()),
+])
+def test_lookup_takes_the_longest_latest_match(tokens, k, expected):
+    assert lookup(tokens, 1, 3, k) == expected
+
+
+def _request(tokens, max_tokens=10, speculate=True, outputs=()):
+    request = Request("r", list(tokens), SamplingParams(temperature=0, max_tokens=max_tokens))
+    request.output_token_ids = list(outputs)
+    request.speculate = speculate
+    return request
+
+
+def test_the_policy_stops_at_max_tokens_the_context_and_busy_batches():
+    policy = DraftPolicy(4, 1, 3, max_model_len=100)
+    assert policy.drafts(_request([1, 2, 1, 2, 1, 2, 1, 2]), 1) == (1, 2, 1, 2)
+    assert policy.drafts(_request([1, 2, 1, 2, 1, 2, 1, 2], speculate=False), 1) == ()
+    # 8 of 10 tokens out: the next step's token and one draft reach max_tokens
+    assert policy.drafts(_request([1, 2, 1, 2], outputs=[1, 2, 1, 2, 1, 2, 1, 2]), 1) == (1,)
+    assert DraftPolicy(4, 1, 3, max_model_len=10).drafts(_request([1, 2, 1, 2, 1, 2, 1, 2]), 1) == (1,)
+    assert DraftPolicy(4, 1, 3, 100, disable_by_batch_size=4).drafts(_request([1, 2, 1, 2, 1, 2]), 4) == ()
+
+
+def test_the_counters_follow_what_verification_accepted():
+    policy = DraftPolicy(3, 1, 3, max_model_len=100)
+    policy.settled(3, 2)
+    policy.settled(2, 0)
+    stats = policy.stats
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 5, 2)
+    assert stats.accepted_per_position == [1, 1, 0]
+
+
+def _scheduler(drafter):
+    budget = EncoderBudget(16, 1 << 20, 1 << 30, 1 << 30, 1 << 20, 1 << 20)
+    return Scheduler(SchedulerLimits(8, 64, True, 128), KVCacheManager(64, 4, True),
+                     ItemScheduler(EncoderCacheManager(1 << 30, 1 << 30), budget), drafter=drafter)
+
+
+def test_a_decode_step_with_drafts_counts_only_the_accepted_tokens():
+    scheduler = _scheduler(DraftPolicy(3, 1, 2, max_model_len=128))
+    request = _request([1, 2, 3, 1, 2], max_tokens=20)
+    scheduler.add_request(request)
+    prefill = scheduler.schedule()
+    assert prefill.num_scheduled_tokens == {"r": 5} and not prefill.spec_token_ids
+    scheduler.update(prefill, ModelRunnerOutput(sampled_token_ids={"r": 3}))  # tokens: 1 2 3 1 2 | 3
+    step = scheduler.schedule()
+    assert step.spec_token_ids == {"r": (1, 2, 3)}  # after "2 3": what followed it before
+    assert step.num_scheduled_tokens == {"r": 4}
+    # the runner accepted the first draft and found 7 after it: two tokens out, KV for the last token + 1
+    outputs = scheduler.update(step, ModelRunnerOutput(sampled_token_ids={"r": (1, 7)}))
+    assert outputs[0].new_token_ids == (1, 7)
+    assert request.output_token_ids == [3, 1, 7]
+    assert request.num_computed_tokens == 7 and request.num_tokens == 8
+    assert scheduler.draft_counts()["spec_decode_num_accepted_tokens"] == 1
+    scheduler.finish_requests(["r"], request.status.FINISHED_ABORTED)
+    scheduler.check_integrity()
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ('{"method": "ngram", "num_speculative_tokens": 2, "extra": 1}', "key(s) extra"),
+    ({"method": "mtp", "num_speculative_tokens": 1}, "not supported by mmserve yet"),
+    ({"method": "ngram", "num_speculative_tokens": True}, "positive integer"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "positive integer"),
+    ("[1]", "JSON object"),
+])
+def test_the_config_refuses_what_mmserve_does_not_do(value, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        SpeculativeConfig.parse(value)
+
+
+def test_one_lookup_bound_sets_both_and_who_speculates():
+    config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (3, 3)
+    assert speculates(SamplingParams(temperature=0))
+    for refused in (dict(temperature=0.7), dict(temperature=0, logprobs=1), dict(temperature=0, min_tokens=2),
+                    dict(temperature=0, presence_penalty=0.5), dict(temperature=0, logit_bias={1: 2.0}),
+                    dict(temperature=0, bad_words=["x"]), dict(temperature=0, allowed_token_ids=[1, 2])):
+        assert not speculates(SamplingParams(**refused)), refused
