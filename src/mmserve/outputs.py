@@ -39,6 +39,9 @@ class RequestMetrics:
     # the time between consecutive steps that gave the request tokens (vLLM's inter-token latencies: one per
     # step, whatever number of tokens it gave); filled at the finish, empty before
     inter_token_latencies_s: list[float] = field(default_factory=list)
+    # speculative decoding: the draft tokens verified for the request, and those accepted (filled at the finish)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass

@@ -80,6 +80,11 @@ def test_stops_inside_an_accepted_run_n_choices_and_other_requests(all_checkpoin
     off, on, stats = _run(model_dir, call)
     assert on == off
     assert stats["spec_decode_num_accepted_tokens"] > 0
+    with LLM(str(model_dir), num_kv_blocks=256, speculative_config=NGRAM) as llm:
+        metrics = llm.generate(REPEATING[1], GREEDY, use_tqdm=False)[0].metrics
+        stats = llm.get_stats()
+    assert metrics.num_draft_tokens == stats["spec_decode_num_draft_tokens"] > 0  # one request: all of them
+    assert metrics.num_accepted_tokens == stats["spec_decode_num_accepted_tokens"]
     assert len(on[1][0]) < len(reference) and stop not in on[1][0]  # the stop string ended it mid-answer
 
 

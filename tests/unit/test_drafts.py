@@ -50,11 +50,27 @@ def test_the_policy_stops_at_max_tokens_the_context_and_busy_batches():
 
 def test_the_counters_follow_what_verification_accepted():
     policy = DraftPolicy(3, 1, 3, max_model_len=100)
-    policy.settled(3, 2)
-    policy.settled(2, 0)
+    request = _request([1, 2, 1, 2])
+    policy.settled(request, 3, 2)
+    policy.settled(request, 2, 0)
     stats = policy.stats
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 5, 2)
     assert stats.accepted_per_position == [1, 1, 0]
+    assert (request.num_draft_tokens, request.num_accepted_draft_tokens) == (5, 2)
+
+
+def test_a_request_whose_acceptance_collapses_stops_drafting():
+    policy = DraftPolicy(4, 1, 3, max_model_len=1000)
+    request = _request([1, 2, 1, 2, 1, 2, 1, 2], max_tokens=500)
+    for _ in range(7):  # 28 draft tokens, 2 accepted: not yet enough to judge
+        policy.settled(request, 4, 0 if request.num_draft_tokens else 2)
+    assert policy.drafts(request, 1) != ()
+    policy.settled(request, 4, 0)  # 32 draft tokens, 2 accepted (6%)
+    assert policy.drafts(request, 1) == ()
+    healthy = _request([1, 2, 1, 2, 1, 2, 1, 2], max_tokens=500)
+    for _ in range(8):
+        policy.settled(healthy, 4, 1)  # 25% accepted
+    assert policy.drafts(healthy, 1) != ()
 
 
 def _scheduler(drafter):

@@ -3,8 +3,9 @@
 Role: `DraftPolicy.drafts(request, num_running)`: for a decoding request that may speculate, the tokens that
 followed the latest earlier occurrence of its last n tokens (n from the largest lookup size down to the
 smallest, the longest match winning, as vLLM's n-gram proposer picks), at most `num_speculative_tokens`,
-never past its `max_tokens` or the context; none while `disable_by_batch_size` requests run. `settled`
-counts what a verification accepted (vLLM's spec_decode counters, per position too).
+never past its `max_tokens` or the context; none while `disable_by_batch_size` requests run, nor for a
+request whose acceptance collapsed (under 10% of its first 32 draft tokens or more). `settled` counts what
+a verification accepted, per request and in vLLM's spec_decode counters (per position too).
 What it does not know: tensors, how drafts are verified (the runner), sampling.
 """
 
@@ -13,6 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mmserve.core.request import Request
+
+# a request whose drafts were accepted at under this rate over at least this many draft tokens takes no more
+COLLAPSE_ACCEPTANCE = 0.1
+COLLAPSE_AFTER_DRAFT_TOKENS = 32
 
 
 @dataclass
@@ -40,7 +45,7 @@ class DraftPolicy:
     def drafts(self, request: Request, num_running: int) -> tuple[int, ...]:
         """The tokens to verify after this request's next one (empty: it decodes one token)."""
         if not request.speculate or (self.disable_by_batch_size is not None
-                                     and num_running >= self.disable_by_batch_size):
+                                     and num_running >= self.disable_by_batch_size) or _collapsed(request):
             return ()
         tokens = request.all_token_ids
         # the step computes the last known token plus the drafts; each draft it accepts becomes an output
@@ -51,13 +56,22 @@ class DraftPolicy:
             return ()
         return lookup(tokens, self.lookup_min, self.lookup_max, room)
 
-    def settled(self, num_drafted: int, num_accepted: int) -> None:
+    def settled(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+        """A verification's outcome: the request's counts and the engine's."""
+        request.num_draft_tokens += num_drafted
+        request.num_accepted_draft_tokens += num_accepted
         stats = self.stats
         stats.num_drafts += 1
         stats.num_draft_tokens += num_drafted
         stats.num_accepted_tokens += num_accepted
         for position in range(num_accepted):
             stats.accepted_per_position[position] += 1
+
+
+def _collapsed(request: Request) -> bool:
+    """Has the request's acceptance collapsed? Its drafts then stop for good: each costs a longer step."""
+    return (request.num_draft_tokens >= COLLAPSE_AFTER_DRAFT_TOKENS
+            and request.num_accepted_draft_tokens < COLLAPSE_ACCEPTANCE * request.num_draft_tokens)
 
 
 def lookup(tokens: list[int], lookup_min: int, lookup_max: int, k: int) -> tuple[int, ...]:

@@ -110,6 +110,8 @@ class Request:
     transferred: bool = False  # its prompt's KV came from a prefill replica (no media payloads here)
     cross_kv_bytes: int = 0  # its items' cross-attention K/V (families that cross-attend), held while it runs
     speculate: bool = False  # decoding, it may take draft tokens to verify (mmserve/speculative.py)
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified for it, and those accepted
+    num_accepted_draft_tokens: int = 0
     num_mm_items: int = field(init=False)  # items with embedding rows (the media the prompt carries)
 
     def __post_init__(self) -> None:

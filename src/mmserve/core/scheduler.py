@@ -326,7 +326,7 @@ class Scheduler(SchedulerViews, HandOffCalls):
             tokens = per_token(result.sampled_token_ids.get(rid))
             if drafts and rid not in result.failed:  # KV holds the last token and the accepted drafts only
                 num = len(tokens)
-                self.drafter.settled(len(drafts), len(tokens) - 1)
+                self.drafter.settled(request, len(drafts), len(tokens) - 1)
             request.num_computed_tokens += num
             self.stats.prompt_tokens_computed += max(0, min(request.num_computed_tokens, request.num_prompt_tokens)
                                                      - start)

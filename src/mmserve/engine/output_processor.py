@@ -229,6 +229,8 @@ class OutputProcessor:
         request = state.request
         state.metrics.finish_time = self._clock()
         state.metrics.num_preemptions = request.num_preemptions
+        state.metrics.num_draft_tokens = request.num_draft_tokens
+        state.metrics.num_accepted_tokens = request.num_accepted_draft_tokens
         state.metrics.inter_token_latencies_s = state.inter_token_latencies_s
         if state.timeline is not None and self._tracing is not None:
             record_finished(self._tracing, state, finish, error)
