@@ -2,8 +2,8 @@
 
 Role: `SpeculativeConfig.parse` (a dict or its JSON text, the `--speculative-config` flag's value) checks
 every key and refuses what mmserve does not do with a message naming it; `speculates(params)`: whether a
-request's sampling lets drafts be verified by comparing them with the greedy token at each position (the
-only acceptance rule implemented: greedy, no logprobs, nothing that changes a logit).
+request's sampling lets drafts be verified (greedily, or by rejection sampling under temperature, top-k,
+top-p and min-p: runner/speculation.py), with no logprobs and nothing else that changes a logit.
 What it does not know: how drafts are proposed (core/drafts.py) or verified (runner/speculation.py).
 """
 
@@ -72,8 +72,10 @@ class SpeculativeConfig:
 
 
 def speculates(params: SamplingParams) -> bool:
-    """Can a request with these options take drafts? Its next token must be the argmax of the raw logits at
-    every position, and nothing may be reported per token that a verification does not compute."""
-    return (params.temperature == 0.0 and params.logprobs is None and not params.needs_penalties
-            and params.allowed_token_ids is None and not params.logit_bias and not params.bad_words
-            and params.min_tokens == 0 and params.structured_outputs is None)
+    """Can a request with these options take drafts? Its distribution at each position must be the logits'
+    own under temperature, top-k, top-p and min-p (verification applies those, nothing else), nothing may be
+    reported per token that a verification does not compute, and a seeded request keeps its one draw per
+    token (the same tokens whatever the batch)."""
+    return (params.logprobs is None and not params.needs_penalties and params.allowed_token_ids is None
+            and not params.logit_bias and not params.bad_words and params.min_tokens == 0
+            and params.structured_outputs is None and (params.seed is None or params.temperature == 0.0))

@@ -1,5 +1,6 @@
-"""Speculative decoding (n-gram prompt lookup) on tiny Qwen2-VL and Qwen2.5-VL checkpoints: greedy outputs are
-token for token those of speculation off — in batches with images, in small prefill chunks, with the prefix
+"""Speculative decoding (n-gram prompt lookup) on tiny Qwen2-VL and Qwen2.5-VL checkpoints: sampled answers keep
+the target's distribution (a chi-square test that rejects a planted bug in the rejection sampler); greedy
+outputs are token for token those of speculation off — in batches with images, in small prefill chunks, with the prefix
 cache hit twice, with n > 1, a stop string or max_tokens inside an accepted run, under preemption, beside
 requests that do not speculate (logprobs, sampling, a grammar) whose outputs are unchanged too; drafts are
 proposed and accepted (vLLM's counters, also on /metrics); nothing leaks after heavy rejection; invalid
@@ -7,7 +8,10 @@ configs stop start-up naming the key."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from mmserve import LLM, SamplingParams, StructuredOutputsParams
@@ -15,9 +19,11 @@ from mmserve.engine.async_engine import AsyncEngine
 from mmserve.entrypoints.openai.media import MediaRules
 from mmserve.entrypoints.openai.server import build_app
 from mmserve.entrypoints.openai.serving import ServerConfig
+from mmserve.runner import speculation
 from testkit.conversations import parity_workload
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+TEMPERATURE = 0.1
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 REPEATING = ["a b c a b c a b c a b", "one two three one two three one", "x y x y x y x y"]
 
@@ -130,3 +136,42 @@ def test_the_counters_are_on_the_metrics_page(all_checkpoints):
 def test_invalid_configs_stop_start_up_naming_the_key(all_checkpoints, config, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         LLM(str(all_checkpoints["qwen2_vl"]), speculative_config=config)
+
+
+def _chi_square_p(first: list, second: list, num_categories: int = 16) -> float:
+    """Two-sample chi-square test of homogeneity over the most common outcomes (the rest pooled): p-value."""
+    a, b = Counter(first), Counter(second)
+    keys = [k for k, _ in (a + b).most_common(num_categories)]
+    rows = [[c[k] for k in keys] + [len(s) - sum(c[k] for k in keys)] for c, s in ((a, first), (b, second))]
+    columns = [x + y for x, y in zip(*rows) if x + y]
+    rows = [[v for v, total in zip(row, map(sum, zip(*rows))) if total] for row in rows]
+    n = len(first) + len(second)
+    stat = sum((rows[i][j] - size * columns[j] / n) ** 2 / (size * columns[j] / n)
+               for i, size in enumerate((len(first), len(second))) for j in range(len(columns)))
+    df = torch.tensor((len(columns) - 1) / 2.0, dtype=torch.float64)
+    return float(torch.special.gammaincc(df, torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+def _sampled(model_dir, seed: int, **engine_args) -> list[tuple[int, ...]]:
+    """1500 answers of four tokens, sampled at temperature 0.1 and top-p 0.95 after a prompt that ends in the
+    model's own greedy loop (so drafts are proposed at every step and accepted about one time in eight)."""
+    with LLM(str(model_dir), num_kv_blocks=512, max_num_seqs=256, seed=seed, **engine_args) as llm:
+        loop = llm.generate("hello hello hello hello", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                            use_tqdm=False)[0]
+        prompt = {"prompt_token_ids": loop.prompt_token_ids + loop.outputs[0].token_ids}
+        params = SamplingParams(temperature=TEMPERATURE, top_p=0.95, max_tokens=4, ignore_eos=True)
+        answers = [tuple(o.outputs[0].token_ids) for o in llm.generate([prompt] * 1500, params, use_tqdm=False)]
+        if engine_args:
+            stats = llm.get_stats()
+            assert stats["spec_decode_num_draft_tokens"] > 1000 and stats["spec_decode_num_accepted_tokens"] > 100
+        llm.check_integrity()
+    return answers
+
+
+def test_sampling_keeps_the_target_distribution_and_a_planted_bug_is_caught(all_checkpoints, monkeypatch):
+    model_dir = all_checkpoints["qwen2_vl"]
+    off = _sampled(model_dir, 11)
+    assert _chi_square_p(off, _sampled(model_dir, 12, speculative_config=NGRAM)) > 0.01
+    # the bug: a rejected draft replaced by a draw from the whole target, the draft's own mass left in
+    monkeypatch.setattr(speculation, "residual", lambda probs, draft: probs.clone())
+    assert _chi_square_p(off, _sampled(model_dir, 12, speculative_config=NGRAM)) < 0.01

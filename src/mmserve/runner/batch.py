@@ -114,7 +114,7 @@ class BatchBuilder:
             self.fusion.append((rows, piece.token_positions + offset))
         if num_drafts:  # its last known token's row and each draft's give the greedy token after it
             self.draft_rows.append(DraftRows(state.request_id, offset + num - 1 - num_drafts,
-                                             tuple(state.token_ids[end - num_drafts:end])))
+                                             tuple(state.token_ids[end - num_drafts:end]), state.sampling_params))
         elif end == len(state.token_ids):  # the chunk reaches the last known token: sample the next
             self.sample_index.append(offset + num - 1)
             self.sample_rows.append(state)

@@ -49,7 +49,7 @@ from mmserve.runner.graphs.encoder_graphs import (
 from mmserve.runner.pooler import StepPooler
 from mmserve.runner.sampler import SampledLogprobs, Sampler, make_generator, sampled_logprobs, to_device
 from mmserve.runner.sampling_state import RequestSampling, SampledRow, needs_state, sampling_metadata
-from mmserve.runner.speculation import accept, verify_greedy
+from mmserve.runner.speculation import accept, verify
 from mmserve.runner.state import RunnerPrompt, RunnerRequest, StepInputs
 
 PROMPT_LOGPROB_ROWS = 64  # prompt rows whose logits are materialized at once (each a vocabulary wide)
@@ -300,7 +300,7 @@ class ModelRunner:
             else:
                 logits = self.model.compute_logits(hidden[batch.sample_index]) if batch.sample_rows else None
                 result.prompt_logprobs = self._prompt_logprobs(hidden, batch.prompt_logprob_rows)
-                for rid, tokens in verify_greedy(self.model, hidden, builder.draft_rows).items():
+                for rid, tokens in verify(self.model, hidden, builder.draft_rows).items():
                     scheduled[rid] = accept(self.requests[rid], len(drafts[rid]), tokens)
                     result.sampled_token_ids[rid] = tokens
         if builder.sample_rows and self.pooler is None:

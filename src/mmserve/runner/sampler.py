@@ -234,12 +234,12 @@ class Sampler:
 
         logits.div_(to_device(temperatures, device).unsqueeze(1))
         if any(k < vocab_size for k in top_ks):
-            _apply_top_k(logits, top_ks)
+            apply_top_k(logits, top_ks)
         if any(p < 1.0 for p in top_ps):
-            _apply_top_p(logits, to_device(top_ps, device))
+            apply_top_p(logits, to_device(top_ps, device))
         probs = logits.softmax(dim=-1)  # (batch, vocab)
         if any(p > 0.0 for p in min_ps):
-            dropped = _apply_min_p(probs, to_device(min_ps, device))
+            dropped = apply_min_p(probs, to_device(min_ps, device))
             if keep_processed:
                 logits.masked_fill_(dropped, -torch.inf)
         return _inverse_cdf_draw(probs, _uniforms(meta.generators, greedy_rows, device))
@@ -329,7 +329,7 @@ def _ban_tokens(logits: torch.Tensor, banned_token_ids: list[tuple[int, ...]]) -
     logits[index[:, 0], index[:, 1]] = -torch.inf
 
 
-def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> None:
+def apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> None:
     """Keep each row's k highest logits (ties with the k-th are kept too)."""
     max_k = max(top_ks)
     top_values = logits.topk(max_k, dim=-1).values  # (batch, max_k), descending
@@ -338,7 +338,7 @@ def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> None:
     logits.masked_fill_(logits < threshold, -torch.inf)
 
 
-def _apply_top_p(logits: torch.Tensor, top_ps: torch.Tensor) -> None:
+def apply_top_p(logits: torch.Tensor, top_ps: torch.Tensor) -> None:
     """Keep the smallest highest-probability set whose cumulative probability reaches top_p."""
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # (batch, vocab) each
     sorted_probs = sorted_logits.softmax(dim=-1)
@@ -351,7 +351,7 @@ def _apply_top_p(logits: torch.Tensor, top_ps: torch.Tensor) -> None:
     logits.masked_fill_(drop, -torch.inf)
 
 
-def _apply_min_p(probs: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+def apply_min_p(probs: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
     """Zero tokens whose probability is below min_p times the row's top probability; returns where."""
     threshold = probs.amax(dim=-1, keepdim=True).mul_(min_ps.unsqueeze(1))  # (batch, 1)
     # No renormalisation needed: the draw below scales its uniform by the row's mass.

@@ -1,11 +1,15 @@
 """Speculative decoding's verification in the runner: a decoding request's drafts checked in one forward.
 
 Role: a request with drafts runs its last known token and the drafts as one chunk; the logits at each of
-those positions give the greedy token that follows it. The drafts are accepted while each equals the greedy
-token before it, and the first greedy token that differs (or, all accepted, the one after the last draft)
-is emitted with them: exactly the tokens one-at-a-time greedy decoding would have produced
-(`greedy_argmax`, the sampler's own greedy pick, on the raw logits: mmserve/speculative.py admits only
-requests whose logits nothing changes).
+those positions give the distribution of the token that follows it. Greedy: the drafts are accepted while
+each equals the greedy token before it, and the first greedy token that differs (or, all accepted, the one
+after the last draft) is emitted with them — exactly the tokens one-at-a-time decoding produces
+(`greedy_argmax`, the sampler's own pick, on the raw logits). Sampled: rejection sampling (Leviathan et al.,
+Chen et al.) with the drafter's distribution a point mass on each draft: a draft is accepted with the target
+probability of it, a rejected one is replaced by a draw from the target with the draft's mass removed
+(`residual`), and all accepted, one more token is drawn from the last row — so every emitted token has the
+target distribution (temperature, top-k, top-p, min-p as the sampler applies them).
+mmserve/speculative.py admits only requests whose logits nothing else changes.
 What it does not know: how drafts are proposed, scheduling, any family.
 """
 
@@ -17,8 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from mmserve.models.spec import FamilyModel
-from mmserve.runner.sampler import greedy_argmax, to_device
+from mmserve.runner.sampler import apply_min_p, apply_top_k, apply_top_p, greedy_argmax, to_device
 from mmserve.runner.state import RunnerRequest
+from mmserve.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -28,26 +33,78 @@ class DraftRows:
     request_id: str
     first_row: int
     drafts: tuple[int, ...]
+    params: SamplingParams
 
 
-def verify_greedy(model: FamilyModel, hidden: torch.Tensor, wanted: Sequence[DraftRows]
-                  ) -> dict[str, tuple[int, ...]]:
-    """Each request's emitted tokens: the drafts accepted, then one greedy token."""
+def verify(model: FamilyModel, hidden: torch.Tensor, wanted: Sequence[DraftRows]) -> dict[str, tuple[int, ...]]:
+    """Each request's emitted tokens: the drafts accepted, then one more token."""
     if not wanted:
         return {}
     index = [row for w in wanted for row in range(w.first_row, w.first_row + len(w.drafts) + 1)]
-    best = greedy_argmax(model.compute_logits(hidden[to_device(index, hidden.device)])).tolist()
+    logits = model.compute_logits(hidden[to_device(index, hidden.device)])  # (rows, vocab)
+    best = greedy_argmax(logits).tolist()
     out, position = {}, 0
     for w in wanted:
-        chosen = best[position:position + len(w.drafts) + 1]
-        position += len(chosen)
-        tokens = []
-        for i, token in enumerate(chosen):
-            tokens.append(token)
-            if i == len(w.drafts) or token != w.drafts[i]:
-                break
-        out[w.request_id] = tuple(tokens)
+        num = len(w.drafts) + 1
+        if _greedy(w.params):
+            out[w.request_id] = _accept_greedy(best[position:position + num], w.drafts)
+        else:
+            out[w.request_id] = _accept_sampled(target_probs(logits[position:position + num], w.params), w.drafts)
+        position += num
     return out
+
+
+def _greedy(params: SamplingParams) -> bool:
+    return params.temperature < GREEDY_TEMPERATURE_EPS or params.top_k == 1
+
+
+def _accept_greedy(chosen: list[int], drafts: tuple[int, ...]) -> tuple[int, ...]:
+    tokens = []
+    for i, token in enumerate(chosen):
+        tokens.append(token)
+        if i == len(drafts) or token != drafts[i]:
+            break
+    return tuple(tokens)
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """(rows, vocab) float32 probabilities the sampler draws from (unnormalised after min-p)."""
+    rows, vocab = logits.shape
+    logits = logits.to(torch.float32, copy=True).div_(params.temperature)
+    if 0 < params.top_k < vocab:
+        apply_top_k(logits, [params.top_k] * rows)
+    if params.top_p < 1.0:
+        apply_top_p(logits, to_device([params.top_p] * rows, logits.device))
+    probs = logits.softmax(dim=-1)
+    if params.min_p > 0.0:
+        apply_min_p(probs, to_device([params.min_p] * rows, logits.device))
+    return probs
+
+
+def residual(probs: torch.Tensor, draft: int) -> torch.Tensor:
+    """The distribution a rejected draft is replaced from: the target's with the draft's mass removed
+    (max(0, p - q) for a drafter whose q is a point mass on the draft)."""
+    out = probs.clone()
+    out[draft] = 0.0
+    return out
+
+
+def _accept_sampled(probs: torch.Tensor, drafts: tuple[int, ...]) -> tuple[int, ...]:
+    k = len(drafts)
+    mass = probs.sum(dim=-1)  # (k + 1,)
+    chance = (probs[torch.arange(k), torch.tensor(drafts)] / mass[:k]).tolist()
+    uniforms = torch.rand(k).tolist()
+    tokens: list[int] = []
+    for i, draft in enumerate(drafts):
+        if uniforms[i] < chance[i]:
+            tokens.append(draft)
+            continue
+        rest = residual(probs[i], draft)
+        # a draft of probability one within rounding leaves no mass: it is accepted
+        tokens.append(int(torch.multinomial(rest, 1)) if float(rest.sum()) > 0.0 else draft)
+        return tuple(tokens)
+    tokens.append(int(torch.multinomial(probs[k], 1)))
+    return tuple(tokens)
 
 
 def accept(state: RunnerRequest, num_drafts: int, tokens: tuple[int, ...]) -> int:
