@@ -22,7 +22,9 @@ from mmserve.entrypoints.openai.serving import ServerConfig
 from mmserve.runner import speculation
 from testkit.conversations import parity_workload
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# drafts at any batch size (the default cutoff, 8 running requests, would keep the batches below from drafting)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "disable_by_batch_size": None}
 TEMPERATURE = 0.1
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 REPEATING = ["a b c a b c a b c a b", "one two three one two three one", "x y x y x y x y"]

@@ -114,6 +114,9 @@ def test_the_config_refuses_what_mmserve_does_not_do(value, message):
 def test_one_lookup_bound_sets_both_and_who_speculates():
     config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
     assert (config.prompt_lookup_min, config.prompt_lookup_max) == (3, 3)
+    assert config.disable_by_batch_size == 8  # the measured default; null turns the cutoff off
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2,
+                                    "disable_by_batch_size": None}).disable_by_batch_size is None
     assert speculates(SamplingParams(temperature=0)) and speculates(SamplingParams(temperature=0.7, top_p=0.9))
     for refused in (dict(temperature=0.7, seed=1), dict(temperature=0, logprobs=1), dict(temperature=0, min_tokens=2),
                     dict(temperature=0, presence_penalty=0.5), dict(temperature=0, logit_bias={1: 2.0}),

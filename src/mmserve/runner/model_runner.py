@@ -303,6 +303,7 @@ class ModelRunner:
                 for rid, tokens in verify(self.model, hidden, builder.draft_rows).items():
                     scheduled[rid] = accept(self.requests[rid], len(drafts[rid]), tokens)
                     result.sampled_token_ids[rid] = tokens
+            self.last_step.forward_s = time.perf_counter() - forward_started  # a sampled step's sync resets it
         if builder.sample_rows and self.pooler is None:
             rows = builder.sample_rows
             meta = sampling_metadata([self._sampled_row(r, logits.shape[1], token_bitmasks.get(r.request_id))
