@@ -39,10 +39,12 @@ def reference(q, k, v, spans, window, scale):
     return out.reshape(length, -1)
 
 
-def _request(rid, length, spans, blocks, num_computed=0):
-    """A runner request of `length` prompt tokens with its bidirectional spans and KV blocks."""
+def _request(rid, length, spans, blocks, num_computed=0, num_prompt_tokens=None):
+    """A runner request of `length` tokens (the first `num_prompt_tokens` its prompt: all, unless given) with
+    its bidirectional spans and KV blocks."""
     prompt = RunnerPrompt(PromptPositions(1), None, None, (), (), (), spans)
-    return RunnerRequest(rid, list(range(length)), length, prompt, SamplingParams(), blocks, num_computed)
+    return RunnerRequest(rid, list(range(length)), num_prompt_tokens or length, prompt, SamplingParams(), blocks,
+                         num_computed)
 
 
 # (length, spans, chunk schedule: tokens per step, 0 = not scheduled that step)
@@ -51,7 +53,9 @@ SEQUENCES = [
     (20, ((2, 6), (9, 13)), [7, 9, 1, 1, 1]),
     (17, ((3, 8),), [0, 12, 1, 1, 1]),
     (9, ((0, 5),), [5, 1, 1, 1, 1]),
+    (16, ((2, 5),), [7, 1, 4, 4, 0]),  # a 7-token prompt, then a decode and two chunks past it (drafts verified)
 ]
+PROMPT_TOKENS = {4: 7}  # sequences whose prompt is shorter than their tokens
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 2)])
@@ -84,7 +88,7 @@ def test_paged_backend_equals_dense_reference(heads, kv_heads, window, with_span
         tensors.append((q, k, v))
         expected.append(reference(q, k, v, spans, window, 0.3))
         blocks = [int(free.pop()) for _ in range(-(-length // BLOCK))]
-        states.append(_request(f"s{i}", length, spans, blocks))
+        states.append(_request(f"s{i}", length, spans, blocks, num_prompt_tokens=PROMPT_TOKENS.get(i)))
     for step in range(len(SEQUENCES[0][2])):
         builder = BatchBuilder(BLOCK, torch.device("cpu"), backend.cpu_plan)
         rows = []
@@ -102,9 +106,9 @@ def test_paged_backend_equals_dense_reference(heads, kv_heads, window, with_span
         v = torch.cat([tensors[index[s.request_id]][2][sl] for s, sl in rows])
         kernel_calls.clear()
         out = backend.forward(0, q, k, v, batch.attn, layer)
-        # per request: decodes, and the prefill chunks of short prompts without spans, are the kernel's
-        # (one call for the step); the other chunks go to SDPA in the same step
-        kernel_rows = [sl.stop - sl.start == 1 and sl.start > 0 or (
+        # per request: decodes and chunks past the prompt, and the prefill chunks of short prompts without
+        # spans, are the kernel's (one call for the step); the other chunks go to SDPA in the same step
+        kernel_rows = [sl.stop - sl.start == 1 and sl.start > 0 or sl.start >= state.num_prompt_tokens or (
             not state.prompt.attention_spans and kernel != "decodes only") for state, sl in rows]
         tokens = batch.attn.kernel_tokens  # none at all where the plan has the kernel off
         on_kernel = cpu_kernel and any(kernel_rows)

@@ -107,9 +107,9 @@ class BatchBuilder:
             self.prefill_tables.append(None)
         else:
             self.prefill_tables.append(state.block_ids[:num_blocks] if start > 0 else None)
-        if self.kernel_tokens is not None:
-            self.kernel_tokens.add(state.block_ids[:num_blocks], idx, is_decode, state.num_prompt_tokens,
-                                   bool(state.prompt.attention_spans))
+        if self.kernel_tokens is not None:  # tokens past the prompt (a decode's, a draft verification's) as decodes
+            self.kernel_tokens.add(state.block_ids[:num_blocks], idx, is_decode or start >= state.num_prompt_tokens,
+                                   state.num_prompt_tokens, bool(state.prompt.attention_spans))
         for rows, piece in zip(gather_chunk_rows(pieces, item_outputs), pieces):
             self.fusion.append((rows, piece.token_positions + offset))
         if num_drafts:  # its last known token's row and each draft's give the greedy token after it

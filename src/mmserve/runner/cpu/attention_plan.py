@@ -3,7 +3,8 @@
 Role: `CpuAttentionPlan` is decided once per engine from its KV storage (a float32, unquantized cache
 on the CPU, on a machine where the kernel runs) and then per request, by its prompt: a request's
 prefill tokens are the kernel's when its prompt has no bidirectional spans and at most
-`max_prompt_tokens` tokens; decodes are the kernel's at any length. Deciding per request means a
+`max_prompt_tokens` tokens; tokens past the prompt (decodes, and the chunk of a decode with its drafts to
+verify) are the kernel's at any length, so a verified draft takes a decode's numerical path. Deciding per request means a
 token's path depends neither on the requests sharing its step nor on how its prompt is chunked.
 `KernelTokenTables` gathers, while the batch builder walks a step's sequences, the kernel's tokens as
 queries over their sequences' blocks, and ships them as `KernelTokens`, which the attention backend
@@ -74,7 +75,7 @@ class KernelTokenTables:
     def add(self, block_ids: list[int], positions: np.ndarray, is_decode: bool, num_prompt_tokens: int,
             has_spans: bool) -> None:
         """One sequence's tokens of the step: `positions` (its new tokens' positions), the blocks up to its
-        last new token."""
+        last new token; `is_decode`: they lie past its prompt."""
         takes = self.plan.takes_decodes if is_decode else self.plan.takes_prefill(num_prompt_tokens, has_spans)
         self.sequences.append(takes)
         self.query_lens.append(len(positions))
