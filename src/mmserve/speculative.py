@@ -20,8 +20,9 @@ METHODS = ("ngram",)
 LATER_METHODS = ("draft_model", "mtp", "eagle", "eagle3", "medusa", "suffix")  # vLLM's, not here yet
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
 DEFAULT_LOOKUP = 5  # vLLM's n-gram size when neither bound is given
-# measured (benchmarks/engine/speculative.py, 2 CPU cores): at batch 32 a step is compute-bound and drafts cost
-# 0.74x of speculation off's throughput, 0.96x with this cutoff; one at a time they gain 1.7-1.8x
+# at batch 32 a CPU step is compute-bound and a rejected draft costs a token's compute (benchmarks/engine/
+# speculative.py, 2 cores: 0.74x of speculation off before verification took the decode kernel, 1.05x after on
+# prompts that quote themselves): the cutoff guards busy batches whose drafts are mostly rejected
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 
