@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mmserve.entrypoints.llm import LLM
-    from mmserve.errors import InvalidInputError, ModelLoadError
+    from mmserve.errors import ConfigError, InvalidInputError, ModelLoadError
     from mmserve.inputs.media import VideoFrames
     from mmserve.outputs import (
         BeamSearchOutput,
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 # each public name -> the module that defines it
 _HOMES = {
     "LLM": "mmserve.entrypoints.llm",
+    "ConfigError": "mmserve.errors",
     "InvalidInputError": "mmserve.errors",
     "ModelLoadError": "mmserve.errors",
     "VideoFrames": "mmserve.inputs.media",
@@ -54,6 +55,7 @@ __all__ = [
     "BeamSearchSequence",
     "CompletionOutput",
     "EmbeddingRequestOutput",
+    "ConfigError",
     "InvalidInputError",
     "Logprob",
     "ModelLoadError",

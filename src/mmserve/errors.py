@@ -40,6 +40,15 @@ def at_param(param: str) -> Iterator[None]:
         raise
 
 
+class ConfigError(ValueError):
+    """An engine setting is unusable: raised at start-up, before anything is served. `key` names it as the
+    user spelled it (e.g. `speculative_config.num_speculative_tokens`)."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
 class ModelLoadError(RuntimeError):
     """A checkpoint directory cannot be turned into a model: missing files, names or shapes."""
 

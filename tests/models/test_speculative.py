@@ -1,26 +1,29 @@
-"""Speculative decoding (n-gram prompt lookup) on tiny Qwen2-VL and Qwen2.5-VL checkpoints: sampled answers keep
-the target's distribution (a chi-square test that rejects a planted bug in the rejection sampler); greedy
-outputs are token for token those of speculation off — in batches with images, in small prefill chunks, with the prefix
-cache hit twice, with n > 1, a stop string or max_tokens inside an accepted run, under preemption, beside
-requests that do not speculate (logprobs, sampling, a grammar) whose outputs are unchanged too; drafts are
-proposed and accepted (vLLM's counters, also on /metrics); nothing leaks after heavy rejection; invalid
-configs stop start-up naming the key."""
+"""Speculative decoding (n-gram prompt lookup, and a draft model: the target with layers removed, or perturbed so
+it agrees only sometimes) on tiny Qwen2-VL and Qwen2.5-VL checkpoints: sampled answers keep the target's
+distribution (a chi-square test that rejects a planted bug in the rejection sampler); greedy outputs are token
+for token those of speculation off — in batches with images, in small prefill chunks, with the prefix cache hit
+twice, with n > 1, a stop string or max_tokens inside an accepted run, under preemption, beside requests that
+do not speculate (logprobs, sampling, a grammar) whose outputs are unchanged too; drafts are proposed and
+accepted (vLLM's counters, also on /metrics); nothing leaks after heavy rejection; invalid configs stop
+start-up naming the key."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from mmserve import LLM, SamplingParams, StructuredOutputsParams
+from mmserve import LLM, ConfigError, SamplingParams, StructuredOutputsParams
 from mmserve.engine.async_engine import AsyncEngine
 from mmserve.entrypoints.openai.media import MediaRules
 from mmserve.entrypoints.openai.server import build_app
 from mmserve.entrypoints.openai.serving import ServerConfig
 from mmserve.runner import speculation
 from testkit.conversations import parity_workload
+from testkit.drafters import truncated_copy
 
 # drafts at any batch size (the default cutoff, 8 running requests, would keep the batches below from drafting)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
@@ -30,14 +33,33 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 REPEATING = ["a b c a b c a b c a b", "one two three one two three one", "x y x y x y x y"]
 
 
+METHODS = ["ngram", "draft_model"]
+
+
+@pytest.fixture(scope="module")
+def drafters(all_checkpoints, tmp_path_factory):
+    """family -> (a draft model that agrees with the target about a third of the time: its layers perturbed,
+    the target with its second layer removed: almost never)."""
+    root = tmp_path_factory.mktemp("drafters")
+    return {family: (truncated_copy(all_checkpoints[family], root / f"{family}-perturbed", 2, noise=0.1),
+                     truncated_copy(all_checkpoints[family], root / f"{family}-one-layer", 1))
+            for family in ("qwen2_vl", "qwen2_5_vl")}
+
+
+def _config(method: str, drafters, family: str = "qwen2_vl", **changes) -> dict:
+    config = NGRAM if method == "ngram" else {"method": "draft_model", "model": str(drafters[family][0]),
+                                               "num_speculative_tokens": 3, "disable_by_batch_size": None}
+    return {**config, **changes}
+
+
 def _tokens(outputs) -> list[list[int]]:
     return [list(c.token_ids) for o in outputs for c in o.outputs]
 
 
-def _run(model_dir, call, **engine_args):
+def _run(model_dir, call, config=NGRAM, **engine_args):
     """(speculation off, speculation on) results of `call(llm)`, each engine checked for leaks after."""
     results = []
-    for extra in ({}, {"speculative_config": NGRAM}):
+    for extra in ({}, {"speculative_config": config}):
         with LLM(str(model_dir), num_kv_blocks=256, **engine_args, **extra) as llm:
             results.append(call(llm))
             llm.check_integrity()
@@ -46,8 +68,9 @@ def _run(model_dir, call, **engine_args):
     return results[0], results[1], stats
 
 
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
-def test_greedy_outputs_are_unchanged_with_images_chunks_and_prefix_hits(all_checkpoints, family):
+def test_greedy_outputs_are_unchanged_with_images_chunks_and_prefix_hits(all_checkpoints, drafters, family, method):
     conversations = parity_workload(family)[:8]
 
     def call(llm):
@@ -57,7 +80,7 @@ def test_greedy_outputs_are_unchanged_with_images_chunks_and_prefix_hits(all_che
         text = llm.generate(REPEATING, GREEDY, use_tqdm=False)
         return _tokens(first) + _tokens(again) + _tokens(twice) + _tokens(text)
 
-    off, on, stats = _run(all_checkpoints[family], call, max_num_batched_tokens=32)
+    off, on, stats = _run(all_checkpoints[family], call, _config(method, drafters, family), max_num_batched_tokens=32)
     assert on == off
     assert stats["spec_decode_num_drafts"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
     assert stats["prefix_cache_hit_tokens"] > 0
@@ -65,7 +88,8 @@ def test_greedy_outputs_are_unchanged_with_images_chunks_and_prefix_hits(all_che
     assert stats["spec_decode_num_accepted_tokens_per_pos_0"] >= stats["spec_decode_num_accepted_tokens_per_pos_1"]
 
 
-def test_stops_inside_an_accepted_run_n_choices_and_other_requests(all_checkpoints):
+@pytest.mark.parametrize("method", METHODS)
+def test_stops_inside_an_accepted_run_n_choices_and_other_requests(all_checkpoints, drafters, method):
     model_dir = all_checkpoints["qwen2_vl"]
     with LLM(str(model_dir), num_kv_blocks=256) as plain:
         reference = plain.generate(REPEATING[0], GREEDY, use_tqdm=False)[0].outputs[0].text
@@ -75,20 +99,25 @@ def test_stops_inside_an_accepted_run_n_choices_and_other_requests(all_checkpoin
         SamplingParams(temperature=0, max_tokens=24, stop=[stop]),
         SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),  # max_tokens inside a run
         SamplingParams(temperature=0, max_tokens=12, n=2, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True),  # no drafts: logprobs
+        SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True),  # each emitted token's logprobs
         SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True),  # no drafts: sampled
         SamplingParams(temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(json=schema)),
     ]
 
     def call(llm):
         outputs = llm.generate([REPEATING[0]] * 3 + REPEATING[:3], params, use_tqdm=False)
-        logprobs = [[(t, e[t].logprob) for t, e in zip(c.token_ids, c.logprobs)] for c in outputs[3].outputs]
-        return _tokens(outputs), [c.text for o in outputs for c in o.outputs], logprobs
+        entries = [(e[t].logprob, e[t].rank, *sorted(e)) for c in outputs[3].outputs for t, e in zip(c.token_ids, c.logprobs)]
+        return _tokens(outputs), [c.text for o in outputs for c in o.outputs], entries, outputs[3].metrics
 
-    off, on, stats = _run(model_dir, call)
-    assert on == off
+    off, on, stats = _run(model_dir, call, _config(method, drafters))
+    assert on[:2] == off[:2]
+    # each emitted token's logprob (a verification's row, not a decode's: equal within float rounding), its rank
+    # and the top 2, also for the tokens a verification accepted
+    assert [e[1:] for e in on[2]] == [e[1:] for e in off[2]]
+    assert [e[0] for e in on[2]] == pytest.approx([e[0] for e in off[2]], abs=1e-5)
+    assert on[3].num_accepted_tokens > 0
     assert stats["spec_decode_num_accepted_tokens"] > 0
-    with LLM(str(model_dir), num_kv_blocks=256, speculative_config=NGRAM) as llm:
+    with LLM(str(model_dir), num_kv_blocks=256, speculative_config=_config(method, drafters)) as llm:
         metrics = llm.generate(REPEATING[1], GREEDY, use_tqdm=False)[0].metrics
         stats = llm.get_stats()
     assert metrics.num_draft_tokens == stats["spec_decode_num_draft_tokens"] > 0  # one request: all of them
@@ -96,13 +125,18 @@ def test_stops_inside_an_accepted_run_n_choices_and_other_requests(all_checkpoin
     assert len(on[1][0]) < len(reference) and stop not in on[1][0]  # the stop string ended it mid-answer
 
 
-def test_preemption_and_heavy_rejection_leave_nothing_behind(all_checkpoints):
+@pytest.mark.parametrize("method", METHODS)
+def test_preemption_and_heavy_rejection_leave_nothing_behind(all_checkpoints, drafters, method):
     model_dir = all_checkpoints["qwen2_5_vl"]
-    # a drafter that is almost always wrong: the earliest, shortest matches of a prompt full of one token
+    # drafters that are almost always wrong: the earliest, shortest matches of a prompt full of one token; the
+    # target with a layer removed
     prompts = ["z " * 40 + w for w in ("alpha", "beta", "gamma", "delta", "epsilon", "zeta")]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    config = _config(method, drafters, "qwen2_5_vl", num_speculative_tokens=5)
+    if method == "draft_model":
+        config["model"] = str(drafters["qwen2_5_vl"][1])
     results = []
-    for extra in ({}, {"speculative_config": {**NGRAM, "num_speculative_tokens": 5}}):
+    for extra in ({}, {"speculative_config": config}):
         with LLM(str(model_dir), num_kv_blocks=24, block_size=16, **extra) as llm:  # too few blocks: preempts
             results.append(_tokens(llm.generate(prompts, params, use_tqdm=False)))
             llm.check_integrity()
@@ -112,8 +146,9 @@ def test_preemption_and_heavy_rejection_leave_nothing_behind(all_checkpoints):
     assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"]
 
 
-def test_the_counters_are_on_the_metrics_page(all_checkpoints):
-    llm = LLM(str(all_checkpoints["qwen2_vl"]), num_kv_blocks=128, speculative_config=NGRAM)
+@pytest.mark.parametrize("method", METHODS)
+def test_the_counters_are_on_the_metrics_page(all_checkpoints, drafters, method):
+    llm = LLM(str(all_checkpoints["qwen2_vl"]), num_kv_blocks=128, speculative_config=_config(method, drafters))
     app = build_app(AsyncEngine(llm.engine), ServerConfig("tiny", MediaRules(llm.engine.config.media)))
     with TestClient(app) as client:
         reply = client.post("/v1/completions", json={"prompt": REPEATING[2], "max_tokens": 16, "temperature": 0,
@@ -128,16 +163,36 @@ def test_the_counters_are_on_the_metrics_page(all_checkpoints):
 
 
 @pytest.mark.parametrize(("config", "message"), [
-    ({"method": "draft_model", "num_speculative_tokens": 2}, "not supported by mmserve yet"),
+    ({"method": "mtp", "num_speculative_tokens": 2}, "roll a recurrent state back"),
+    ({"method": "eagle3", "num_speculative_tokens": 2, "model": "x"}, "not supported by mmserve yet"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "positive integer"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "<="),
-    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "key(s) model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "model is required with method 'draft_model'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "key(s) draft_tensor"),
     ({"method": "unknown", "num_speculative_tokens": 2}, "must be one of"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model is required"),
+    ({"model": "DRAFT", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "read by method 'ngram' only"),
+    ({"model": "/nonexistent/draft", "num_speculative_tokens": 2}, "cannot be loaded"),
+    ({"model": "GEMMA3", "num_speculative_tokens": 2}, "vocabulary of"),
+    ({"model": "OTHER_TOKENIZER", "num_speculative_tokens": 2}, "another tokenizer"),
 ])
-def test_invalid_configs_stop_start_up_naming_the_key(all_checkpoints, config, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        LLM(str(all_checkpoints["qwen2_vl"]), speculative_config=config)
+def test_invalid_configs_stop_start_up_naming_the_key(all_checkpoints, drafters, tmp_path, config, message):
+    target = all_checkpoints["qwen2_vl"]
+    if config.get("model") == "OTHER_TOKENIZER":  # the same vocabulary size, two tokens' ids swapped
+        other = truncated_copy(target, tmp_path / "other", 2)
+        tokenizer = json.loads((other / "tokenizer.json").read_text())
+        vocab = tokenizer["model"]["vocab"]
+        first, second = list(vocab)[10:12]
+        vocab[first], vocab[second] = vocab[second], vocab[first]
+        (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    places = {"DRAFT": drafters["qwen2_vl"][0], "GEMMA3": all_checkpoints["gemma3"],
+              "OTHER_TOKENIZER": tmp_path / "other"}
+    config = {**config, "model": str(places.get(config.get("model"), config.get("model")))} if "model" in config \
+        else config
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as raised:
+        LLM(str(target), speculative_config=config)
+    assert raised.value.key.startswith("speculative_config")
 
 
 def _chi_square_p(first: list, second: list, num_categories: int = 16) -> float:
@@ -170,10 +225,11 @@ def _sampled(model_dir, seed: int, **engine_args) -> list[tuple[int, ...]]:
     return answers
 
 
-def test_sampling_keeps_the_target_distribution_and_a_planted_bug_is_caught(all_checkpoints, monkeypatch):
+def test_sampling_keeps_the_target_distribution_and_a_planted_bug_is_caught(all_checkpoints, drafters, monkeypatch):
     model_dir = all_checkpoints["qwen2_vl"]
     off = _sampled(model_dir, 11)
     assert _chi_square_p(off, _sampled(model_dir, 12, speculative_config=NGRAM)) > 0.01
+    assert _chi_square_p(off, _sampled(model_dir, 13, speculative_config=_config("draft_model", drafters))) > 0.01
     # the bug: a rejected draft replaced by a draw from the whole target, the draft's own mass left in
     monkeypatch.setattr(speculation, "residual", lambda probs, draft: probs.clone())
     assert _chi_square_p(off, _sampled(model_dir, 12, speculative_config=NGRAM)) < 0.01

@@ -118,7 +118,10 @@ def test_one_lookup_bound_sets_both_and_who_speculates():
     assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2,
                                     "disable_by_batch_size": None}).disable_by_batch_size is None
     assert speculates(SamplingParams(temperature=0)) and speculates(SamplingParams(temperature=0.7, top_p=0.9))
-    for refused in (dict(temperature=0.7, seed=1), dict(temperature=0, logprobs=1), dict(temperature=0, min_tokens=2),
+    # a verification's rows give the raw distribution's logprobs, not the processed one's
+    assert speculates(SamplingParams(temperature=0, logprobs=2), "raw_logprobs")
+    assert not speculates(SamplingParams(temperature=0, logprobs=2), "processed_logprobs")
+    for refused in (dict(temperature=0.7, seed=1), dict(temperature=0, min_tokens=2),
                     dict(temperature=0, presence_penalty=0.5), dict(temperature=0, logit_bias={1: 2.0}),
                     dict(temperature=0, bad_words=["x"]), dict(temperature=0, allowed_token_ids=[1, 2])):
         assert not speculates(SamplingParams(**refused)), refused

@@ -1,12 +1,16 @@
-"""Draft tokens for speculative decoding, proposed by prompt lookup (n-gram), and their counters.
+"""Draft tokens for speculative decoding, proposed by prompt lookup (n-gram) or by a draft model in the
+runner, and their counters.
 
 Role: `DraftPolicy.drafts(request, num_running)`: for a decoding request that may speculate, the tokens that
 followed the latest earlier occurrence of its last n tokens (n from the largest lookup size down to the
-smallest, the longest match winning, as vLLM's n-gram proposer picks), at most `num_speculative_tokens`,
-never past its `max_tokens` or the context; none while `disable_by_batch_size` requests run, nor for a
-request whose acceptance collapsed (under 10% of its first 32 draft tokens or more). `settled` counts what
-a verification accepted, per request and in vLLM's spec_decode counters (per position too).
-What it does not know: tensors, how drafts are verified (the runner), sampling.
+smallest, the longest match winning, as vLLM's n-gram proposer picks) — or, with a draft model, what the
+runner proposed after the request's last step (`Request.proposed_drafts`) — at most
+`num_speculative_tokens`, never past its `max_tokens` or the context; none while `disable_by_batch_size`
+requests run, nor for a request whose acceptance collapsed (under 10% of its first 32 draft tokens or
+more). `lookahead`: with a draft model, how many drafts the runner should propose after a step that reaches
+the request's last token (the KV slots its drafter writes are reserved with the step's). `settled` counts
+what a verification accepted, per request and in vLLM's spec_decode counters (per position too).
+What it does not know: tensors, how drafts are proposed by a model or verified (the runner), sampling.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class DraftPolicy:
     lookup_max: int
     max_model_len: int
     disable_by_batch_size: int | None = None
+    proposed_by_runner: bool = False  # a draft model's proposals (else prompt lookup here)
     stats: DraftStats = field(default_factory=DraftStats)
 
     def __post_init__(self) -> None:
@@ -44,8 +49,8 @@ class DraftPolicy:
 
     def drafts(self, request: Request, num_running: int) -> tuple[int, ...]:
         """The tokens to verify after this request's next one (empty: it decodes one token)."""
-        if not request.speculate or (self.disable_by_batch_size is not None
-                                     and num_running >= self.disable_by_batch_size) or _collapsed(request):
+        proposed, request.proposed_drafts = request.proposed_drafts, ()  # a proposal serves one step at most
+        if not self._may_draft(request, num_running):
             return ()
         tokens = request.all_token_ids
         # the step computes the last known token plus the drafts; each draft it accepts becomes an output
@@ -54,7 +59,20 @@ class DraftPolicy:
                    self.max_model_len - len(tokens) - 1)
         if room <= 0:
             return ()
+        if self.proposed_by_runner:
+            return proposed[:room]
         return lookup(tokens, self.lookup_min, self.lookup_max, room)
+
+    def lookahead(self, request: Request, num_running: int) -> int:
+        """With a draft model, the drafts to propose after a step that reaches this request's last token
+        (0: none, also for prompt lookup, which proposes when the step is scheduled)."""
+        if not self.proposed_by_runner or not self._may_draft(request, num_running):
+            return 0
+        return self.num_speculative_tokens
+
+    def _may_draft(self, request: Request, num_running: int) -> bool:
+        return request.speculate and not _collapsed(request) and (self.disable_by_batch_size is None
+                                                                 or num_running < self.disable_by_batch_size)
 
     def settled(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         """A verification's outcome: the request's counts and the engine's."""

@@ -112,6 +112,7 @@ class Request:
     speculate: bool = False  # decoding, it may take draft tokens to verify (mmserve/speculative.py)
     num_draft_tokens: int = 0  # speculative decoding: drafts verified for it, and those accepted
     num_accepted_draft_tokens: int = 0
+    proposed_drafts: tuple[int, ...] = ()  # a draft model's proposal after its last step, for the next one
     num_mm_items: int = field(init=False)  # items with embedding rows (the media the prompt carries)
 
     def __post_init__(self) -> None:

@@ -162,20 +162,26 @@ class Scheduler(SchedulerViews, HandOffCalls):
             num_new = self.chunking.cut(request, start, start + min(request.num_tokens - start, budget)) - start
             drafts = () if self.drafter is None or request.num_tokens - start != 1 else \
                 self.drafter.drafts(request, len(self.running))[:budget - 1]
+            # a draft model proposes after a step that reaches the last token, writing its KV past it
+            lookahead = 0 if self.drafter is None or start + num_new != request.num_tokens else \
+                self.drafter.lookahead(request, len(self.running))
             num_new += len(drafts)  # a decode verifies its drafts in the same forward
             if num_new == 0:  # its next span does not fit what is left of the budget: next step
                 i += 1
                 continue
-            new_ids = self.kv.allocate_slots(request, num_new)
+            new_ids = self.kv.allocate_slots(request, num_new + lookahead)
             while new_ids is None:
                 victim = self.running.pop()
                 self._preempt(victim, plan)  # keeps its encoder references: it resumes first
                 if victim is request:
                     break
-                new_ids = self.kv.allocate_slots(request, num_new)
+                new_ids = self.kv.allocate_slots(request, num_new + lookahead)
             if new_ids is None:
                 break
-            num_new = self.items.plan_chunk(request, start, start + num_new, plan.encoder) - start
+            cut = self.items.plan_chunk(request, start, start + num_new, plan.encoder) - start
+            if lookahead and cut == num_new:  # not cut short by the encoder budget: it reaches its last token
+                plan.out.propose_drafts[request.request_id] = lookahead
+            num_new = cut
             # blocks allocated for a cut chunk are used by later chunks; the runner learns of them now
             plan.out.cached_requests.append(
                 CachedRequestData(request.request_id, tuple(new_ids), request.num_computed_tokens))
@@ -236,28 +242,32 @@ class Scheduler(SchedulerViews, HandOffCalls):
             num_new = self.chunking.cut(request, num_hit, num_hit + min(num_new, budget)) - num_hit
             if num_new == 0:
                 break
-            num_new, admitted = self._admit(request, hits, num_hit, num_new, plan)
+            reaches_end = num_hit + num_new == request.num_tokens  # a draft model proposes after the step
+            lookahead = self.drafter.lookahead(request, len(self.running) + 1) if self.drafter and reaches_end else 0
+            num_new, admitted = self._admit(request, hits, num_hit, num_new, plan, lookahead)
             if not admitted:
                 break
             del self.waiting[i]
             self.running.append(request)
             if num_new:  # 0: admitted to wait for an item its workers are encoding
+                if lookahead and num_hit + num_new == request.num_tokens:
+                    plan.out.propose_drafts[request.request_id] = lookahead
                 plan.out.num_scheduled_tokens[request.request_id] = num_new
                 self._plan_snapshot(request, num_hit, num_new, plan)
             plan.out.new_requests.append(self._new_request_data(request))
             budget -= num_new
 
     def _admit(self, request: Request, hits: list[KVBlock], num_hit: int, num_new: int,
-               plan: _StepPlan) -> tuple[int, bool]:
-        """Take KV blocks and encoder reservations; returns (tokens scheduled, admitted). Not admitted:
-        undone. Admitted with 0 tokens: its first uncomputed token is an item encoder workers are
-        encoding (it waits in running, holding its reservations)."""
+               plan: _StepPlan, lookahead: int = 0) -> tuple[int, bool]:
+        """Take KV blocks (`lookahead` slots more, for a draft model's drafts) and encoder reservations;
+        returns (tokens scheduled, admitted). Not admitted: undone. Admitted with 0 tokens: its first
+        uncomputed token is an item encoder workers are encoding (it waits in running, holding its reservations)."""
         request.num_computed_tokens = 0
         if self.states is not None and not self.states.slots.can_allocate():
             return 0, False
         if self.cross_kv is not None and not self.cross_kv.try_take(request):
             return 0, False
-        if self.kv.allocate_slots(request, num_new, hits) is None:
+        if self.kv.allocate_slots(request, num_new + lookahead, hits) is None:
             self._free_kv(request, blocks=False)
             return 0, False
         held = {k for k in self.encoder_cache.entries if self.encoder_cache.holds(request.request_id, k)}
@@ -324,6 +334,7 @@ class Scheduler(SchedulerViews, HandOffCalls):
             start = request.num_computed_tokens
             drafts = sched.spec_token_ids.get(rid, ())
             tokens = per_token(result.sampled_token_ids.get(rid))
+            request.proposed_drafts = result.draft_token_ids.get(rid, ())
             if drafts and rid not in result.failed:  # KV holds the last token and the accepted drafts only
                 num = len(tokens)
                 self.drafter.settled(request, len(drafts), len(tokens) - 1)

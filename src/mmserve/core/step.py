@@ -56,6 +56,9 @@ class SchedulerOutput:
     # speculative decoding: a decoding request's draft tokens, computed after its last known token this step
     # (its scheduled tokens are 1 + the drafts); the runner answers with the tokens the drafts verified
     spec_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # a draft model's: requests whose step reaches their last token -> how many drafts to propose after it
+    # (KV slots for them are reserved: the drafter writes its own cache there)
+    propose_drafts: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -90,6 +93,8 @@ class ModelRunnerOutput:
     skipped: set[str] = field(default_factory=set)
     # a pooling runner's requests whose prompt this step finished: their pooled vector (instead of a token)
     pooled: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    # a draft model's proposals (SchedulerOutput.propose_drafts), to verify in a later step
+    draft_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ from mmserve.core.kv_cache import KVCacheManager
 from mmserve.core.scheduler import Scheduler, SchedulerLimits
 from mmserve.core.state_slots import StateSlotLayout, StateSlotPool
 from mmserve.core.state_snapshots import HybridStates
+from mmserve.engine.drafter_loading import build_proposer, load_drafter
+from mmserve.engine.drafter_loading import kv_bytes_per_token as drafter_kv_bytes_per_token
 from mmserve.engine.frontend import Frontend
 from mmserve.engine.graph_settings import resolve_runner_graphs
 from mmserve.engine.sizing import (
@@ -89,7 +91,10 @@ def assemble(config: EngineConfig, faults: FaultPlan) -> EngineParts:
     frontend = Frontend(config, loaded.model.config)
     spec = frontend.spec
     fmt = kv_format(config.cache.kv_cache_dtype, loaded.dtype)
-    kv_bytes_per_token = PagedKVStorage.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, fmt)
+    drafter = load_drafter(config, spec, frontend.processor.tokenizer)  # speculative decoding's draft model
+    # a draft model's KV lives in the target's blocks (its own layers): each block holds both
+    kv_bytes_per_token = (PagedKVStorage.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, fmt)
+                          + drafter_kv_bytes_per_token(drafter, fmt))
     state_slots = None if spec.linear_state is None else resolve_state_slots(
         config.cache, LinearStateStorage.bytes_per_slot(spec.linear_state), config.scheduler.max_num_seqs,
         loaded.device)
@@ -118,7 +123,9 @@ def assemble(config: EngineConfig, faults: FaultPlan) -> EngineParts:
     pooler = None if pooling is None else StepPooler(loaded.model, pooling.pooling_type, frontend.classifier_token_ids)
     runner = ModelRunner(loaded.model, spec, PagedAttentionBackend(kv_storage, state=state), loaded.device,
                          encoder_pool, config.encoder.encoder_timeout_s, graphs.encoder,
-                         graphs.decode if pooler is None else None, faults, config.logprobs_mode, pooler)
+                         graphs.decode if pooler is None else None, faults, config.logprobs_mode, pooler,
+                         build_proposer(drafter, num_blocks + graphs.num_scratch_blocks, config.cache.block_size, fmt,
+                                        loaded.device))
     # bytes of one item row's cross-attention K/V (the model dtype), for a family that cross-attends
     cross_kv_bytes_per_row = 0 if spec.cross_attention is None else spec.cross_attention.bytes_per_row(
         torch.empty((), dtype=loaded.dtype).element_size())
@@ -155,7 +162,7 @@ def _drafter(config: EngineConfig, max_model_len: int) -> DraftPolicy | None:
     if spec is None or config.runner == "pooling":
         return None
     return DraftPolicy(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, max_model_len,
-                       spec.disable_by_batch_size)
+                       spec.disable_by_batch_size, proposed_by_runner=spec.method == "draft_model")
 
 
 def _start_encoder_pool(config: EngineConfig, faults: FaultPlan) -> EncoderPool:

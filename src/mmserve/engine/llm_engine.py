@@ -146,7 +146,7 @@ class Engine:
         request.hand_off = hand_off
         # drafts are verified greedily, and a hybrid model's recurrent state cannot take back a rejected one
         request.speculate = (self.config.speculative_config is not None and self.spec.linear_state is None
-                             and speculates(params))
+                             and speculates(params, self.config.logprobs_mode))
         self.output_processor.add(request, prompt.prompt, trace_parent)
         self.inputs.add(request, runner_prompt(prompt, request, self.spec.bidirectional_media, bad_words),
                         {i: it.payload for i, it in enumerate(prompt.items)})

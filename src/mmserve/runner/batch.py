@@ -21,7 +21,7 @@ from mmserve.runner.attention import DecodeGroup, PagedAttentionMetadata
 from mmserve.runner.cpu.attention_plan import CpuAttentionPlan, KernelTokenTables
 from mmserve.runner.fusion import ChunkPiece, gather_chunk_rows
 from mmserve.runner.speculation import DraftRows
-from mmserve.runner.state import RunnerRequest
+from mmserve.runner.state import PromptLogprobRows, RunnerRequest
 
 # A decode joins a length bucket while its block count is at least this share of the bucket's
 # longest: bounds the padded (wasted) keys per bucket to 1 - this share.
@@ -37,17 +37,6 @@ class Batch:
     sample_index: torch.Tensor  # (num_sampled,) rows of the batch whose logits are sampled
     sample_rows: list[RunnerRequest] = field(default_factory=list)
     prompt_logprob_rows: list[PromptLogprobRows] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class PromptLogprobRows:
-    """Rows of the batch whose logits give a request's prompt logprobs: batch rows [offset, offset + num)
-    are prompt positions [start, start + num), each predicting the prompt token after it."""
-
-    state: RunnerRequest
-    offset: int
-    start: int
-    num: int
 
 
 class BatchBuilder:

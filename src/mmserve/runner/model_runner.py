@@ -28,13 +28,14 @@ from types import MappingProxyType
 
 import torch
 
-from mmserve.core.step import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
+from mmserve.core.step import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from mmserve.faults import FaultPlan
 from mmserve.models.layers.attention import CrossAttentionInputs
 from mmserve.models.layers.cross_attention import CrossKV, step_inputs
 from mmserve.models.spec import FamilyModel, FamilySpec
 from mmserve.runner.attention import PagedAttentionBackend
-from mmserve.runner.batch import Batch, BatchBuilder, PromptLogprobRows
+from mmserve.runner.batch import Batch, BatchBuilder
+from mmserve.runner.draft_model import DraftModelProposer
 from mmserve.runner.encoder.async_dispatch import AsyncEncoder
 from mmserve.runner.encoder.pool import EncoderPool, ItemOutcome
 from mmserve.runner.encoder.runner import EncoderRunner, OutputShape
@@ -46,13 +47,12 @@ from mmserve.runner.graphs.encoder_graphs import (
     build_encoder_graphs,
     graphed_encode_fn,
 )
+from mmserve.runner.logprob_entries import prompt_logprobs, token_logprobs
 from mmserve.runner.pooler import StepPooler
-from mmserve.runner.sampler import SampledLogprobs, Sampler, make_generator, sampled_logprobs, to_device
+from mmserve.runner.sampler import Sampler, make_generator, sampled_logprobs
 from mmserve.runner.sampling_state import RequestSampling, SampledRow, needs_state, sampling_metadata
 from mmserve.runner.speculation import accept, verify
 from mmserve.runner.state import RunnerPrompt, RunnerRequest, StepInputs
-
-PROMPT_LOGPROB_ROWS = 64  # prompt rows whose logits are materialized at once (each a vocabulary wide)
 
 
 @dataclass
@@ -94,10 +94,12 @@ class ModelRunner:
                  device: torch.device, pool: EncoderPool | None = None, encoder_timeout_s: float = 30.0,
                  encoder_graphs: EncoderGraphSettings | None = None,
                  decode_graphs: DecodeGraphSettings | None = None, faults: FaultPlan | None = None,
-                 logprobs_mode: str = "raw_logprobs", pooler: StepPooler | None = None) -> None:
+                 logprobs_mode: str = "raw_logprobs", pooler: StepPooler | None = None,
+                 drafter: DraftModelProposer | None = None) -> None:
         """`logprobs_mode` (config.LOGPROBS_MODES): what sampled tokens' logprob entries report; `pooler`: a
-        pooling runner's (each finished prompt's vector instead of a sampled token)."""
-        self.pooler = pooler
+        pooling runner's (each finished prompt's vector instead of a sampled token); `drafter`: speculative
+        decoding's draft model (proposes after a step what the next one verifies)."""
+        self.pooler, self.drafter = pooler, drafter
         self.model = model
         self.spec = spec
         self.attention = attention
@@ -229,6 +231,9 @@ class ModelRunner:
         scheduled = {rid: n for rid, n in sched.num_scheduled_tokens.items() if rid not in result.skipped}
         if scheduled:
             self._forward(scheduled, plans, result, inputs.token_bitmasks, sched.spec_token_ids)
+        if sched.propose_drafts and self.drafter is not None:  # for the requests that got tokens this step
+            result.draft_token_ids = self.drafter.propose(self.requests, {
+                rid: k for rid, k in sched.propose_drafts.items() if rid in result.sampled_token_ids})
         for rid, snapshot_id in sched.state_snapshots.items():  # states at block boundaries, for prefix hits
             if rid in scheduled:
                 state = self.attention.state
@@ -299,10 +304,12 @@ class ModelRunner:
                 result.pooled = self.pooler.pool(hidden, [(self.requests[rid], n) for rid, n in scheduled.items()])
             else:
                 logits = self.model.compute_logits(hidden[batch.sample_index]) if batch.sample_rows else None
-                result.prompt_logprobs = self._prompt_logprobs(hidden, batch.prompt_logprob_rows)
-                for rid, tokens in verify(self.model, hidden, builder.draft_rows).items():
+                result.prompt_logprobs = prompt_logprobs(self.model, hidden, batch.prompt_logprob_rows)
+                verified = verify(self.model, hidden, builder.draft_rows, self.logprobs_normalized)
+                for rid, tokens in verified.tokens.items():
                     scheduled[rid] = accept(self.requests[rid], len(drafts[rid]), tokens)
                     result.sampled_token_ids[rid] = tokens
+                result.sampled_logprobs.update(verified.logprobs)
             self.last_step.forward_s = time.perf_counter() - forward_started  # a sampled step's sync resets it
         if builder.sample_rows and self.pooler is None:
             rows = builder.sample_rows
@@ -320,8 +327,8 @@ class ModelRunner:
                     state.sampling.record(token)
                 result.sampled_token_ids[state.request_id] = token
             if logprobs is not None:
-                result.sampled_logprobs = {rows[row].request_id: entry for row, entry in
-                                           zip(logprobs.rows, _token_logprobs(logprobs, meta.num_logprobs))}
+                result.sampled_logprobs.update({rows[row].request_id: entry for row, entry in
+                                                zip(logprobs.rows, token_logprobs(logprobs, meta.num_logprobs))})
         for rid, num in scheduled.items():
             self.requests[rid].num_computed_tokens += num
 
@@ -351,29 +358,6 @@ class ModelRunner:
         forward_started = time.perf_counter()
         return self.model(embeds, batch.positions, self.attention, batch.attn, extra), batch, forward_started
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, wanted: list[PromptLogprobRows]
-                         ) -> dict[str, tuple[int, tuple[TokenLogprobs, ...]]]:
-        """Each asking request's chunk rows, as logprobs of the prompt token after each row (the raw
-        distribution, float32), with its rank and the request's top k."""
-        out = {}
-        for rows in wanted:
-            state, k = rows.state, rows.state.sampling_params.prompt_logprobs
-            entries: list[TokenLogprobs] = []
-            # a few rows at a time: a whole chunk's (rows, vocab) logits would be far larger than a step's
-            for first in range(0, rows.num, PROMPT_LOGPROB_ROWS):
-                num = min(PROMPT_LOGPROB_ROWS, rows.num - first)
-                logits = self.model.compute_logits(hidden[rows.offset + first:rows.offset + first + num])
-                start = rows.start + first
-                ids = state.token_ids[start + 1:start + 1 + num]
-                vocab = logits.shape[1]
-                # a prompt token the head cannot produce (Llama 3.2 Vision's <|image|>, an embedding row past
-                # the logits): probability 0, ranked after every token the head scores
-                targets = to_device([t if t < vocab else 0 for t in ids], hidden.device)
-                entries += [e if t < vocab else replace(e, logprob=float("-inf"), rank=vocab + 1) for t, e in
-                            zip(ids, _token_logprobs(sampled_logprobs(logits, targets, [k] * num), [k] * num))]
-            out[state.request_id] = (rows.start, tuple(entries))
-        return out
-
     def _sampled_row(self, state: RunnerRequest, vocab_size: int, token_bitmask: torch.Tensor | None) -> SampledRow:
         params = state.sampling_params
         if state.sampling is None and needs_state(params):  # built on first use, also after a preemption
@@ -389,12 +373,3 @@ class ModelRunner:
             return None
         # seeded per (seed, output index): the same tokens whatever the batch, also after preemption
         return make_generator(seed * 1_000_003 + state.num_output_tokens, self.device)
-
-
-
-def _token_logprobs(logprobs: SampledLogprobs, num_logprobs: list[int | None]) -> list[TokenLogprobs]:
-    """The sampler's logprob tensors as plain values, one per row of `logprobs.rows` (each row's own top k)."""
-    values, ranks = logprobs.logprobs.tolist(), logprobs.ranks()
-    top_ids, top_values = logprobs.top_ids.tolist(), logprobs.top_logprobs.tolist()
-    return [TokenLogprobs(values[i], ranks[i], tuple(top_ids[i][:num_logprobs[row]]),
-                          tuple(top_values[i][:num_logprobs[row]])) for i, row in enumerate(logprobs.rows)]

@@ -9,19 +9,30 @@ Chen et al.) with the drafter's distribution a point mass on each draft: a draft
 probability of it, a rejected one is replaced by a draw from the target with the draft's mass removed
 (`residual`), and all accepted, one more token is drawn from the last row — so every emitted token has the
 target distribution (temperature, top-k, top-p, min-p as the sampler applies them).
-mmserve/speculative.py admits only requests whose logits nothing else changes.
+Requests that ask for logprobs get each emitted token's entry from its row's raw logits, as a decode step
+reports it (mmserve/speculative.py admits only raw logprob modes, and only requests whose logits nothing
+else changes).
 What it does not know: how drafts are proposed, scheduling, any family.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from mmserve.core.step import TokenLogprobs
 from mmserve.models.spec import FamilyModel
-from mmserve.runner.sampler import apply_min_p, apply_top_k, apply_top_p, greedy_argmax, to_device
+from mmserve.runner.logprob_entries import token_logprobs
+from mmserve.runner.sampler import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    greedy_argmax,
+    sampled_logprobs,
+    to_device,
+)
 from mmserve.runner.state import RunnerRequest
 from mmserve.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
@@ -36,20 +47,36 @@ class DraftRows:
     params: SamplingParams
 
 
-def verify(model: FamilyModel, hidden: torch.Tensor, wanted: Sequence[DraftRows]) -> dict[str, tuple[int, ...]]:
-    """Each request's emitted tokens: the drafts accepted, then one more token."""
+@dataclass
+class Verified:
+    """Each verified request's emitted tokens (the drafts accepted, then one more), and for those that asked,
+    each emitted token's logprob entry, as a decode step reports it."""
+
+    tokens: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    logprobs: dict[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
+
+
+def verify(model: FamilyModel, hidden: torch.Tensor, wanted: Sequence[DraftRows], normalize: bool = True) -> Verified:
+    """`normalize`: logprob entries are log-softmaxed logits (raw_logprobs), else the logits (raw_logits)."""
+    out = Verified()
     if not wanted:
-        return {}
+        return out
     index = [row for w in wanted for row in range(w.first_row, w.first_row + len(w.drafts) + 1)]
     logits = model.compute_logits(hidden[to_device(index, hidden.device)])  # (rows, vocab)
     best = greedy_argmax(logits).tolist()
-    out, position = {}, 0
+    position = 0
     for w in wanted:
         num = len(w.drafts) + 1
         if _greedy(w.params):
-            out[w.request_id] = _accept_greedy(best[position:position + num], w.drafts)
+            tokens = _accept_greedy(best[position:position + num], w.drafts)
         else:
-            out[w.request_id] = _accept_sampled(target_probs(logits[position:position + num], w.params), w.drafts)
+            tokens = _accept_sampled(target_probs(logits[position:position + num], w.params), w.drafts)
+        out.tokens[w.request_id] = tokens
+        k = w.params.logprobs
+        if k is not None:  # the rows before each emitted token give its distribution, as a decode's row does
+            rows = logits[position:position + len(tokens)]
+            entries = sampled_logprobs(rows, to_device(list(tokens), rows.device), [k] * len(tokens), normalize)
+            out.logprobs[w.request_id] = tuple(token_logprobs(entries, [k] * len(tokens)))
         position += num
     return out
 

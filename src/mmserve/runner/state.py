@@ -3,7 +3,8 @@
 Role: `RunnerPrompt` is what the runner needs of a prompt to compute it (positions, the embed mask and
 cumsum, the items' content keys and rows, stop tokens, bidirectional spans; no pixels: those come as
 `EncodeJob`s); `StepInputs` is what the engine sends with a step besides the scheduler's output;
-`RunnerRequest` is a request as the runner holds it between steps (its tokens, blocks and progress).
+`RunnerRequest` is a request as the runner holds it between steps (its tokens, blocks and progress);
+`PromptLogprobRows` are a step's batch rows that give a request's prompt logprobs.
 Shared by the model runner, which keeps them, and the batch builder, which reads them.
 
 What it does not know: scheduling, the model, devices.
@@ -68,6 +69,8 @@ class RunnerRequest:
     cross: CrossKV | None = None  # its cross-attention K/V, built at its first chunk (again after a preemption)
     state_slot: int | None = None  # a hybrid model's recurrent-state slot
     pooled: Any = None  # a pooling runner's partial vector (runner/pooler.py): MEAN's sum, CLS's first row
+    draft_computed: int = 0  # a draft model's: tokens whose KV its cache holds (runner/draft_model.py)
+    draft_fed: tuple[int, ...] = ()  # drafts it was fed after them, valid once verification keeps them
 
     @property
     def num_output_tokens(self) -> int:
@@ -80,3 +83,14 @@ class RunnerRequest:
     def position_columns(self, start: int, end: int) -> np.ndarray:
         """(num_position_rows, end - start) positions of tokens [start, end)."""
         return self.prompt.positions.columns(start, end, self.num_prompt_tokens)
+
+
+@dataclass(frozen=True)
+class PromptLogprobRows:
+    """Rows of the batch whose logits give a request's prompt logprobs: batch rows [offset, offset + num)
+    are prompt positions [start, start + num), each predicting the prompt token after it."""
+
+    state: RunnerRequest
+    offset: int
+    start: int
+    num: int
