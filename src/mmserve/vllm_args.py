@@ -38,6 +38,8 @@ class VllmArg:
     switch: bool = False  # a flag without a value (store_true in vLLM)
     accepted_values: tuple[str, ...] = ()  # ACCEPTED with a value: the ones that mean what mmserve does
     server_only: bool = False  # a `serve` flag, not an engine (LLM) argument
+    # a server flag an offline LLM(...) also takes, and drops: offline already does what it asks
+    dropped_offline: bool = False
     example: tuple[str, ...] = ()  # WORKS/ALIAS: a value the tests (and the docs) pass
     short: tuple[str, ...] = ()  # vLLM's short spellings (-tp)
 
@@ -183,7 +185,9 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     VllmArg("uvicorn_log_level", A, "what the server logs (mmserve's lines and uvicorn's)", target="log_level",
             server_only=True, example=("warning",)),
     VllmArg("disable_uvicorn_access_log", NO, "use --log-level warning", switch=True, server_only=True),
-    VllmArg("disable_log_stats", OK, "mmserve logs no periodic stats (they are at /metrics)", switch=True),
+    VllmArg("disable_log_stats", W, "no stats line every 10 s (throughput, requests running and waiting, KV cache "
+            "usage, prefix-cache hit rate; with speculative decoding the mean acceptance length); offline "
+            "LLM(...) takes it and logs none either way", switch=True, server_only=True, dropped_offline=True),
     VllmArg("disable_log_requests", OK, "mmserve logs no request contents", switch=True, server_only=True),
     VllmArg("enable_log_outputs", NO, "mmserve never logs outputs; trace requests with --otlp-traces-endpoint",
             switch=True, server_only=True),
@@ -258,6 +262,8 @@ def translate_engine_kwargs(kwargs: Mapping[str, Any], engine_names: set[str]) -
         row = BY_NAME.get(key)
         if key in engine_names or row is None:
             out[key] = value
+        elif row.server_only and row.dropped_offline:
+            continue
         elif row.server_only:
             raise InvalidInputError(f"{key} is a server flag ({row.flag} of `mmserve serve`), not an engine "
                                     "argument", param=key, setting=key)

@@ -99,6 +99,46 @@ def test_a_decode_step_with_drafts_counts_only_the_accepted_tokens():
     scheduler.check_integrity()
 
 
+def test_a_draft_models_proposals_are_asked_for_with_kv_reserved_and_used_once():
+    scheduler = _scheduler(DraftPolicy(3, 1, 3, max_model_len=128, proposed_by_runner=True))
+    request = _request([1, 2, 3, 4], max_tokens=20)
+    scheduler.add_request(request)
+    prefill = scheduler.schedule()
+    # the prompt's step reaches its last token: the runner proposes after it, into slots reserved now
+    assert prefill.propose_drafts == {"r": 3} and not prefill.spec_token_ids
+    assert len(scheduler.kv.req_blocks["r"]) == 2  # 4 tokens + the sampled one + 2 drafts fed to the drafter
+    scheduler.update(prefill, ModelRunnerOutput(sampled_token_ids={"r": 6}, draft_token_ids={"r": (7, 8, 9)}))
+    step = scheduler.schedule()
+    assert step.spec_token_ids == {"r": (7, 8, 9)} and step.num_scheduled_tokens == {"r": 4}
+    assert step.propose_drafts == {"r": 3} and len(scheduler.kv.req_blocks["r"]) == 3  # up to 4 kept + 3 ahead
+    scheduler.update(step, ModelRunnerOutput(sampled_token_ids={"r": (7, 5)}))  # no new proposal this time
+    assert request.proposed_drafts == ()
+    step = scheduler.schedule()
+    assert not step.spec_token_ids and step.num_scheduled_tokens == {"r": 1}  # a proposal serves one step
+    scheduler.finish_requests(["r"], request.status.FINISHED_ABORTED)
+    scheduler.check_integrity()
+    # prompt lookup proposes when scheduling: no lookahead; nor past the batch-size cutoff
+    assert DraftPolicy(3, 1, 3, 128).lookahead(_request([1, 2]), 1) == 0
+    assert DraftPolicy(3, 1, 3, 128, 2, proposed_by_runner=True).lookahead(_request([1, 2]), 2) == 0
+
+
+def test_the_drafters_progress_moves_past_a_fed_draft_only_once_it_is_kept():
+    from mmserve.runner.draft_model import _settle
+    from mmserve.runner.state import RunnerRequest
+
+    state = RunnerRequest("r", [1, 2, 3, 4], 2, None, SamplingParams(), [], 3, draft_computed=4, draft_fed=(5, 6))
+    state.token_ids += [5, 9]  # the first fed draft kept, the second replaced
+    _settle(state)
+    assert (state.draft_computed, state.draft_fed) == (5, ())  # 9 is fed next, at position 5
+    state = RunnerRequest("r", [1, 2, 3, 4, 5, 6, 7, 8], 2, None, SamplingParams(), [], 7, draft_computed=4,
+                          draft_fed=(5, 6))
+    _settle(state)  # every fed draft kept and more: the last known token is still fed again
+    assert state.draft_computed == 6
+    state = RunnerRequest("r", [1, 2, 3, 4, 5], 2, None, SamplingParams(), [], 4, draft_computed=4, draft_fed=(5, 6))
+    _settle(state)  # a step decoded one token without verifying the proposal: never past the last token
+    assert state.draft_computed == 4
+
+
 @pytest.mark.parametrize(("value", "message"), [
     ('{"method": "ngram", "num_speculative_tokens": 2, "extra": 1}', "key(s) extra"),
     ({"method": "mtp", "num_speculative_tokens": 1}, "not supported by mmserve yet"),

@@ -265,6 +265,9 @@ def _add_http_flags(http: argparse._ArgumentGroup) -> None:
     add_response_store_args(http, int_or_size)
     http.add_argument("--enable-server-load-tracking", action="store_true",
                       help="count the generation requests in flight: GET /load answers {\"server_load\": N}")
+    http.add_argument("--disable-log-stats", action="store_true",
+                      help="no stats line every 10 s (throughput, running and waiting requests, KV cache usage, "
+                           "prefix-cache hit rate; with speculative decoding the mean acceptance length)")
     http.add_argument("--root-path", default="", metavar="PATH",
                       help="the path prefix a proxy serves the API under, e.g. /llm: every route answers with "
                            "and without it (/llm/v1/models and /v1/models; default: none)")

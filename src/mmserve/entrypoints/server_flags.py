@@ -38,6 +38,7 @@ def build_server_config(args: argparse.Namespace, model: str, client: EngineClie
     """The server's own settings (a `ServerConfig`) from its flags."""
     from mmserve.entrypoints.openai.media import MediaRules
     from mmserve.entrypoints.openai.serving import ServerConfig
+    from mmserve.entrypoints.openai.stats_log import LOG_INTERVAL_S
 
     names = args.served_model_name or [args.model or args.model_flag or DEMO_MODEL_NAME]
     name = names[0]
@@ -55,7 +56,8 @@ def build_server_config(args: argparse.Namespace, model: str, client: EngineClie
                         server_load_tracking=args.enable_server_load_tracking,
                         cors=cors_policy(args), tls=tls_files(args),
                         tool_call_parser=args.tool_call_parser, response_store_bytes=args.response_store_bytes,
-                        response_store_age_s=args.response_store_max_age)
+                        response_store_age_s=args.response_store_max_age,
+                        log_stats_interval_s=None if args.disable_log_stats else LOG_INTERVAL_S)
 
 
 def cors_policy(args: argparse.Namespace) -> Any:

@@ -17,6 +17,7 @@ serving.py), media (media.py), or whether one engine or many are behind the `Eng
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import hmac
 import logging
@@ -48,6 +49,7 @@ from mmserve.entrypoints.openai.protocol import RequestError
 from mmserve.entrypoints.openai.responses import responses_router
 from mmserve.entrypoints.openai.responses_store import ResponseStore
 from mmserve.entrypoints.openai.serving import OpenAIServing, ServerConfig
+from mmserve.entrypoints.openai.stats_log import log_stats_every
 from mmserve.entrypoints.openai.tokens import tokens_router
 from mmserve.entrypoints.openai.trace_middleware import TraceMiddleware
 from mmserve.entrypoints.openai.web_ui import web_ui_router
@@ -104,9 +106,13 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         client.start()
+        interval = config.log_stats_interval_s
+        stats_task = None if not interval else asyncio.create_task(log_stats_every(client.stats, interval, asyncio.sleep))
         try:
             yield
         finally:
+            if stats_task is not None:
+                stats_task.cancel()
             client.shutdown()
 
     app = FastAPI(title="mmserve", summary="OpenAI-compatible server for vision-language models",

@@ -75,6 +75,7 @@ class ServerConfig:
     response_store_bytes: int = DEFAULT_MAX_BYTES
     response_store_age_s: float = DEFAULT_MAX_AGE_S
     response_chain_depth: int = DEFAULT_MAX_CHAIN_DEPTH
+    log_stats_interval_s: float | None = None  # the periodic stats lines (stats_log.py); None: none (the CLI: 10 s)
 
 
 @dataclass(frozen=True)
