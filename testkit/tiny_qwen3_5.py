@@ -70,8 +70,8 @@ def build_qwen3_5_checkpoint(out_dir: Path, seed: int = 0, layer_types: tuple[st
     if mtp or fused_experts:
         weights = load_file(out_dir / "model.safetensors")
         if mtp:  # a hub checkpoint's MTP head, which transformers' model does not hold
-            weights["mtp.fc.weight"] = torch.randn(64, 128)
-            weights["mtp.layers.0.input_layernorm.weight"] = torch.zeros(64)
+            weights |= mtp_head(model.config.text_config, seed) if not moe else {
+                "mtp.fc.weight": torch.randn(64, 128), "mtp.layers.0.input_layernorm.weight": torch.zeros(64)}
         if fused_experts:
             weights = fuse_experts(weights)
         save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
@@ -88,3 +88,20 @@ def _write_hub_pretokenizer(out_dir: Path) -> None:
 
     AutoTokenizer.from_pretrained(out_dir).backend_tokenizer.save(str(out_dir / "tokenizer.json"))
 
+
+def mtp_head(text_config, seed: int) -> dict:
+    """A dense Qwen3.5 checkpoint's multi-token-prediction head as the hub stores it: `mtp.fc` (hidden x 2 hidden),
+    one full-attention decoder layer `mtp.layers.0.*`, and its three norms, random."""
+    import torch
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
+
+    full = text_config.layer_types.index("full_attention")
+    layer = Qwen3_5DecoderLayer(text_config, full)
+    _randomize(layer, seed + 1)
+    hidden = text_config.hidden_size
+    generator = torch.Generator().manual_seed(seed + 2)
+    head = {f"mtp.layers.0.{name}": tensor.detach().clone() for name, tensor in layer.state_dict().items()}
+    head["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=generator) * (2 * hidden) ** -0.5
+    for norm in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
+        head[f"mtp.{norm}.weight"] = torch.randn(hidden, generator=generator) * 0.1
+    return head

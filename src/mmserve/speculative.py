@@ -20,11 +20,9 @@ from typing import Any
 from mmserve.errors import ConfigError
 from mmserve.sampling_params import SamplingParams
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "mtp")
 # vLLM's other methods, and why mmserve refuses each
 LATER_METHODS = {
-    "mtp": "the MTP heads ship with Qwen3.5, a hybrid family, and mmserve does not yet roll a recurrent state back "
-           "past rejected drafts",
     "eagle": "EAGLE drafters are not loaded by mmserve yet", "eagle3": "EAGLE-3 drafters are not loaded by mmserve yet",
     "medusa": "Medusa heads are not loaded by mmserve yet", "suffix": "suffix decoding is not built into mmserve yet",
 }
@@ -42,7 +40,8 @@ class SpeculativeConfig:
     """n-gram (prompt lookup) speculation: each decoding request's last n tokens (n from
     `prompt_lookup_max` down to `prompt_lookup_min`) are looked up in its earlier tokens, and the
     `num_speculative_tokens` that followed the latest match are verified in one forward. draft_model: a
-    smaller checkpoint (`model`, with the target's vocabulary) proposes them greedily."""
+    smaller checkpoint (`model`, with the target's vocabulary) proposes them greedily; mtp: the target
+    checkpoint's own multi-token-prediction head does (Qwen3.5's `mtp.*`)."""
 
     num_speculative_tokens: int
     method: str = "ngram"
@@ -84,7 +83,7 @@ class SpeculativeConfig:
         method = value.get("method", "draft_model" if value.get("model") is not None else None)
         if method in LATER_METHODS:
             raise ConfigError(f"speculative_config.method={method!r} is not supported by mmserve yet: "
-                              f"{LATER_METHODS[method]}; it speculates with {' or '.join(METHODS)}",
+                              f"{LATER_METHODS[method]}; it speculates with {', '.join(METHODS)}",
                               key="speculative_config.method")
         if method not in METHODS:
             raise ConfigError(f"speculative_config.method must be one of {', '.join(METHODS)}, got {method!r}",

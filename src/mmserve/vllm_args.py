@@ -131,8 +131,9 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     VllmArg("compilation_config", NO, "use --enforce-eager, --compile-cpu-decode or the CUDA-graph flags",
             short=("-O",)),
     VllmArg("speculative_config", W, "method ngram (num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, "
-            "disable_by_batch_size) or draft_model (model, num_speculative_tokens, disable_by_batch_size): greedy "
-            "and sampled requests verify the drafts; mtp, eagle, eagle3, medusa and suffix are refused",
+            "disable_by_batch_size), draft_model (model, num_speculative_tokens, disable_by_batch_size) or mtp "
+            "(Qwen3.5's head): greedy and sampled requests verify the drafts; eagle, eagle3, medusa and suffix "
+            "are refused",
             example=('{"method": "ngram", "num_speculative_tokens": 3}',)),
     VllmArg("task", OK, "mmserve generates text", accepted_values=("auto", "generate")),
     VllmArg("runner", W, "generate, or pooling: embeddings and reranker scores (/v1/embeddings, /v1/score, "

@@ -163,7 +163,7 @@ def test_the_counters_are_on_the_metrics_page(all_checkpoints, drafters, method)
 
 
 @pytest.mark.parametrize(("config", "message"), [
-    ({"method": "mtp", "num_speculative_tokens": 2}, "roll a recurrent state back"),
+    ({"method": "mtp", "num_speculative_tokens": 2}, "has no multi-token-prediction head"),
     ({"method": "eagle3", "num_speculative_tokens": 2, "model": "x"}, "not supported by mmserve yet"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "positive integer"),
@@ -193,6 +193,13 @@ def test_invalid_configs_stop_start_up_naming_the_key(all_checkpoints, drafters,
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as raised:
         LLM(str(target), speculative_config=config)
     assert raised.value.key.startswith("speculative_config")
+
+
+def test_mtp_on_a_checkpoint_without_a_complete_head_stops_start_up(all_checkpoints):
+    # the tiny Qwen3.5-MoE checkpoint carries two stray mtp.* tensors, not a head
+    with pytest.raises(ConfigError, match="no complete multi-token-prediction head") as raised:
+        LLM(str(all_checkpoints["qwen3_5_moe"]), speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert raised.value.key == "speculative_config.method"
 
 
 def _chi_square_p(first: list, second: list, num_categories: int = 16) -> float:

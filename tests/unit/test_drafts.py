@@ -141,7 +141,8 @@ def test_the_drafters_progress_moves_past_a_fed_draft_only_once_it_is_kept():
 
 @pytest.mark.parametrize(("value", "message"), [
     ('{"method": "ngram", "num_speculative_tokens": 2, "extra": 1}', "key(s) extra"),
-    ({"method": "mtp", "num_speculative_tokens": 1}, "not supported by mmserve yet"),
+    ({"method": "eagle", "num_speculative_tokens": 1, "model": "x"}, "not supported by mmserve yet"),
+    ({"method": "mtp", "num_speculative_tokens": 1, "prompt_lookup_max": 2}, "read by method 'ngram' only"),
     ({"method": "ngram", "num_speculative_tokens": True}, "positive integer"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "positive integer"),
     ("[1]", "JSON object"),

@@ -189,7 +189,8 @@ class Scheduler(SchedulerViews, HandOffCalls):
                 plan.out.spec_token_ids[request.request_id] = drafts
             if num_new > 0:
                 plan.out.num_scheduled_tokens[request.request_id] = num_new
-                self._plan_snapshot(request, start, num_new, plan)
+                # where a verification's state ends depends on what it accepts: no snapshot then
+                self._plan_snapshot(request, start, 0 if drafts else num_new, plan)
                 budget -= num_new
             i += 1
         return budget

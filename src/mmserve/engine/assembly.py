@@ -123,9 +123,11 @@ def assemble(config: EngineConfig, faults: FaultPlan) -> EngineParts:
     pooler = None if pooling is None else StepPooler(loaded.model, pooling.pooling_type, frontend.classifier_token_ids)
     runner = ModelRunner(loaded.model, spec, PagedAttentionBackend(kv_storage, state=state), loaded.device,
                          encoder_pool, config.encoder.encoder_timeout_s, graphs.encoder,
-                         graphs.decode if pooler is None else None, faults, config.logprobs_mode, pooler,
-                         build_proposer(drafter, num_blocks + graphs.num_scratch_blocks, config.cache.block_size, fmt,
-                                        loaded.device))
+                         # a captured decode step returns logits only, and an MTP head reads hidden states
+                         graphs.decode if pooler is None and not (drafter and drafter.mtp) else None, faults,
+                         config.logprobs_mode, pooler,
+                         build_proposer(drafter, loaded.model, num_blocks + graphs.num_scratch_blocks,
+                                        config.cache.block_size, fmt, loaded.device))
     # bytes of one item row's cross-attention K/V (the model dtype), for a family that cross-attends
     cross_kv_bytes_per_row = 0 if spec.cross_attention is None else spec.cross_attention.bytes_per_row(
         torch.empty((), dtype=loaded.dtype).element_size())
@@ -162,7 +164,7 @@ def _drafter(config: EngineConfig, max_model_len: int) -> DraftPolicy | None:
     if spec is None or config.runner == "pooling":
         return None
     return DraftPolicy(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, max_model_len,
-                       spec.disable_by_batch_size, proposed_by_runner=spec.method == "draft_model")
+                       spec.disable_by_batch_size, proposed_by_runner=spec.method != "ngram")
 
 
 def _start_encoder_pool(config: EngineConfig, faults: FaultPlan) -> EncoderPool:

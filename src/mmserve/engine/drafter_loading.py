@@ -1,6 +1,8 @@
-"""Speculative decoding's draft model, loaded and checked against the target at start-up.
+"""Speculative decoding's drafter — a draft model or the target's MTP head — loaded and checked at start-up.
 
-Role: `load_drafter(config, target_spec, target_tokenizer)`: for `speculative_config.method == "draft_model"`,
+Role: `load_drafter(config, target_spec, target_tokenizer)`: for method "mtp", the target checkpoint's
+multi-token-prediction head (its family's `mtp_class`, the `mtp.*` tensors), or a `ConfigError` naming
+`speculative_config.method` when the family or the checkpoint has none; for `draft_model`,
 the drafter's checkpoint (a directory or a hub id, found as the target's is), its weights in the target's
 dtype on the target's device, and its spec — or a `ConfigError` naming `speculative_config.model` when it
 cannot draft for this target: no checkpoint there, an architecture mmserve does not load, another
@@ -13,7 +15,7 @@ runner/speculation.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,28 +24,37 @@ import torch
 from mmserve.config import EngineConfig
 from mmserve.errors import ConfigError, ModelLoadError
 from mmserve.hub import checkpoint_dir
-from mmserve.models.loader import load_model, read_config
+from mmserve.models.loader import iter_tensors, load_model, parse_dtype, read_config, safetensors_files
+from mmserve.models.prequantized import read_quantization
 from mmserve.models.registry import resolve
 from mmserve.models.spec import FamilyModel, FamilySpec
 from mmserve.runner.attention import PagedAttentionBackend
 from mmserve.runner.cpu.layout import prepare_for_cpu
 from mmserve.runner.draft_model import DraftModelProposer
 from mmserve.runner.kv_storage import PagedKVStorage
+from mmserve.runner.mtp import MtpProposer
 
 KEY = "speculative_config.model"
 
 
 @dataclass(frozen=True)
 class Drafter:
-    model: FamilyModel
+    """A draft model (its own spec: layers, heads), or an MTP head (`mtp`: one layer of the target's shape)."""
+
+    model: FamilyModel | torch.nn.Module
     spec: FamilySpec
     path: Path
+    mtp: bool = False
 
 
 def load_drafter(config: EngineConfig, target: FamilySpec, target_tokenizer: Any) -> Drafter | None:
     """The draft model of `config.speculative_config` (None: no draft model; a pooling engine decodes nothing)."""
     speculative = config.speculative_config
-    if speculative is None or speculative.method != "draft_model" or config.runner == "pooling":
+    if speculative is None or config.runner == "pooling":
+        return None
+    if speculative.method == "mtp":
+        return _load_mtp_head(config, target)
+    if speculative.method != "draft_model":
         return None
     try:
         path = checkpoint_dir(speculative.model)
@@ -80,6 +91,28 @@ def _check_fits(spec: FamilySpec, target: FamilySpec, tokenizer: Any, target_tok
                           key=KEY)
 
 
+def _load_mtp_head(config: EngineConfig, target: FamilySpec) -> Drafter:
+    """The target checkpoint's MTP head, or ConfigError naming speculative_config.method when it has none."""
+    path = Path(config.model)
+    raw = read_config(path)
+    family = resolve(raw)
+    key = "speculative_config.method"
+    if family.mtp_class is None:
+        raise ConfigError(f"speculative_config.method='mtp': a {target.name} checkpoint has no multi-token-"
+                          "prediction head (Qwen3.5's checkpoints ship one); use ngram or draft_model", key=key)
+    head = family.mtp_class(family.parse_config(raw))
+    dtype = parse_dtype(config.dtype)
+    for param in head.parameters():
+        param.data = param.data.to(dtype)
+    loaded, _ = head.load_weights(iter_tensors(safetensors_files(path), dtype, read_quantization(raw)))
+    missing = sorted(head.expected_weight_names() - loaded)
+    if missing:
+        raise ConfigError(f"speculative_config.method='mtp': {path} has no complete multi-token-prediction head "
+                          f"(mtp.{missing[0].split('#')[0]} and {len(missing) - 1} more missing)", key=key)
+    one_layer = replace(target, num_layers=1)  # its KV: one full-attention layer of the target's shape
+    return Drafter(head.to(config.device).eval(), one_layer, path, mtp=True)
+
+
 def kv_bytes_per_token(drafter: Drafter | None, fmt: Any) -> int:
     """The drafter's KV bytes per token (0: none), as the target's blocks hold them."""
     if drafter is None:
@@ -88,11 +121,13 @@ def kv_bytes_per_token(drafter: Drafter | None, fmt: Any) -> int:
     return PagedKVStorage.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, fmt)
 
 
-def build_proposer(drafter: Drafter | None, num_blocks: int, block_size: int, fmt: Any,
-                   device: torch.device) -> DraftModelProposer | None:
+def build_proposer(drafter: Drafter | None, target: FamilyModel, num_blocks: int, block_size: int, fmt: Any,
+                   device: torch.device) -> DraftModelProposer | MtpProposer | None:
     """The runner's proposer: the drafter with a KV cache of `num_blocks` blocks (the target's count)."""
     if drafter is None:
         return None
     spec = drafter.spec
     storage = PagedKVStorage(spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, fmt, device)
+    if drafter.mtp:
+        return MtpProposer(drafter.model, target, PagedAttentionBackend(storage), device)
     return DraftModelProposer(drafter.model, PagedAttentionBackend(storage), device)

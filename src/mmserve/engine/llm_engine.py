@@ -144,9 +144,7 @@ class Engine:
         request = new_request(request_id, prompt, params, self.eos_token_ids, arrival_time,
                               self.cross_kv_bytes_per_row, prefill_after)
         request.hand_off = hand_off
-        # drafts are verified greedily, and a hybrid model's recurrent state cannot take back a rejected one
-        request.speculate = (self.config.speculative_config is not None and self.spec.linear_state is None
-                             and speculates(params, self.config.logprobs_mode))
+        request.speculate = self.config.speculative_config is not None and speculates(params, self.config.logprobs_mode)
         self.output_processor.add(request, prompt.prompt, trace_parent)
         self.inputs.add(request, runner_prompt(prompt, request, self.spec.bidirectional_media, bad_words),
                         {i: it.payload for i, it in enumerate(prompt.items)})

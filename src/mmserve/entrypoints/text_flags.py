@@ -52,7 +52,7 @@ def add_text_flags(top: argparse._ArgumentGroup) -> None:
     top.add_argument("--speculative-config", default=argparse.SUPPRESS, type=_json_object, metavar="JSON",
                      help="speculative decoding as vLLM spells it: '{\"method\": \"ngram\", "
                           "\"num_speculative_tokens\": 3}' (prompt lookup) or '{\"method\": \"draft_model\", "
-                          "\"model\": DIR, \"num_speculative_tokens\": 3}' (default: none)")
+                          "\"model\": DIR, \"num_speculative_tokens\": 3}' or method mtp (Qwen3.5's head) (default: none)")
     top.add_argument("--generation-config", default=argparse.SUPPRESS, metavar="auto|vllm|FOLDER",
                      help="sampling defaults for what a request leaves unset (temperature, top_p, top_k, min_p, "
                           "repetition_penalty, max_new_tokens as max_tokens): auto, the checkpoint's "

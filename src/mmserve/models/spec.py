@@ -183,3 +183,6 @@ class ModelFamily:
     model_class: Callable[[Any], torch.nn.Module]  # typed config -> FamilyModel
     processor_class: Callable[[Path, Any, MediaLimits], FamilyProcessor]  # (model dir, config, limits)
     build_spec: Callable[[Any, Any, MediaLimits], FamilySpec]  # (config, processor, limits)
+    # typed config -> the checkpoint's multi-token-prediction head (`MtpHead`), for speculative decoding's
+    # method "mtp" (None: the family ships none)
+    mtp_class: Callable[[Any], torch.nn.Module] | None = None

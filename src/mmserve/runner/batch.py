@@ -103,7 +103,8 @@ class BatchBuilder:
             self.fusion.append((rows, piece.token_positions + offset))
         if num_drafts:  # its last known token's row and each draft's give the greedy token after it
             self.draft_rows.append(DraftRows(state.request_id, offset + num - 1 - num_drafts,
-                                             tuple(state.token_ids[end - num_drafts:end]), state.sampling_params))
+                                             tuple(state.token_ids[end - num_drafts:end]), state.sampling_params,
+                                             row, state.state_slot))
         elif end == len(state.token_ids):  # the chunk reaches the last known token: sample the next
             self.sample_index.append(offset + num - 1)
             self.sample_rows.append(state)
@@ -156,6 +157,7 @@ class BatchBuilder:
             kernel_tokens=None if self.kernel_tokens is None else self.kernel_tokens.build(),
             state_slots=self.state_slots,
             state_slot_index=dev(np.asarray(self.state_slots, dtype=np.int64)) if self.state_slots else None,
+            record_states=frozenset(d.sequence for d in self.draft_rows if d.state_slot is not None),
         )
         fusion = [(rows, dev(positions)) for rows, positions in self.fusion]
         return Batch(dev(np.concatenate(self.ids)), dev(np.concatenate(self.pos, axis=1)), attn, fusion,

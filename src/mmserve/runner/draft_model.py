@@ -30,6 +30,8 @@ DRAFT_PARAMS = SamplingParams(temperature=0.0)  # what a drafter's view of a req
 
 
 class DraftModelProposer:
+    reads_hidden = False  # it reads tokens only, not the target's hidden states
+
     def __init__(self, model: FamilyModel, attention: PagedAttentionBackend, device: torch.device) -> None:
         self.model = model
         self.attention = attention
@@ -37,8 +39,9 @@ class DraftModelProposer:
         self.num_forwards = 0  # the drafter's batched forwards over its life
 
     @torch.inference_mode()
-    def propose(self, requests: Mapping[str, RunnerRequest], wanted: Mapping[str, int]) -> dict[str, tuple[int, ...]]:
-        """Each wanted request's `wanted[rid]` greedy drafts after its last known token."""
+    def propose(self, requests: Mapping[str, RunnerRequest], wanted: Mapping[str, int],
+                step: object = None) -> dict[str, tuple[int, ...]]:
+        """Each wanted request's `wanted[rid]` greedy drafts after its last known token (`step`: unused)."""
         states = [requests[rid] for rid in wanted if rid in requests]
         if not states:
             return {}
@@ -46,7 +49,7 @@ class DraftModelProposer:
             _settle(state)
         builder = self._builder()
         for state in states:  # everything the drafter has not computed, up to the last known token
-            builder.add(_view(state, state.draft_computed, state.token_ids), len(state.token_ids) - state.draft_computed,
+            builder.add(drafter_view(state, state.draft_computed, state.token_ids), len(state.token_ids) - state.draft_computed,
                         [], {})
             state.draft_computed = len(state.token_ids)
         drafts = {state.request_id: [token] for state, token in zip(states, self._greedy(builder))}
@@ -57,7 +60,7 @@ class DraftModelProposer:
             builder = self._builder()
             for state in active:  # the last draft, fed at the position after the one it was drafted from
                 tokens = state.token_ids + drafts[state.request_id]
-                builder.add(_view(state, len(tokens) - 1, tokens), 1, [], {})
+                builder.add(drafter_view(state, len(tokens) - 1, tokens), 1, [], {})
             for state, token in zip(active, self._greedy(builder)):
                 drafts[state.request_id].append(token)
         for state in states:  # fed to the drafter: valid in its cache once verification keeps them
@@ -87,8 +90,9 @@ def _settle(state: RunnerRequest) -> None:
     state.draft_fed = ()
 
 
-def _view(state: RunnerRequest, start: int, tokens: list[int]) -> RunnerRequest:
-    """The request as the drafter computes it: its tokens from `start`, text only, causal, plain sampling."""
+def drafter_view(state: RunnerRequest, start: int, tokens: list[int]) -> RunnerRequest:
+    """The request as a drafter computes it (a draft model, an MTP head): `tokens` from `start`, text only,
+    causal, plain sampling, at the request's positions and blocks."""
     prompt = replace(state.prompt, attention_spans=(), cross_spans=(), bad_words_token_ids=())
     return replace(state, token_ids=tokens, num_computed_tokens=start, prompt=prompt, sampling_params=DRAFT_PARAMS,
                    mm=None, sampling=None, cross=None, state_slot=None, pooled=None)

@@ -21,6 +21,7 @@ What it does not know: scheduling policy, budgets, text, any family (the model i
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -48,10 +49,11 @@ from mmserve.runner.graphs.encoder_graphs import (
     graphed_encode_fn,
 )
 from mmserve.runner.logprob_entries import prompt_logprobs, token_logprobs
+from mmserve.runner.mtp import MtpProposer, StepHidden
 from mmserve.runner.pooler import StepPooler
 from mmserve.runner.sampler import Sampler, make_generator, sampled_logprobs
 from mmserve.runner.sampling_state import RequestSampling, SampledRow, needs_state, sampling_metadata
-from mmserve.runner.speculation import accept, verify
+from mmserve.runner.speculation import accept, roll_back_states, verify
 from mmserve.runner.state import RunnerPrompt, RunnerRequest, StepInputs
 
 
@@ -95,11 +97,12 @@ class ModelRunner:
                  encoder_graphs: EncoderGraphSettings | None = None,
                  decode_graphs: DecodeGraphSettings | None = None, faults: FaultPlan | None = None,
                  logprobs_mode: str = "raw_logprobs", pooler: StepPooler | None = None,
-                 drafter: DraftModelProposer | None = None) -> None:
+                 drafter: DraftModelProposer | MtpProposer | None = None) -> None:
         """`logprobs_mode` (config.LOGPROBS_MODES): what sampled tokens' logprob entries report; `pooler`: a
         pooling runner's (each finished prompt's vector instead of a sampled token); `drafter`: speculative
         decoding's draft model (proposes after a step what the next one verifies)."""
         self.pooler, self.drafter = pooler, drafter
+        self._step_hidden: StepHidden | None = None  # the last step's hidden states, for an MTP drafter
         self.model = model
         self.spec = spec
         self.attention = attention
@@ -231,9 +234,12 @@ class ModelRunner:
         scheduled = {rid: n for rid, n in sched.num_scheduled_tokens.items() if rid not in result.skipped}
         if scheduled:
             self._forward(scheduled, plans, result, inputs.token_bitmasks, sched.spec_token_ids)
-        if sched.propose_drafts and self.drafter is not None:  # for the requests that got tokens this step
-            result.draft_token_ids = self.drafter.propose(self.requests, {
-                rid: k for rid, k in sched.propose_drafts.items() if rid in result.sampled_token_ids})
+        drafter = self.drafter
+        if drafter is not None and (sched.propose_drafts or drafter.reads_hidden):  # for those that got tokens
+            result.draft_token_ids = drafter.propose(self.requests, {
+                rid: k for rid, k in sched.propose_drafts.items() if rid in result.sampled_token_ids},
+                self._step_hidden)
+        self._step_hidden = None
         for rid, snapshot_id in sched.state_snapshots.items():  # states at block boundaries, for prefix hits
             if rid in scheduled:
                 state = self.attention.state
@@ -306,10 +312,16 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[batch.sample_index]) if batch.sample_rows else None
                 result.prompt_logprobs = prompt_logprobs(self.model, hidden, batch.prompt_logprob_rows)
                 verified = verify(self.model, hidden, builder.draft_rows, self.logprobs_normalized)
-                for rid, tokens in verified.tokens.items():
+                for rows in builder.draft_rows:
+                    rid, tokens = rows.request_id, verified.tokens[rows.request_id]
                     scheduled[rid] = accept(self.requests[rid], len(drafts[rid]), tokens)
+                    roll_back_states(self.attention.state, batch.attn.recorded_states, rows, scheduled[rid])
                     result.sampled_token_ids[rid] = tokens
                 result.sampled_logprobs.update(verified.logprobs)
+                if self.drafter is not None and self.drafter.reads_hidden:  # an MTP head reads the kept rows
+                    firsts = itertools.accumulate(builder.query_lens[:-1], initial=0)
+                    self._step_hidden = StepHidden(hidden, {rid: (first, scheduled[rid])
+                                                            for rid, first in zip(scheduled, firsts)})
             self.last_step.forward_s = time.perf_counter() - forward_started  # a sampled step's sync resets it
         if builder.sample_rows and self.pooler is None:
             rows = builder.sample_rows

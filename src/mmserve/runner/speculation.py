@@ -12,12 +12,14 @@ target distribution (temperature, top-k, top-p, min-p as the sampler applies the
 Requests that ask for logprobs get each emitted token's entry from its row's raw logits, as a decode step
 reports it (mmserve/speculative.py admits only raw logprob modes, and only requests whose logits nothing
 else changes).
+On a hybrid model the verification's linear-attention layers record the recurrent state after each token;
+`roll_back_states` puts back the one after the last kept token, so a rejected draft leaves no state behind.
 What it does not know: how drafts are proposed, scheduling, any family.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +36,7 @@ from mmserve.runner.sampler import (
     to_device,
 )
 from mmserve.runner.state import RunnerRequest
+from mmserve.runner.state_storage import LinearStateStorage
 from mmserve.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
 
@@ -45,6 +48,8 @@ class DraftRows:
     first_row: int
     drafts: tuple[int, ...]
     params: SamplingParams
+    sequence: int = 0  # its index among the step's sequences
+    state_slot: int | None = None  # a hybrid model's: the recurrent-state slot its verification wrote
 
 
 @dataclass
@@ -140,3 +145,16 @@ def accept(state: RunnerRequest, num_drafts: int, tokens: tuple[int, ...]) -> in
     del state.token_ids[len(state.token_ids) - num_drafts:]
     state.token_ids.extend(tokens)
     return len(tokens)
+
+
+def roll_back_states(storage: LinearStateStorage, recorded: Mapping[tuple[int, int], tuple[torch.Tensor, torch.Tensor]],
+                     rows: DraftRows, kept: int) -> None:
+    """A hybrid model's verification wrote every draft into the request's recurrent state: put back the state
+    after its `kept` valid tokens (the last known token and the accepted drafts), as the layers recorded it."""
+    if rows.state_slot is None or kept == len(rows.drafts) + 1:
+        return
+    for (layer, sequence), (convs, states) in recorded.items():
+        if sequence == rows.sequence:
+            conv, recurrent = storage.layer(layer)
+            conv[rows.state_slot].copy_(convs[kept - 1])
+            recurrent[rows.state_slot].copy_(states[kept - 1])

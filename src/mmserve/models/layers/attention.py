@@ -75,6 +75,11 @@ class AttentionMetadata:
     state_slots: list[int] = field(default_factory=list)
     # the same slots as an int64 tensor on the model's device, built once per step (None: built by the layer)
     state_slot_index: torch.Tensor | None = None
+    # speculative decoding on a hybrid model: the sequences verifying drafts, whose linear-attention layers
+    # record the state after each of their tokens (`recorded_states[(layer, sequence)]`: conv states (n, C, K - 1)
+    # and recurrent states (n, H, Dk, Dv)), so the runner can take back what a rejected draft wrote
+    record_states: frozenset[int] = frozenset()
+    recorded_states: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def num_sequences(self) -> int:

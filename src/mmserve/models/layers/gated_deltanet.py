@@ -12,7 +12,9 @@ State: the layer asks its `LinearStateBackend` for this layer's two tensors, (nu
 and (num_slots, value_heads, key_dim, value_dim), and `meta.state_slots` says which slot each sequence of the
 step owns. A sequence's slot holds what its previous tokens left (zeros for a fresh one: the runner clears a
 slot when it hands it out); the layer updates it in place. A step of only decodes runs the recurrent form
-batched over sequences; otherwise each sequence runs its tokens (a prefill chunk, or one decode) in turn.
+batched over sequences; otherwise each sequence runs its tokens (a prefill chunk, or one decode) in turn — a
+sequence verifying speculative drafts (`meta.record_states`) token by token in the recurrent form, the state
+after each token kept in `meta.recorded_states` for the runner to roll back to.
 
 What it does not know: requests, scheduling, which slot is whose, full-attention layers, KV.
 """
@@ -101,9 +103,14 @@ class GatedDeltaNet(nn.Module):
             recurrent_state.index_copy_(0, index, new_state.to(recurrent_state.dtype))
         else:
             pieces, start = [], 0
-            for slot, n in zip(slots, meta.query_lens):
-                pieces.append(self._sequence(mixed[start:start + n], g_log[start:start + n],
-                                             beta[start:start + n], weight, conv_state, recurrent_state, slot))
+            for i, (slot, n) in enumerate(zip(slots, meta.query_lens)):
+                rows = slice(start, start + n)
+                if i in meta.record_states:  # a verification: token by token, as decodes, each state kept
+                    pieces.append(self._recorded(mixed[rows], g_log[rows], beta[rows], weight, conv_state,
+                                                 recurrent_state, slot, meta.recorded_states, i))
+                else:
+                    pieces.append(self._sequence(mixed[rows], g_log[rows], beta[rows], weight, conv_state,
+                                                 recurrent_state, slot))
                 start += n
             out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         out = self.norm(out.to(x.dtype).reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
@@ -120,6 +127,24 @@ class GatedDeltaNet(nn.Module):
             return out
         out, recurrent_state[slot] = delta_rule.chunked_delta_rule(q, k, v, g_log, beta, recurrent_state[slot])
         return out
+
+    def _recorded(self, mixed: torch.Tensor, g_log: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor,
+                  conv_state: torch.Tensor, recurrent_state: torch.Tensor, slot: int,
+                  recorded: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]], sequence: int) -> torch.Tensor:
+        """A sequence's tokens one at a time (the recurrent form, a decode's arithmetic), the slot's state after
+        each kept in `recorded[(layer, sequence)]` and the last written back."""
+        conv, state = conv_state[slot:slot + 1], recurrent_state[slot:slot + 1]
+        outs, convs, states = [], [], []
+        for t in range(mixed.shape[0]):
+            out, conv = delta_rule.causal_conv_step(mixed[t:t + 1], conv, weight)
+            q, k, v = self._heads(out)
+            out, state = delta_rule.recurrent_delta_step(q, k, v, g_log[t:t + 1], beta[t:t + 1], state)
+            outs.append(out)
+            convs.append(conv)
+            states.append(state)
+        recorded[(self.layer_idx, sequence)] = torch.cat(convs), torch.cat(states)
+        conv_state[slot], recurrent_state[slot] = conv[0], state[0].to(recurrent_state.dtype)
+        return torch.cat(outs)
 
     def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(n, conv_dim) -> q, k (n, v_heads, dk) L2-normalised in float32 and grouped; v (n, v_heads, dv)."""

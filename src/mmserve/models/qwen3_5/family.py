@@ -15,6 +15,7 @@ from mmserve.inputs.items import IMAGE, VIDEO
 from mmserve.inputs.media import MediaLimits
 from mmserve.models.qwen3_5.config import QWEN3_5, QWEN3_5_MOE, Qwen35Config, TextConfig, parse_config
 from mmserve.models.qwen3_5.model import Qwen35ForConditionalGeneration
+from mmserve.models.qwen3_5.mtp import Qwen35MtpHead
 from mmserve.models.spec import FamilySpec, ItemSize, LinearStateLayout, ModelFamily, PositionScheme
 from mmserve.models.vision.qwen3_processor import Qwen3VLProcessor
 
@@ -38,7 +39,8 @@ def build_spec(config: Qwen35Config, processor: Qwen3VLProcessor, limits: MediaL
 
 
 FAMILIES = MappingProxyType({
-    QWEN3_5: ModelFamily("qwen3_5", parse_config, Qwen35ForConditionalGeneration, Qwen3VLProcessor, build_spec),
+    QWEN3_5: ModelFamily("qwen3_5", parse_config, Qwen35ForConditionalGeneration, Qwen3VLProcessor, build_spec,
+                         Qwen35MtpHead),
     QWEN3_5_MOE: ModelFamily("qwen3_5_moe", parse_config, Qwen35ForConditionalGeneration, Qwen3VLProcessor,
-                             build_spec),
+                             build_spec, Qwen35MtpHead),
 })
