@@ -107,11 +107,12 @@ class SpeculativeConfig:
 
 def speculates(params: SamplingParams, logprobs_mode: str = "raw_logprobs") -> bool:
     """Can a request with these options take drafts? Its distribution at each position must be the logits'
-    own under temperature, top-k, top-p and min-p (verification applies those, nothing else), its logprobs
+    own under temperature, top-k, top-p and min-p and its grammar's mask (verification applies those, nothing
+    else), its logprobs
     (if it asks for them) the raw distribution's, which a verification's rows give (not the processed one's,
     `logprobs_mode` processed_*), and a seeded request keeps its one draw per token (the same tokens
     whatever the batch)."""
     return ((params.logprobs is None or logprobs_mode.startswith("raw")) and not params.needs_penalties
             and params.allowed_token_ids is None
             and not params.logit_bias and not params.bad_words and params.min_tokens == 0
-            and params.structured_outputs is None and (params.seed is None or params.temperature == 0.0))
+            and (params.seed is None or params.temperature == 0.0))

@@ -111,6 +111,7 @@ def test_stops_inside_an_accepted_run_n_choices_and_other_requests(all_checkpoin
 
     off, on, stats = _run(model_dir, call, _config(method, drafters))
     assert on[:2] == off[:2]
+    assert on[0][-1] == off[0][-1]  # the grammar's answer, its drafts checked by the grammar
     # each emitted token's logprob (a verification's row, not a decode's: equal within float rounding), its rank
     # and the top 2, also for the tokens a verification accepted
     assert [e[1:] for e in on[2]] == [e[1:] for e in off[2]]
@@ -123,6 +124,22 @@ def test_stops_inside_an_accepted_run_n_choices_and_other_requests(all_checkpoin
     assert metrics.num_draft_tokens == stats["spec_decode_num_draft_tokens"] > 0  # one request: all of them
     assert metrics.num_accepted_tokens == stats["spec_decode_num_accepted_tokens"]
     assert len(on[1][0]) < len(reference) and stop not in on[1][0]  # the stop string ended it mid-answer
+
+
+def test_a_grammar_checks_each_draft(all_checkpoints):
+    # an answer the grammar makes repeat: its drafts are found and kept, each one checked by the grammar
+    regex = "(red|blue|green)( (red|blue|green)){30}"
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=regex))
+    prompts = ["colors: red blue green red blue", "the sky is blue blue blue"]
+
+    def call(llm):
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return [(c.text, c.token_ids) for o in outputs for c in o.outputs], [o.metrics for o in outputs]
+
+    off, on, stats = _run(all_checkpoints["qwen2_vl"], call)
+    assert on[0] == off[0]
+    assert all(m.num_accepted_tokens > 0 for m in on[1])
+    assert stats["grammar_matchers"] == 0
 
 
 @pytest.mark.parametrize("method", METHODS)

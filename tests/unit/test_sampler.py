@@ -336,7 +336,7 @@ def test_bad_word_bans_match_the_output_tail():
 @pytest.mark.parametrize("words", [4, 3])  # 4 words cover the 100 tokens (numpy's unpacking); 3 do not
 def test_token_bitmask_bans_exactly_the_tokens_without_a_bit(rows, words):
     """Bit j of word j // 32 set = token j allowed; tokens past the words are banned; other rows untouched."""
-    from mmserve.runner.sampler import _apply_token_bitmask
+    from mmserve.runner.sampler import apply_token_bitmask
 
     vocab = 100
     gen = torch.Generator().manual_seed(0)
@@ -350,7 +350,7 @@ def test_token_bitmask_bans_exactly_the_tokens_without_a_bit(rows, words):
         for token in range(vocab):
             if token >= words * 32 or not bits[i, token]:
                 expected[row, token] = -torch.inf
-    _apply_token_bitmask(logits, rows, bitmask)
+    apply_token_bitmask(logits, rows, bitmask)
     assert torch.equal(logits, expected)
 
 

@@ -144,12 +144,14 @@ class Engine:
         request = new_request(request_id, prompt, params, self.eos_token_ids, arrival_time,
                               self.cross_kv_bytes_per_row, prefill_after)
         request.hand_off = hand_off
-        request.speculate = self.config.speculative_config is not None and speculates(params, self.config.logprobs_mode)
         self.output_processor.add(request, prompt.prompt, trace_parent)
         self.inputs.add(request, runner_prompt(prompt, request, self.spec.bidirectional_media, bad_words),
                         {i: it.payload for i, it in enumerate(prompt.items)})
         if params.structured_outputs is not None:
             self.structured.start(request_id, params.structured_outputs, request.prompt_token_ids)
+        # a grammar checks each draft, except while a reasoning model may still open its thought
+        request.speculate = (self.config.speculative_config is not None and speculates(params, self.config.logprobs_mode)
+                             and not self.structured.tracks_thought(request_id))
         rejection = self.scheduler.add_request(request)
         if rejection is not None:  # can never fit the encoder budgets: finish now, others run on
             self._pending_outputs.append(self.output_processor.finish(request_id, "error", rejection))
@@ -219,7 +221,7 @@ class Engine:
         now = time.time()
         self.output_processor.scheduled([new.request_id for new in sched.new_requests], now)
         try:
-            masks = self.structured.fill(list(sched.num_scheduled_tokens))
+            masks = self.structured.fill(list(sched.num_scheduled_tokens), sched.spec_token_ids)
             result = self.runner.execute(sched, self.inputs.step_inputs(sched, masks))
         except Exception as exc:  # noqa: BLE001 - a fault in one step must not take the engine down
             result = self._step_fault(sched, exc)

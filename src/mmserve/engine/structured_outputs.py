@@ -18,6 +18,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -138,18 +139,49 @@ class StructuredOutputs:
             last = {t: i for i, t in enumerate(prompt_token_ids) if t in self._thought_ids}
             self._thoughts[request_id] = last.get(open_id, -1) > last.get(close_id, -1)
 
-    def fill(self, request_ids: list[str]) -> dict[str, torch.Tensor]:
-        """The packed bitmask row of each constrained request among `request_ids` (int32, bitmask_words)."""
+    def fill(self, request_ids: list[str], drafts: Mapping[str, tuple[int, ...]] | None = None
+             ) -> dict[str, torch.Tensor]:
+        """The packed bitmask row of each constrained request among `request_ids` (int32, bitmask_words); one
+        with `drafts` to verify: a row for its next token and one after each draft ((k + 1, words))."""
         constrained = [rid for rid in request_ids if rid in self.matchers and not self._thoughts.get(rid)]
         if not constrained:
             return {}
+        drafts = drafts or {}
+        drafted = {rid: self._draft_rows(rid, drafts[rid]) for rid in constrained if drafts.get(rid)}
+        constrained = [rid for rid in constrained if rid not in drafted]
+        if not constrained:
+            return drafted
         bitmask = torch.empty(len(constrained), self.bitmask_words, dtype=torch.int32)
         for row, rid in enumerate(constrained):
             self.matchers[rid].fill_next_token_bitmask(bitmask, row)
             if rid in self._thoughts:  # may open a thought instead of starting the grammar
                 open_id = self._thought_ids[0]
                 bitmask[row, open_id // 32] |= torch.tensor(1, dtype=torch.int32) << (open_id % 32)
-        return {rid: bitmask[row] for row, rid in enumerate(constrained)}
+        return {rid: bitmask[row] for row, rid in enumerate(constrained)} | drafted
+
+    def _draft_rows(self, request_id: str, drafts: tuple[int, ...]) -> torch.Tensor:
+        """The grammar's mask before each draft and after the last, the matcher walked through the drafts and
+        back. Past a draft the grammar refuses, the rows repeat the last: verification stops at that draft."""
+        matcher = self.matchers[request_id]
+        rows = torch.empty(len(drafts) + 1, self.bitmask_words, dtype=torch.int32)
+        matcher.fill_next_token_bitmask(rows, 0)
+        walked = 0
+        for i, token in enumerate(drafts):
+            if matcher.is_terminated() or not matcher.accept_token(token):
+                rows[i + 1:] = rows[i]
+                break
+            walked += 1
+            if matcher.is_terminated():  # a stop token: nothing follows it
+                rows[i + 1:] = rows[i]
+                break
+            matcher.fill_next_token_bitmask(rows, i + 1)
+        if walked:
+            matcher.rollback(walked)
+        return rows
+
+    def tracks_thought(self, request_id: str) -> bool:
+        """Whether the request's answer may still open a reasoning thought before its grammar applies."""
+        return request_id in self._thoughts
 
     def accept(self, request_id: str, token_ids: list[int]) -> bool:
         """Advance the request's matcher by its new tokens; False if the grammar refused one (the mask

@@ -311,7 +311,7 @@ class ModelRunner:
             else:
                 logits = self.model.compute_logits(hidden[batch.sample_index]) if batch.sample_rows else None
                 result.prompt_logprobs = prompt_logprobs(self.model, hidden, batch.prompt_logprob_rows)
-                verified = verify(self.model, hidden, builder.draft_rows, self.logprobs_normalized)
+                verified = verify(self.model, hidden, builder.draft_rows, self.logprobs_normalized, token_bitmasks)
                 for rows in builder.draft_rows:
                     rid, tokens = rows.request_id, verified.tokens[rows.request_id]
                     scheduled[rid] = accept(self.requests[rid], len(drafts[rid]), tokens)

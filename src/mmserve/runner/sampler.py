@@ -204,7 +204,7 @@ class Sampler:
         logits = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # (batch, vocab)
         _apply_allowed_masks(logits, meta.allowed_masks)
         if meta.token_bitmask is not None:
-            _apply_token_bitmask(logits, *meta.token_bitmask)
+            apply_token_bitmask(logits, *meta.token_bitmask)
         _ban_tokens(logits, meta.banned_token_ids)
         _apply_logit_bias(logits, meta.logit_bias)
         if meta.penalties is not None:
@@ -271,7 +271,7 @@ def _apply_allowed_masks(logits: torch.Tensor, masks: list[tuple[int, torch.Tens
     logits[rows] = logits[rows].masked_fill_(~allowed, -torch.inf)
 
 
-def _apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
     """-inf for the tokens the rows' grammars do not allow (tokens past the bitmask's words too)."""
     vocab_size = logits.shape[1]
     if logits.device.type == "cpu" and sys.byteorder == "little" and bitmask.shape[1] * 32 >= vocab_size:

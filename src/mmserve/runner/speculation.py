@@ -9,7 +9,8 @@ Chen et al.) with the drafter's distribution a point mass on each draft: a draft
 probability of it, a rejected one is replaced by a draw from the target with the draft's mass removed
 (`residual`), and all accepted, one more token is drawn from the last row — so every emitted token has the
 target distribution (temperature, top-k, top-p, min-p as the sampler applies them).
-Requests that ask for logprobs get each emitted token's entry from its row's raw logits, as a decode step
+A constrained request's rows take its grammar's mask at each position (the engine walked the grammar through
+the drafts). Requests that ask for logprobs get each emitted token's entry from its row's raw logits, as a decode step
 reports it (mmserve/speculative.py admits only raw logprob modes, and only requests whose logits nothing
 else changes).
 On a hybrid model the verification's linear-attention layers record the recurrent state after each token;
@@ -29,6 +30,7 @@ from mmserve.models.spec import FamilyModel
 from mmserve.runner.logprob_entries import token_logprobs
 from mmserve.runner.sampler import (
     apply_min_p,
+    apply_token_bitmask,
     apply_top_k,
     apply_top_p,
     greedy_argmax,
@@ -61,8 +63,10 @@ class Verified:
     logprobs: dict[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
 
 
-def verify(model: FamilyModel, hidden: torch.Tensor, wanted: Sequence[DraftRows], normalize: bool = True) -> Verified:
-    """`normalize`: logprob entries are log-softmaxed logits (raw_logprobs), else the logits (raw_logits)."""
+def verify(model: FamilyModel, hidden: torch.Tensor, wanted: Sequence[DraftRows], normalize: bool = True,
+           bitmasks: Mapping[str, torch.Tensor] | None = None) -> Verified:
+    """`normalize`: logprob entries are log-softmaxed logits (raw_logprobs), else the logits (raw_logits).
+    `bitmasks`: a constrained request's grammar masks, one row per verified position ((k + 1, words))."""
     out = Verified()
     if not wanted:
         return out
@@ -72,10 +76,15 @@ def verify(model: FamilyModel, hidden: torch.Tensor, wanted: Sequence[DraftRows]
     position = 0
     for w in wanted:
         num = len(w.drafts) + 1
+        rows, mask = logits[position:position + num], (bitmasks or {}).get(w.request_id)
+        if mask is not None:  # the grammar's choice at each position, as the sampler applies it
+            rows = rows.clone()
+            apply_token_bitmask(rows, list(range(num)), mask)
         if _greedy(w.params):
-            tokens = _accept_greedy(best[position:position + num], w.drafts)
+            chosen = best[position:position + num] if mask is None else greedy_argmax(rows).tolist()
+            tokens = _accept_greedy(chosen, w.drafts)
         else:
-            tokens = _accept_sampled(target_probs(logits[position:position + num], w.params), w.drafts)
+            tokens = _accept_sampled(target_probs(rows, w.params), w.drafts)
         out.tokens[w.request_id] = tokens
         k = w.params.logprobs
         if k is not None:  # the rows before each emitted token give its distribution, as a decode's row does
