@@ -4,8 +4,7 @@
 Role: `SpeculativeConfig.parse` (a dict or its JSON text, the `--speculative-config` flag's value) checks
 every key and refuses what mmserve does not do with a message naming it (the draft model's checkpoint is
 checked against the target's where it is loaded: engine/drafter_loading.py); `speculates(params)`: whether a
-request's sampling lets drafts be verified (greedily, or by rejection sampling under temperature, top-k,
-top-p and min-p: runner/speculation.py), with nothing else that changes a logit.
+request's sampling lets drafts be verified (greedily, or by rejection sampling: runner/speculation.py).
 What it does not know: how drafts are proposed (core/drafts.py, runner/draft_model.py) or verified
 (runner/speculation.py).
 """
@@ -106,13 +105,10 @@ class SpeculativeConfig:
 
 
 def speculates(params: SamplingParams, logprobs_mode: str = "raw_logprobs") -> bool:
-    """Can a request with these options take drafts? Its distribution at each position must be the logits'
-    own under temperature, top-k, top-p and min-p and its grammar's mask (verification applies those, nothing
-    else), its logprobs
-    (if it asks for them) the raw distribution's, which a verification's rows give (not the processed one's,
-    `logprobs_mode` processed_*), and a seeded request keeps its one draw per token (the same tokens
-    whatever the batch)."""
-    return ((params.logprobs is None or logprobs_mode.startswith("raw")) and not params.needs_penalties
-            and params.allowed_token_ids is None
-            and not params.logit_bias and not params.bad_words and params.min_tokens == 0
+    """Can a request with these options take drafts? Verification processes each row as the sampler would
+    (temperature, top-k, top-p, min-p, its grammar, penalties, bans, logit bias, allowed tokens, each as if the
+    drafts before it were generated); its logprobs (if it asks for them) must be the raw distribution's, which
+    a verification's rows give (not the processed one's, `logprobs_mode` processed_*), and a seeded sampled
+    request keeps its one draw per token (the same tokens whatever the batch)."""
+    return ((params.logprobs is None or logprobs_mode.startswith("raw"))
             and (params.seed is None or params.temperature == 0.0))

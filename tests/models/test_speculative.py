@@ -102,12 +102,18 @@ def test_stops_inside_an_accepted_run_n_choices_and_other_requests(all_checkpoin
         SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True),  # each emitted token's logprobs
         SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True),  # no drafts: sampled
         SamplingParams(temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(json=schema)),
+        # each verified row processed as the sampler would, as if the drafts before it were generated
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.05, frequency_penalty=0.1,
+                       presence_penalty=0.05),
+        SamplingParams(temperature=0, max_tokens=20, min_tokens=12, bad_words=["b c"], logit_bias={5: 1.5}),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, allowed_token_ids=list(range(60, 200))),
     ]
 
     def call(llm):
-        outputs = llm.generate([REPEATING[0]] * 3 + REPEATING[:3], params, use_tqdm=False)
+        outputs = llm.generate([REPEATING[0]] * 3 + REPEATING[:3] + REPEATING[:3], params, use_tqdm=False)
         entries = [(e[t].logprob, e[t].rank, *sorted(e)) for c in outputs[3].outputs for t, e in zip(c.token_ids, c.logprobs)]
-        return _tokens(outputs), [c.text for o in outputs for c in o.outputs], entries, outputs[3].metrics
+        return _tokens(outputs), [c.text for o in outputs for c in o.outputs], entries, outputs[3].metrics, \
+            [o.metrics.num_draft_tokens for o in outputs[6:]]
 
     off, on, stats = _run(model_dir, call, _config(method, drafters))
     assert on[:2] == off[:2]
@@ -117,6 +123,7 @@ def test_stops_inside_an_accepted_run_n_choices_and_other_requests(all_checkpoin
     assert [e[1:] for e in on[2]] == [e[1:] for e in off[2]]
     assert [e[0] for e in on[2]] == pytest.approx([e[0] for e in off[2]], abs=1e-5)
     assert on[3].num_accepted_tokens > 0
+    assert all(on[4])  # the requests with penalties, bans, bias and allowed tokens took drafts
     assert stats["spec_decode_num_accepted_tokens"] > 0
     with LLM(str(model_dir), num_kv_blocks=256, speculative_config=_config(method, drafters)) as llm:
         metrics = llm.generate(REPEATING[1], GREEDY, use_tqdm=False)[0].metrics
@@ -233,18 +240,18 @@ def _chi_square_p(first: list, second: list, num_categories: int = 16) -> float:
     return float(torch.special.gammaincc(df, torch.tensor(stat / 2.0, dtype=torch.float64)))
 
 
-def _sampled(model_dir, seed: int, **engine_args) -> list[tuple[int, ...]]:
+def _sampled(model_dir, seed: int, options=None, **engine_args) -> list[tuple[int, ...]]:
     """1500 answers of four tokens, sampled at temperature 0.1 and top-p 0.95 after a prompt that ends in the
     model's own greedy loop (so drafts are proposed at every step and accepted about one time in eight)."""
     with LLM(str(model_dir), num_kv_blocks=512, max_num_seqs=256, seed=seed, **engine_args) as llm:
         loop = llm.generate("hello hello hello hello", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                             use_tqdm=False)[0]
         prompt = {"prompt_token_ids": loop.prompt_token_ids + loop.outputs[0].token_ids}
-        params = SamplingParams(temperature=TEMPERATURE, top_p=0.95, max_tokens=4, ignore_eos=True)
+        params = SamplingParams(max_tokens=4, ignore_eos=True, **(options or {"temperature": TEMPERATURE, "top_p": 0.95}))
         answers = [tuple(o.outputs[0].token_ids) for o in llm.generate([prompt] * 1500, params, use_tqdm=False)]
         if engine_args:
             stats = llm.get_stats()
-            assert stats["spec_decode_num_draft_tokens"] > 1000 and stats["spec_decode_num_accepted_tokens"] > 100
+            assert stats["spec_decode_num_draft_tokens"] > 500 and stats["spec_decode_num_accepted_tokens"] > 50
         llm.check_integrity()
     return answers
 
@@ -254,6 +261,10 @@ def test_sampling_keeps_the_target_distribution_and_a_planted_bug_is_caught(all_
     off = _sampled(model_dir, 11)
     assert _chi_square_p(off, _sampled(model_dir, 12, speculative_config=NGRAM)) > 0.01
     assert _chi_square_p(off, _sampled(model_dir, 13, speculative_config=_config("draft_model", drafters))) > 0.01
+    # penalties, top-k and min-p: each verified row processed as if the drafts before it were generated
+    options = {"temperature": 0.3, "top_k": 20, "min_p": 0.02, "repetition_penalty": 1.1, "presence_penalty": 0.2}
+    spec = _config("draft_model", drafters)
+    assert _chi_square_p(_sampled(model_dir, 14, options), _sampled(model_dir, 15, options, speculative_config=spec)) > 0.01
     # the bug: a rejected draft replaced by a draw from the whole target, the draft's own mass left in
     monkeypatch.setattr(speculation, "residual", lambda probs, draft: probs.clone())
     assert _chi_square_p(off, _sampled(model_dir, 12, speculative_config=NGRAM)) < 0.01

@@ -162,7 +162,9 @@ def test_one_lookup_bound_sets_both_and_who_speculates():
     # a verification's rows give the raw distribution's logprobs, not the processed one's
     assert speculates(SamplingParams(temperature=0, logprobs=2), "raw_logprobs")
     assert not speculates(SamplingParams(temperature=0, logprobs=2), "processed_logprobs")
-    for refused in (dict(temperature=0.7, seed=1), dict(temperature=0, min_tokens=2),
-                    dict(temperature=0, presence_penalty=0.5), dict(temperature=0, logit_bias={1: 2.0}),
-                    dict(temperature=0, bad_words=["x"]), dict(temperature=0, allowed_token_ids=[1, 2])):
-        assert not speculates(SamplingParams(**refused)), refused
+    assert not speculates(SamplingParams(temperature=0.7, seed=1))  # a seeded draw per token
+    # each row is processed as the sampler would: these speculate
+    for taken in (dict(temperature=0, seed=1), dict(temperature=0, min_tokens=2), dict(presence_penalty=0.5),
+                  dict(temperature=0, logit_bias={1: 2.0}), dict(temperature=0, bad_words=["x"]),
+                  dict(temperature=0, allowed_token_ids=[1, 2]), dict(repetition_penalty=1.3, top_k=5)):
+        assert speculates(SamplingParams(**taken)), taken

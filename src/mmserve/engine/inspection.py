@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from mmserve.runner.kv_storage import PagedKVStorage
-from mmserve.runner.model_runner import GraphStats, RunnerRequestView, StepTiming
+from mmserve.runner.reports import GraphStats, RunnerRequestView, StepTiming
 
 
 @dataclass(frozen=True)

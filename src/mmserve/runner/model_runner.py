@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from types import MappingProxyType
 
 import torch
@@ -41,54 +41,26 @@ from mmserve.runner.encoder.async_dispatch import AsyncEncoder
 from mmserve.runner.encoder.pool import EncoderPool, ItemOutcome
 from mmserve.runner.encoder.runner import EncoderRunner, OutputShape
 from mmserve.runner.fusion import ChunkPiece, MultimodalRuntimeData
-from mmserve.runner.graphs.decode_graphs import DecodeGraphRunner, DecodeGraphSettings, DecodeGraphStats
+from mmserve.runner.graphs.decode_graphs import DecodeGraphRunner, DecodeGraphSettings
 from mmserve.runner.graphs.encoder_graphs import (
     EncoderGraphSettings,
-    EncoderGraphStats,
     build_encoder_graphs,
     graphed_encode_fn,
 )
 from mmserve.runner.logprob_entries import prompt_logprobs, token_logprobs
 from mmserve.runner.mtp import MtpProposer, StepHidden
 from mmserve.runner.pooler import StepPooler
-from mmserve.runner.sampler import Sampler, make_generator, sampled_logprobs
-from mmserve.runner.sampling_state import RequestSampling, SampledRow, needs_state, sampling_metadata
-from mmserve.runner.speculation import accept, roll_back_states, verify
+from mmserve.runner.reports import EncoderCounts, GraphStats, RunnerRequestView, StepTiming
+from mmserve.runner.sampler import Sampler, SamplingMetadata, make_generator, sampled_logprobs
+from mmserve.runner.sampling_state import (
+    RequestSampling,
+    SampledRow,
+    needs_state,
+    sampling_metadata,
+    verification_metadata,
+)
+from mmserve.runner.speculation import DraftRows, accept, roll_back_states, verify
 from mmserve.runner.state import RunnerPrompt, RunnerRequest, StepInputs
-
-
-@dataclass
-class StepTiming:
-    """Wall time of the last step, and of the part spent in the model forward (incl. logits)."""
-
-    total_s: float = 0.0
-    forward_s: float = 0.0
-    num_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class EncoderCounts:
-    """What the runner's encoder has done over its life."""
-
-    items_encoded: int
-    tokens_encoded: int  # pre-merge patches
-
-
-@dataclass(frozen=True)
-class GraphStats:
-    """The captured graphs the runner holds (None: that kind is off) and how often each kind replayed."""
-
-    encoder: EncoderGraphStats | None
-    decode: DecodeGraphStats | None
-
-
-@dataclass(frozen=True)
-class RunnerRequestView:
-    """A request as the runner holds it, read-only."""
-
-    num_prompt_tokens: int
-    num_computed_tokens: int
-    block_ids: tuple[int, ...]
 
 
 class ModelRunner:
@@ -311,12 +283,16 @@ class ModelRunner:
             else:
                 logits = self.model.compute_logits(hidden[batch.sample_index]) if batch.sample_rows else None
                 result.prompt_logprobs = prompt_logprobs(self.model, hidden, batch.prompt_logprob_rows)
-                verified = verify(self.model, hidden, builder.draft_rows, self.logprobs_normalized, token_bitmasks)
+                verified = verify(self.model, hidden, builder.draft_rows, self.logprobs_normalized,
+                                  {d.request_id: self._verification_meta(d, token_bitmasks) for d in builder.draft_rows})
                 for rows in builder.draft_rows:
                     rid, tokens = rows.request_id, verified.tokens[rows.request_id]
                     scheduled[rid] = accept(self.requests[rid], len(drafts[rid]), tokens)
                     roll_back_states(self.attention.state, batch.attn.recorded_states, rows, scheduled[rid])
                     result.sampled_token_ids[rid] = tokens
+                    if self.requests[rid].sampling is not None:  # penalties count what was emitted
+                        for token in tokens:
+                            self.requests[rid].sampling.record(token)
                 result.sampled_logprobs.update(verified.logprobs)
                 if self.drafter is not None and self.drafter.reads_hidden:  # an MTP head reads the kept rows
                     firsts = itertools.accumulate(builder.query_lens[:-1], initial=0)
@@ -370,14 +346,23 @@ class ModelRunner:
         forward_started = time.perf_counter()
         return self.model(embeds, batch.positions, self.attention, batch.attn, extra), batch, forward_started
 
-    def _sampled_row(self, state: RunnerRequest, vocab_size: int, token_bitmask: torch.Tensor | None) -> SampledRow:
-        params = state.sampling_params
+    def _sampled_row(self, state: RunnerRequest, vocab_size: int, token_bitmask: torch.Tensor | None,
+                     num_drafts: int = 0) -> SampledRow:
+        """The row after the request's last known token (`num_drafts`: its token ids end in drafts, not yet its)."""
+        params, known = state.sampling_params, len(state.token_ids) - num_drafts
         if state.sampling is None and needs_state(params):  # built on first use, also after a preemption
-            state.sampling = RequestSampling.build(params, state.token_ids, state.num_prompt_tokens, vocab_size,
+            state.sampling = RequestSampling.build(params, state.token_ids[:known], state.num_prompt_tokens, vocab_size,
                                                    self.device)
         bad_words = state.prompt.bad_words_token_ids
-        return SampledRow(params, state.num_output_tokens, state.token_ids[state.num_prompt_tokens:] if bad_words else (),
+        return SampledRow(params, known - state.num_prompt_tokens,
+                          state.token_ids[state.num_prompt_tokens:known] if bad_words else (),
                           state.stop_token_ids, bad_words, state.sampling, self._generator(state), token_bitmask)
+
+    def _verification_meta(self, rows: DraftRows, token_bitmasks: dict[str, torch.Tensor]) -> SamplingMetadata:
+        """How each of a verification's rows is processed (SamplingMetadata.processes_logits false: not at all)."""
+        state, bitmasks = self.requests[rows.request_id], token_bitmasks.get(rows.request_id)
+        return verification_metadata(self._sampled_row(state, self.spec.vocab_size, None, len(rows.drafts)),
+                                     rows.drafts, bitmasks, self.device)
 
     def _generator(self, state: RunnerRequest) -> torch.Generator | None:
         seed = state.sampling_params.seed

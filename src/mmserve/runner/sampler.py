@@ -194,22 +194,8 @@ class Sampler:
         if all(greedy_rows) and not meta.processes_logits:
             # the common case: nothing to mask, no copy (float32 is exact for bf16)
             return greedy_argmax(logits), logits if keep_processed else None
-        processed = self._processed(logits, meta)
+        processed = processed_logits(logits, meta)
         return self._choose(processed, meta, greedy_rows, keep_processed), processed if keep_processed else None
-
-    @staticmethod
-    def _processed(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        # float32 copy: the stages below write in place and must not touch the caller's tensor (nor the raw
-        # logits the logprobs are taken from)
-        logits = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # (batch, vocab)
-        _apply_allowed_masks(logits, meta.allowed_masks)
-        if meta.token_bitmask is not None:
-            apply_token_bitmask(logits, *meta.token_bitmask)
-        _ban_tokens(logits, meta.banned_token_ids)
-        _apply_logit_bias(logits, meta.logit_bias)
-        if meta.penalties is not None:
-            _apply_penalties(logits, meta.penalties)
-        return logits
 
     def _choose(self, logits: torch.Tensor, meta: SamplingMetadata, greedy_rows: list[bool],
                 keep_processed: bool) -> torch.Tensor:
@@ -269,6 +255,22 @@ def _apply_allowed_masks(logits: torch.Tensor, masks: list[tuple[int, torch.Tens
     rows = to_device([row for row, _ in masks], logits.device)
     allowed = torch.stack([mask for _, mask in masks])  # (A, vocab) bool
     logits[rows] = logits[rows].masked_fill_(~allowed, -torch.inf)
+
+
+def processed_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The rows' logits after every stage before temperature: allowed-token masks, grammars, bans, logit
+    bias, penalties (float32, a copy)."""
+    # a copy: the stages below write in place and must not touch the caller's tensor (nor the raw logits the
+    # logprobs are taken from)
+    logits = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # (batch, vocab)
+    _apply_allowed_masks(logits, meta.allowed_masks)
+    if meta.token_bitmask is not None:
+        apply_token_bitmask(logits, *meta.token_bitmask)
+    _ban_tokens(logits, meta.banned_token_ids)
+    _apply_logit_bias(logits, meta.logit_bias)
+    if meta.penalties is not None:
+        _apply_penalties(logits, meta.penalties)
+    return logits
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:

@@ -6,7 +6,8 @@ date one token at a time: its generated-token counts and the tokens its prompt o
 penalties), and its allowed-token mask. `sampling_metadata` turns one step's sampled rows into the
 sampler's `SamplingMetadata`: per-row options as columns, the penalty rows stacked, the banned tokens
 (stop ids before `min_tokens`, and each bad word's last token where the output ends in the tokens before
-it). Requests that use none of it get no state and cost nothing.
+it); `verification_metadata` the same for a speculative verification's rows, each as if the drafts
+before it were generated. Requests that use none of it get no state and cost nothing.
 What it does not know: the model, the batch layout, scheduling.
 """
 
@@ -118,6 +119,22 @@ def sampling_metadata(rows: Sequence[SampledRow], device: torch.device) -> Sampl
         penalties=penalties,
         num_logprobs=[p.logprobs for p in params] if wants_logprobs else None,
     )
+
+def verification_metadata(row: SampledRow, drafts: Sequence[int], bitmasks: torch.Tensor | None,
+                          device: torch.device) -> SamplingMetadata:
+    """The metadata of a verification's k + 1 rows for a request whose `row` is as of its last known token:
+    row i as if drafts[:i] were already generated (their counts in the penalties, bad words and min_tokens
+    seen through them, the grammar's mask `bitmasks[i]` after them)."""
+    rows, state = [], row.state
+    for i in range(len(drafts) + 1):
+        if i and state is not None and state.output_counts is not None:
+            state = RequestSampling(state.output_counts.clone(), state.seen.clone(), state.allowed_mask)
+            state.record(drafts[i - 1])
+        rows.append(SampledRow(row.params, row.num_output_tokens + i, [*row.output_ids, *drafts[:i]],
+                               row.stop_token_ids, row.bad_words_token_ids, state, None,
+                               None if bitmasks is None else bitmasks[i]))
+    return sampling_metadata(rows, device)
+
 
 def needs_state(params: SamplingParams) -> bool:
     """Does a request with these options keep device-side sampling state?"""

@@ -9,8 +9,9 @@ Chen et al.) with the drafter's distribution a point mass on each draft: a draft
 probability of it, a rejected one is replaced by a draw from the target with the draft's mass removed
 (`residual`), and all accepted, one more token is drawn from the last row — so every emitted token has the
 target distribution (temperature, top-k, top-p, min-p as the sampler applies them).
-A constrained request's rows take its grammar's mask at each position (the engine walked the grammar through
-the drafts). Requests that ask for logprobs get each emitted token's entry from its row's raw logits, as a decode step
+A request whose options change logits (a grammar, penalties, bans, logit bias, allowed tokens) has each row
+processed as the sampler would, as if the drafts before it were generated (the engine walked its grammar
+through the drafts). Requests that ask for logprobs get each emitted token's entry from its row's raw logits, as a decode step
 reports it (mmserve/speculative.py admits only raw logprob modes, and only requests whose logits nothing
 else changes).
 On a hybrid model the verification's linear-attention layers record the recurrent state after each token;
@@ -29,11 +30,12 @@ from mmserve.core.step import TokenLogprobs
 from mmserve.models.spec import FamilyModel
 from mmserve.runner.logprob_entries import token_logprobs
 from mmserve.runner.sampler import (
+    SamplingMetadata,
     apply_min_p,
-    apply_token_bitmask,
     apply_top_k,
     apply_top_p,
     greedy_argmax,
+    processed_logits,
     sampled_logprobs,
     to_device,
 )
@@ -64,9 +66,10 @@ class Verified:
 
 
 def verify(model: FamilyModel, hidden: torch.Tensor, wanted: Sequence[DraftRows], normalize: bool = True,
-           bitmasks: Mapping[str, torch.Tensor] | None = None) -> Verified:
+           processing: Mapping[str, SamplingMetadata] | None = None) -> Verified:
     """`normalize`: logprob entries are log-softmaxed logits (raw_logprobs), else the logits (raw_logits).
-    `bitmasks`: a constrained request's grammar masks, one row per verified position ((k + 1, words))."""
+    `processing`: per request whose options change logits (a grammar, penalties, bans, bias, allowed tokens),
+    its rows' metadata (`verification_metadata`), each row processed as the sampler would."""
     out = Verified()
     if not wanted:
         return out
@@ -76,12 +79,13 @@ def verify(model: FamilyModel, hidden: torch.Tensor, wanted: Sequence[DraftRows]
     position = 0
     for w in wanted:
         num = len(w.drafts) + 1
-        rows, mask = logits[position:position + num], (bitmasks or {}).get(w.request_id)
-        if mask is not None:  # the grammar's choice at each position, as the sampler applies it
-            rows = rows.clone()
-            apply_token_bitmask(rows, list(range(num)), mask)
+        rows, meta = logits[position:position + num], (processing or {}).get(w.request_id)
+        if meta is not None and meta.processes_logits:  # each position's logits as the sampler makes them
+            rows = processed_logits(rows, meta)
+        else:
+            meta = None
         if _greedy(w.params):
-            chosen = best[position:position + num] if mask is None else greedy_argmax(rows).tolist()
+            chosen = best[position:position + num] if meta is None else greedy_argmax(rows).tolist()
             tokens = _accept_greedy(chosen, w.drafts)
         else:
             tokens = _accept_sampled(target_probs(rows, w.params), w.drafts)
