@@ -170,9 +170,13 @@ def test_preemption_and_heavy_rejection_leave_nothing_behind(all_checkpoints, dr
     assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"]
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", [*METHODS, "mtp"])
 def test_the_counters_are_on_the_metrics_page(all_checkpoints, drafters, method):
-    llm = LLM(str(all_checkpoints["qwen2_vl"]), num_kv_blocks=128, speculative_config=_config(method, drafters))
+    # the server with each method (mtp: Qwen3.5's own head)
+    model_dir = all_checkpoints["qwen3_5" if method == "mtp" else "qwen2_vl"]
+    config = {**NGRAM, "method": "mtp"} if method == "mtp" else _config(method, drafters)
+    config = {k: v for k, v in config.items() if not (method == "mtp" and k.startswith("prompt_lookup"))}
+    llm = LLM(str(model_dir), num_kv_blocks=128, speculative_config=config)
     app = build_app(AsyncEngine(llm.engine), ServerConfig("tiny", MediaRules(llm.engine.config.media)))
     with TestClient(app) as client:
         reply = client.post("/v1/completions", json={"prompt": REPEATING[2], "max_tokens": 16, "temperature": 0,
