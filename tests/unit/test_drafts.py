@@ -120,6 +120,11 @@ def test_a_draft_models_proposals_are_asked_for_with_kv_reserved_and_used_once()
     # prompt lookup proposes when scheduling: no lookahead; nor past the batch-size cutoff
     assert DraftPolicy(3, 1, 3, 128).lookahead(_request([1, 2]), 1) == 0
     assert DraftPolicy(3, 1, 3, 128, 2, proposed_by_runner=True).lookahead(_request([1, 2]), 2) == 0
+    # no more than the next step could verify before max_tokens; none once the step's batch reaches the cutoff
+    policy = DraftPolicy(3, 1, 3, 128, 4, proposed_by_runner=True)
+    assert policy.lookahead(_request([1, 2], max_tokens=10, outputs=[5] * 6), 1) == 2
+    assert policy.lookahead(_request([1, 2], max_tokens=10, outputs=[5] * 8), 1) == 0
+    assert policy.still_proposing({"r": 3}, 3) == {"r": 3} and policy.still_proposing({"r": 3}, 4) == {}
 
 
 def test_the_drafters_progress_moves_past_a_fed_draft_only_once_it_is_kept():

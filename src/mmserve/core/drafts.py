@@ -65,10 +65,19 @@ class DraftPolicy:
 
     def lookahead(self, request: Request, num_running: int) -> int:
         """With a draft model, the drafts to propose after a step that reaches this request's last token
-        (0: none, also for prompt lookup, which proposes when the step is scheduled)."""
+        (0: none, also for prompt lookup, which proposes when the step is scheduled): no more than the next
+        step could verify before `max_tokens`."""
         if not self.proposed_by_runner or not self._may_draft(request, num_running):
             return 0
-        return self.num_speculative_tokens
+        # this step yields at least one token, the next its own and the drafts before it
+        room = request.sampling_params.max_tokens - len(request.output_token_ids) - 2
+        return max(0, min(self.num_speculative_tokens, room))
+
+    def still_proposing(self, wanted: dict[str, int], num_running: int) -> dict[str, int]:
+        """The proposals to ask for once the step's batch is known (none at or past the batch-size cutoff)."""
+        if self.disable_by_batch_size is not None and num_running >= self.disable_by_batch_size:
+            return {}
+        return wanted
 
     def _may_draft(self, request: Request, num_running: int) -> bool:
         return request.speculate and not _collapsed(request) and (self.disable_by_batch_size is None

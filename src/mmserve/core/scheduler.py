@@ -146,6 +146,8 @@ class Scheduler(SchedulerViews, HandOffCalls):
             plan.out.new_requests = [n for n in plan.out.new_requests if n.request_id not in gone]
         else:
             self._schedule_waiting(plan, budget)
+        if self.drafter is not None:  # the cutoff counts the batch as admitted (no drafter work it would not use)
+            plan.out.propose_drafts = self.drafter.still_proposing(plan.out.propose_drafts, len(self.running))
         plan.out.finished_request_ids = self._finished_since_step | {r.request_id for r in plan.preempted}
         self._finished_since_step = set()
         plan.out.encoder_items = {rid: tuple(idx) for rid, idx in plan.encoder.items.items()}
@@ -162,9 +164,7 @@ class Scheduler(SchedulerViews, HandOffCalls):
             num_new = self.chunking.cut(request, start, start + min(request.num_tokens - start, budget)) - start
             drafts = () if self.drafter is None or request.num_tokens - start != 1 else \
                 self.drafter.drafts(request, len(self.running))[:budget - 1]
-            # a draft model proposes after a step that reaches the last token, writing its KV past it
-            lookahead = 0 if self.drafter is None or start + num_new != request.num_tokens else \
-                self.drafter.lookahead(request, len(self.running))
+            lookahead = self._lookahead(request, start + num_new, len(self.running))
             num_new += len(drafts)  # a decode verifies its drafts in the same forward
             if num_new == 0:  # its next span does not fit what is left of the budget: next step
                 i += 1
@@ -194,6 +194,10 @@ class Scheduler(SchedulerViews, HandOffCalls):
                 budget -= num_new
             i += 1
         return budget
+
+    def _lookahead(self, request: Request, end: int, num_running: int) -> int:
+        """A draft model proposes after a step that reaches the last token, into slots reserved past it."""
+        return 0 if self.drafter is None or end != request.num_tokens else self.drafter.lookahead(request, num_running)
 
     def _free_kv(self, request: Request, blocks: bool = True) -> None:
         """Free a request's cross-attention KV bytes, and its KV blocks unless `blocks` is False."""
@@ -243,8 +247,7 @@ class Scheduler(SchedulerViews, HandOffCalls):
             num_new = self.chunking.cut(request, num_hit, num_hit + min(num_new, budget)) - num_hit
             if num_new == 0:
                 break
-            reaches_end = num_hit + num_new == request.num_tokens  # a draft model proposes after the step
-            lookahead = self.drafter.lookahead(request, len(self.running) + 1) if self.drafter and reaches_end else 0
+            lookahead = self._lookahead(request, num_hit + num_new, len(self.running) + 1)
             num_new, admitted = self._admit(request, hits, num_hit, num_new, plan, lookahead)
             if not admitted:
                 break
@@ -310,17 +313,11 @@ class Scheduler(SchedulerViews, HandOffCalls):
                 plan.out.state_snapshots[request.request_id] = snapshot_id
 
     def _new_request_data(self, request: Request) -> NewRequestData:
-        return NewRequestData(
-            request_id=request.request_id,
-            token_ids=tuple(request.all_token_ids),
-            num_prompt_tokens=request.num_prompt_tokens,
-            items=request.items,
-            sampling_params=request.sampling_params,
-            block_ids=tuple(self.kv.block_ids(request.request_id)),
-            num_computed_tokens=request.num_computed_tokens,
-            num_output_tokens=len(request.output_token_ids),
-            state_slot=None if self.states is None else self.states.slots.slot_of(request.request_id),
-            state_restore=None if self.states is None else self.states.restores.pop(request.request_id, None))
+        rid, states = request.request_id, self.states
+        return NewRequestData(rid, tuple(request.all_token_ids), request.num_prompt_tokens, request.items,
+                              request.sampling_params, tuple(self.kv.block_ids(rid)), request.num_computed_tokens,
+                              len(request.output_token_ids), None if states is None else states.slots.slot_of(rid),
+                              None if states is None else states.restores.pop(rid, None))
 
     # ---- update ---------------------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
