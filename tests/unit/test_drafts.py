@@ -6,6 +6,7 @@ requests may speculate."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from mmserve.core.budget import EncoderBudget
 from mmserve.core.drafts import DraftPolicy, lookup
@@ -173,3 +174,17 @@ def test_one_lookup_bound_sets_both_and_who_speculates():
                   dict(temperature=0, logit_bias={1: 2.0}), dict(temperature=0, bad_words=["x"]),
                   dict(temperature=0, allowed_token_ids=[1, 2]), dict(repetition_penalty=1.3, top_k=5)):
         assert speculates(SamplingParams(**taken)), taken
+
+
+@pytest.mark.parametrize("options", [dict(presence_penalty=0.5), dict(repetition_penalty=1.2), dict(min_tokens=3),
+                                     dict(logit_bias={1: 2.0}), dict(allowed_token_ids=[1, 2]), dict(bad_words=["x"])])
+def test_a_verification_skips_processing_only_where_no_stage_changes_a_logit(options):
+    from mmserve.runner.sampling_state import RequestSampling, SampledRow, changes_logits, sampling_metadata
+
+    params = SamplingParams(**options)
+    bad_words = ((7,),) if params.bad_words else ()
+    state = RequestSampling.build(params, [1, 2, 3], 2, 16, torch.device("cpu"))
+    row = SampledRow(params, 0, [], (0,), bad_words, state, None)
+    assert sampling_metadata([row], torch.device("cpu")).processes_logits
+    assert changes_logits(params, bad_words, grammar=False)
+    assert not changes_logits(SamplingParams(temperature=0.7, top_k=5), (), grammar=False)

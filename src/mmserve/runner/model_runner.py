@@ -55,6 +55,7 @@ from mmserve.runner.sampler import Sampler, SamplingMetadata, make_generator, sa
 from mmserve.runner.sampling_state import (
     RequestSampling,
     SampledRow,
+    changes_logits,
     needs_state,
     sampling_metadata,
     verification_metadata,
@@ -284,7 +285,8 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[batch.sample_index]) if batch.sample_rows else None
                 result.prompt_logprobs = prompt_logprobs(self.model, hidden, batch.prompt_logprob_rows)
                 verified = verify(self.model, hidden, builder.draft_rows, self.logprobs_normalized,
-                                  {d.request_id: self._verification_meta(d, token_bitmasks) for d in builder.draft_rows})
+                                  {d.request_id: meta for d in builder.draft_rows
+                                   if (meta := self._verification_meta(d, token_bitmasks)) is not None})
                 for rows in builder.draft_rows:
                     rid, tokens = rows.request_id, verified.tokens[rows.request_id]
                     scheduled[rid] = accept(self.requests[rid], len(drafts[rid]), tokens)
@@ -358,9 +360,11 @@ class ModelRunner:
                           state.token_ids[state.num_prompt_tokens:known] if bad_words else (),
                           state.stop_token_ids, bad_words, state.sampling, self._generator(state), token_bitmask)
 
-    def _verification_meta(self, rows: DraftRows, token_bitmasks: dict[str, torch.Tensor]) -> SamplingMetadata:
-        """How each of a verification's rows is processed (SamplingMetadata.processes_logits false: not at all)."""
+    def _verification_meta(self, rows: DraftRows, token_bitmasks: dict[str, torch.Tensor]) -> SamplingMetadata | None:
+        """How each of a verification's rows is processed (None: its options change no logit)."""
         state, bitmasks = self.requests[rows.request_id], token_bitmasks.get(rows.request_id)
+        if not changes_logits(state.sampling_params, state.prompt.bad_words_token_ids, bitmasks is not None):
+            return None
         return verification_metadata(self._sampled_row(state, self.spec.vocab_size, None, len(rows.drafts)),
                                      rows.drafts, bitmasks, self.device)
 

@@ -136,6 +136,12 @@ def verification_metadata(row: SampledRow, drafts: Sequence[int], bitmasks: torc
     return sampling_metadata(rows, device)
 
 
+def changes_logits(params: SamplingParams, bad_words: Sequence[tuple[int, ...]], grammar: bool) -> bool:
+    """Does any stage before temperature (`sampler.processed_logits`) change this request's logits?"""
+    return bool(grammar or params.needs_penalties or params.logit_bias or params.min_tokens or bad_words
+                or params.allowed_token_ids is not None)
+
+
 def needs_state(params: SamplingParams) -> bool:
     """Does a request with these options keep device-side sampling state?"""
     return params.needs_penalties or params.allowed_token_ids is not None
