@@ -127,7 +127,7 @@ def test_the_mtp_head_drafts_as_the_reference_computes_it(all_checkpoints, monke
     monkeypatch.setattr(mtp.MtpProposer, "propose",
                         lambda self, *a: proposals.append(propose(self, *a)) or proposals[-1])
     with LLM(str(model_dir), num_kv_blocks=64, speculative_config=MTP) as llm:
-        output = llm.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+        output = llm.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
     first = next(p for p in proposals if p)  # after the prompt's step: the drafts after its first token
     expected = _reference_mtp_drafts(model_dir, list(output.prompt_token_ids), output.outputs[0].token_ids[0], 3)
     assert list(next(iter(first.values()))) == expected
