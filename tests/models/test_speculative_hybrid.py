@@ -131,3 +131,17 @@ def test_the_mtp_head_drafts_as_the_reference_computes_it(all_checkpoints, monke
     first = next(p for p in proposals if p)  # after the prompt's step: the drafts after its first token
     expected = _reference_mtp_drafts(model_dir, list(output.prompt_token_ids), output.outputs[0].token_ids[0], 3)
     assert list(next(iter(first.values()))) == expected
+
+
+def test_mtp_under_preemption_leaves_nothing_behind(all_checkpoints):
+    model_dir = all_checkpoints["qwen3_5"]
+    prompts = [p + f" {i}" for i, p in enumerate(PROMPTS * 2)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    results = []
+    for extra in ({}, {"speculative_config": MTP}):
+        with LLM(str(model_dir), num_kv_blocks=10, block_size=16, **extra) as llm:  # too few blocks: preempts
+            results.append([list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)])
+            stats = llm.get_stats()
+            llm.check_integrity()
+    assert results[1] == results[0]
+    assert stats["num_preemptions"] > 0 and stats["spec_decode_num_drafts"] > 0
