@@ -41,3 +41,12 @@ def test_generate_reports_bad_image_cleanly(checkpoint_dirs, tmp_path):
 def test_help_lists_commands():
     result = _run("--help")
     assert result.returncode == 0 and "generate" in result.stdout
+
+
+def test_serve_with_an_unusable_speculative_config_exits_naming_the_key(checkpoint_dirs, tmp_path):
+    # the checkpoint exists; the draft model's does not: start-up stops with the key, no traceback
+    result = _run("serve", str(checkpoint_dirs["qwen2_vl"]), "--port", "0", "--speculative-config",
+                  f'{{"model": "{tmp_path / "absent"}", "num_speculative_tokens": 2}}')
+    assert result.returncode == 2
+    assert "error: speculative_config.model=" in result.stderr and "cannot be loaded" in result.stderr
+    assert "Traceback" not in result.stderr
