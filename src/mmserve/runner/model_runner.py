@@ -73,7 +73,7 @@ class ModelRunner:
                  drafter: DraftModelProposer | MtpProposer | None = None) -> None:
         """`logprobs_mode` (config.LOGPROBS_MODES): what sampled tokens' logprob entries report; `pooler`: a
         pooling runner's (each finished prompt's vector instead of a sampled token); `drafter`: speculative
-        decoding's drafter, a draft model or an MTP head (proposes after a step what the next one verifies)."""
+        decoding's drafter, a draft model or an MTP head (proposes after a step what the next verifies)."""
         self.pooler, self.drafter = pooler, drafter
         self._step_hidden: StepHidden | None = None  # the last step's hidden states, for an MTP drafter
         self.model = model
