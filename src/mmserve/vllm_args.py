@@ -161,7 +161,8 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
             switch=True, server_only=True),
     VllmArg("kv_transfer_config", NO, "disaggregated prefill: --prefill-replicas P --decode-replicas D"),
     # multimodal
-    VllmArg("limit_mm_per_prompt", W, "most images and videos in one prompt: image=N,video=M or vLLM's JSON",
+    VllmArg("limit_mm_per_prompt", W, "most images, videos and audio clips in one prompt: "
+            "image=N,video=M,audio=K or vLLM's JSON",
             server_only=True, example=('{"image": 2}',)),
     VllmArg("mm_processor_kwargs", W, "processor kwargs (JSON) every request starts from, e.g. "
             '{"max_pixels": 401408}; a request\'s own mm_processor_kwargs win', example=('{"max_pixels": 401408}',)),

@@ -301,8 +301,11 @@ def _chat_body(content, **extra) -> dict:
 BAD_REQUESTS = {
     "malformed_json": (b'{"model": "x", "messages": [', 400, "not valid JSON"),
     "messages_not_a_list": ({"messages": "hi"}, 400, "messages"),
-    "unknown_part_type": (_chat_body([{"type": "audio_url", "audio_url": {"url": "x"}}]), 400,
-                          "content[0].type 'audio_url' is not a supported content part type"),
+    "unknown_part_type": (_chat_body([{"type": "file", "file": {"file_id": "x"}}]), 400,
+                          "content[0].type 'file' is not a supported content part type"),
+    "audio_without_audio": (_chat_body([{"type": "input_audio",
+                                         "input_audio": {"data": "AAAA", "format": "wav"}}]),
+                            400, "this model does not take audios"),
     "corrupt_base64": (_chat_body([{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}]),
                        400, "invalid base64"),
     "undecodable_image": (_chat_body([{"type": "image_url", "image_url": {"url": data_uri(b"not a png")}}]), 400,
@@ -403,7 +406,7 @@ BAD_REQUEST_PARAMS = {
     "video_frames_without_urls": f"{PART}.video_frames", "video_frames_over_the_limit": f"{PART}.video_frames.urls",
     "video_frames_bad_fps": f"{PART}.video_frames.fps", "video_frames_bad_frame": f"{PART}.video_frames",
     "unknown_video_sampling": "mm_processor_kwargs.video_sampling", "bad_temperature": "temperature",
-    "bad_stop": "stop",
+    "bad_stop": "stop", "audio_without_audio": f"{PART}.input_audio",
 }
 
 

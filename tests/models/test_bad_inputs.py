@@ -49,10 +49,16 @@ def test_expanded_run_of_wrong_length_names_both_counts(processor, img):
 
 
 def test_unknown_content_part_type(processor):
-    with pytest.raises(InvalidInputError, match=r"messages\[0\].content\[0\].type 'audio_url' is not a supported "
+    with pytest.raises(InvalidInputError, match=r"messages\[0\].content\[0\].type 'file' is not a supported "
                                                 r"content part type") as caught:
-        processor.render_chat(user({"type": "audio_url", "audio_url": {"url": "x"}}))
+        processor.render_chat(user({"type": "file", "file": {"file_id": "x"}}))
     assert caught.value.param == "messages[0].content[0].type"
+
+
+def test_audio_on_a_model_without_audio(processor):
+    with pytest.raises(InvalidInputError, match="this model does not take audios") as caught:
+        processor.render_chat(user(text_part("hi"), {"type": "audio_url", "audio_url": {"url": "x"}}))
+    assert caught.value.param == "messages[0].content[1].audio_url"
 
 
 def test_extreme_aspect_ratio(processor):

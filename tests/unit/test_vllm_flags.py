@@ -130,8 +130,12 @@ def test_dtype_auto_is_the_checkpoints(tmp_path):
 def test_limit_mm_per_prompt_takes_vllms_json():
     assert cli._limit_per_prompt('{"image": 2, "video": 0}') == {"image": 2, "video": 0}
     assert cli._limit_per_prompt("image=3") == {"image": 3}
-    with pytest.raises(InvalidInputError):
-        cli._limit_per_prompt('{"audio": 1}')
+    assert cli._limit_per_prompt('{"audio": 1}') == {"audio": 1}
+    assert cli._limit_per_prompt("audio=2,image=1") == {"audio": 2, "image": 1}
+    assert cli._limit_per_prompt("") == {}  # every kind keeps its default
+    for refused in ('{"speech": 1}', '{"audio": -1}', '{"audio": true}', "audio=x", "[1]"):
+        with pytest.raises(InvalidInputError):
+            cli._limit_per_prompt(refused)
 
 
 def test_max_model_len_past_the_positions_needs_the_environment(monkeypatch):

@@ -110,7 +110,7 @@ class Frontend:
         """`item_params`: the request fields the media items came from (errors name them)."""
         p = parse_prompt(raw_prompt, self._with_default_kwargs(mm_processor_kwargs))
         processed = self.processor.process(p.prompt, p.prompt_token_ids, p.images, p.videos, p.mm_processor_kwargs,
-                                           p.uuids, item_params)
+                                           p.uuids, item_params, audios=p.audios)
         processed.cache_salt = p.cache_salt
         return processed
 
@@ -119,7 +119,8 @@ class Frontend:
         chat = self.processor.render_chat(messages, **{**(self.config.default_chat_template_kwargs or {}),
                                                        **template_kwargs})
         return self.processor.process(chat.prompt, None, chat.images, chat.videos,
-                                      self._with_default_kwargs(mm_processor_kwargs), chat.uuids, chat.params)
+                                      self._with_default_kwargs(mm_processor_kwargs), chat.uuids, chat.params,
+                                      audios=chat.audios)
 
     def _with_default_kwargs(self, given: Any) -> Any:
         """A request's mm_processor_kwargs over the engine's defaults (a non-dict is left for the check)."""

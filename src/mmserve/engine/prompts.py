@@ -2,7 +2,8 @@
 
 Role: accept a str, `{"prompt": str, ...}` or `{"prompt_token_ids": [...], ...}` with optional
 `multi_modal_data` ({"image": one or a list, "video": one video or a list: frames, a (F, H, W, C)
-array, or `VideoFrames` — frames with their fps}) and
+array, or `VideoFrames` — frames with their fps; "audio": one clip or a list: vLLM's `(samples,
+sampling_rate_hz)` tuple, an audio file's bytes, a data URL or local path: inputs/audio_sources.py}) and
 `mm_processor_kwargs` and `multi_modal_uuids` (shaped like multi_modal_data), and reject anything
 else with `InvalidInputError`; cut a processed text prompt to its last tokens (truncate_prompt_tokens);
 check that a processed prompt fits the context and that the token ids a request names are in the vocabulary.
@@ -33,6 +34,7 @@ class PromptInput:
     prompt_token_ids: list[int] | None = None
     images: list[Any] = field(default_factory=list)
     videos: list[Any] = field(default_factory=list)
+    audios: list[Any] = field(default_factory=list)
     mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
     uuids: dict[str, list[str | None]] = field(default_factory=dict)  # caller-supplied item identities
     cache_salt: str | None = None  # vLLM's: only requests with the same salt share prefix-cache blocks
@@ -57,6 +59,14 @@ def _as_videos(value: Any) -> list[Any]:
                             f"got {type(value).__name__}", param="multi_modal_data.video")
 
 
+def _as_audios(value: Any) -> list[Any]:
+    """One clip or a list of clips -> a list of clips. A tuple is one clip (vLLM's `(samples,
+    sampling_rate_hz)`, as vLLM reads any tuple); a list is clips."""
+    if isinstance(value, tuple):
+        return [value]
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
 def parse_prompt(raw: Any, mm_processor_kwargs: dict[str, Any] | None = None) -> PromptInput:
     if mm_processor_kwargs is not None and not isinstance(mm_processor_kwargs, dict):
         raise InvalidInputError("mm_processor_kwargs must be a dict", param="mm_processor_kwargs")
@@ -73,12 +83,13 @@ def parse_prompt(raw: Any, mm_processor_kwargs: dict[str, Any] | None = None) ->
     if ids is not None and not (isinstance(ids, (list, tuple)) and all(isinstance(t, int) for t in ids)):
         raise InvalidInputError("prompt_token_ids must be a list of ints", param="prompt_token_ids")
     data = raw.get("multi_modal_data") or {}
-    if not isinstance(data, dict) or set(data) - {"image", "video"}:
-        raise InvalidInputError("multi_modal_data must be a dict with keys 'image' and/or 'video'",
+    if not isinstance(data, dict) or set(data) - {"image", "video", "audio"}:
+        raise InvalidInputError("multi_modal_data must be a dict with keys 'image', 'video' and/or 'audio'",
                                 param="multi_modal_data")
     image = data.get("image")
     images = [] if image is None else list(image) if isinstance(image, (list, tuple)) else [image]
     videos = [] if data.get("video") is None else _as_videos(data["video"])
+    audios = [] if data.get("audio") is None else _as_audios(data["audio"])
     kwargs = dict(mm_processor_kwargs or {})
     per_prompt = raw.get("mm_processor_kwargs") or {}
     if not isinstance(per_prompt, dict):
@@ -91,7 +102,7 @@ def parse_prompt(raw: Any, mm_processor_kwargs: dict[str, Any] | None = None) ->
     prompt = raw.get("prompt")
     if isinstance(prompt, str):
         require_unicode(prompt, "prompt")
-    return PromptInput(prompt, list(ids) if ids is not None else None, images, videos, kwargs, uuids,
+    return PromptInput(prompt, list(ids) if ids is not None else None, images, videos, audios, kwargs, uuids,
                        check_cache_salt(raw.get("cache_salt")))
 
 

@@ -22,7 +22,14 @@ from typing import Any
 
 from mmserve.engine.client import EngineClient
 from mmserve.engine.generation_defaults import describe
-from mmserve.entrypoints.cli_args import build_parser, default_device, engine_kwargs, resolved_model
+from mmserve.entrypoints.cli_args import (
+    DEFAULT_MM_LIMITS,
+    MM_KINDS,
+    build_parser,
+    default_device,
+    engine_kwargs,
+    resolved_model,
+)
 from mmserve.entrypoints.server_flags import build_server_config, cors_policy, response_store_error, tls_files
 from mmserve.errors import InvalidInputError, ModelLoadError
 from mmserve.inputs.media import MediaLimits
@@ -61,20 +68,22 @@ def _read_image(path: Path, limits: MediaLimits) -> bytes:
 
 
 def _limit_per_prompt(text: str) -> dict[str, int]:
-    """image=N,video=M, or vLLM's JSON {"image": N, "video": M}."""
+    """image=N,video=M,audio=K, or vLLM's JSON {"image": N, "video": M, "audio": K}."""
     if text.strip().startswith("{"):
         try:
             parsed = json.loads(text)
         except json.JSONDecodeError as exc:
             raise InvalidInputError(f"--limit-mm-per-prompt: not JSON: {exc}") from exc
-        if not all(k in ("image", "video") and isinstance(v, int) and v >= 0 for k, v in parsed.items()):
-            raise InvalidInputError(f"--limit-mm-per-prompt takes image and video counts; got {text!r}")
+        counts = parsed.items() if isinstance(parsed, dict) else [(None, None)]
+        if not all(k in MM_KINDS and type(v) is int and v >= 0 for k, v in counts):  # type(): not a bool
+            raise InvalidInputError(f"--limit-mm-per-prompt takes image, video and audio counts; "
+                                    f"got {text!r}")
         return parsed
     limits = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = item.partition("=")
-        if not sep or key.strip() not in ("image", "video") or not value.strip().isdigit():
-            raise InvalidInputError(f"--limit-mm-per-prompt takes image=N,video=M; got {text!r}")
+        if not sep or key.strip() not in MM_KINDS or not value.strip().isdigit():
+            raise InvalidInputError(f"--limit-mm-per-prompt takes image=N,video=M,audio=K; got {text!r}")
         limits[key.strip()] = int(value)
     return limits
 
@@ -91,7 +100,7 @@ def _serve(args: argparse.Namespace) -> int:
               "auto: the syntax the model's chat template renders, the default)", file=sys.stderr)
         return 2
     model = resolved_model(args)
-    limits = {"image": 16, "video": 4, **_limit_per_prompt(args.limit_mm_per_prompt)}
+    limits = {**DEFAULT_MM_LIMITS, **_limit_per_prompt(args.limit_mm_per_prompt)}
     config = EngineConfig.from_kwargs(model, **engine_kwargs(args))
     fetch = FetchPolicy(timeout_s=args.media_fetch_timeout, allowed_domains=tuple(args.allowed_media_domains),
                         allow_private=args.allow_private_media_urls)

@@ -37,6 +37,8 @@ ENGINE_ARG_GROUPS = (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("e
                      ("media limits", MediaLimits), ("captured graphs (CUDA), compiled decode (CPU)", GraphConfig))
 
 
+MM_KINDS = ("image", "video", "audio")  # what --limit-mm-per-prompt counts
+DEFAULT_MM_LIMITS = {"image": 16, "video": 4, "audio": 4}
 DTYPE_CHOICES = ["float32", "bfloat16", "float16", "auto", "half", "float"]
 SIZE_SUFFIXES = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
 
@@ -212,9 +214,10 @@ def _add_listen_flags(http: argparse._ArgumentGroup) -> None:
 
 def _add_media_flags(media: argparse._ArgumentGroup) -> None:
     """What media the server fetches, from where, how much."""
-    media.add_argument("--limit-mm-per-prompt", default="image=16,video=4", metavar="image=N,video=M",
-                       help="most media items of each kind in one prompt, or vLLM's JSON '{\"image\": N}' "
-                            "(default: image=16,video=4)")
+    shown = ",".join(f"{kind}={n}" for kind, n in DEFAULT_MM_LIMITS.items())
+    media.add_argument("--limit-mm-per-prompt", default="", metavar="image=N,video=M,audio=K",
+                       help="most media items of each kind in one prompt, or vLLM's JSON "
+                            f"'{{\"image\": N}}'; a kind not given keeps its default (default: {shown})")
     media.add_argument("--allowed-media-domains", nargs="+", default=(), metavar="DOMAIN",
                        help="fetch media URLs only from these hosts (and subdomains), which are trusted")
     media.add_argument("--allow-private-media-urls", action="store_true",

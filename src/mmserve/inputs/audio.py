@@ -7,6 +7,9 @@ resamples with soxr at "HQ" quality: librosa's default `res_type="soxr_hq"`, the
 and vLLM's audio paths use, so the samples match theirs. Every bad input raises `InvalidInputError`
 naming `param` (or `param.format`): oversized bytes (refused before decoding), undecodable or audio-less
 files, impossible stream parameters, a declared or decoded duration over the limit.
+`clip_from_samples(samples, rate_hz, ...)` does the same for samples a caller already holds (vLLM's
+`(array, sampling_rate)`): the same scaling, mix-down and resampler, so an array and a WAV file of the
+same samples give the same clip.
 
 Memory and time are bounded by the limits, not by what a header says: the byte cap is checked first,
 the declared duration (the container's, and a WAV header's own data size, which FFmpeg clamps to the
@@ -14,7 +17,7 @@ bytes present) is refused before decoding, and decoded samples are counted frame
 stops as soon as they pass `max_duration_s`. Samples are resampled as they are decoded, so only the
 output rate's samples are ever held.
 
-What it does not know: models, feature extraction, HTTP, where the bytes came from.
+What it does not know: models, feature extraction, HTTP, where the bytes or samples came from.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import av
 import numpy as np
@@ -157,9 +161,28 @@ def _audio_stream(data: bytes, container: av.container.InputContainer,
     return stream
 
 
+def _as_float32(values: np.ndarray, base: str, param: str) -> np.ndarray:
+    """(channels, samples) of one sample format as float32 in [-1, 1]: integer PCM scaled as libsndfile
+    scales it, floats cast."""
+    if base in _INT_SCALES:
+        offset, divisor = _INT_SCALES[base]
+        # rounding to float32 first then dividing by a power of two rounds once, as dividing exactly would
+        return (values.astype(np.float32) - np.float32(offset)) / np.float32(divisor)
+    if base in ("flt", "dbl"):
+        return values.astype(np.float32, copy=False)
+    raise InvalidInputError(f"audio sample format {base!r} is not supported", param=param)
+
+
+def _mix_down(values: np.ndarray, param: str) -> np.ndarray:
+    """(channels, samples) float32 -> mono: librosa's `to_mono`, a float32 mean over channels."""
+    mono = values[0] if values.shape[0] == 1 else values.mean(axis=0, dtype=np.float32)
+    if not np.isfinite(mono).all():  # librosa refuses these too; they would poison every feature downstream
+        raise InvalidInputError("audio contains non-finite (NaN or infinite) samples", param=param)
+    return mono
+
+
 def _mono_float32(frame: av.AudioFrame, param: str) -> np.ndarray:
-    """One decoded frame as mono float32: integer PCM scaled as libsndfile scales it, channels averaged
-    (librosa's `to_mono`: a float32 mean over channels)."""
+    """One decoded frame as mono float32."""
     planar = frame.format.is_planar
     base = frame.format.name[:-1] if planar else frame.format.name  # "s16p" -> "s16"
     channels = len(frame.layout.channels)
@@ -168,18 +191,16 @@ def _mono_float32(frame: av.AudioFrame, param: str) -> np.ndarray:
     array = frame.to_ndarray()
     if not planar:  # interleaved: one row of samples * channels values
         array = array.reshape(-1, channels).T
-    if base in _INT_SCALES:
-        offset, divisor = _INT_SCALES[base]
-        # rounding to float32 first then dividing by a power of two rounds once, as dividing exactly would
-        values = (array.astype(np.float32) - np.float32(offset)) / np.float32(divisor)
-    elif base in ("flt", "dbl"):
-        values = array.astype(np.float32, copy=False)
-    else:
-        raise InvalidInputError(f"audio sample format {frame.format.name!r} is not supported", param=param)
-    mono = values[0] if channels == 1 else values.mean(axis=0, dtype=np.float32)
-    if not np.isfinite(mono).all():  # librosa refuses these too; they would poison every feature downstream
-        raise InvalidInputError("audio contains non-finite (NaN or infinite) samples", param=param)
-    return mono
+    return _mix_down(_as_float32(array, base, param), param)
+
+
+def _resampler(in_rate_hz: float, out_rate_hz: int) -> soxr.ResampleStream | None:
+    """librosa's `res_type="soxr_hq"` as a stream (None: the rates are equal). Its output does not depend
+    on how the input is cut into chunks, so a decoded file and an array of the same samples resample to
+    the very same samples."""
+    if in_rate_hz == out_rate_hz:
+        return None
+    return soxr.ResampleStream(in_rate_hz, out_rate_hz, 1, dtype="float32", quality="HQ")
 
 
 def _decode_mono(container: av.container.InputContainer, stream: av.audio.stream.AudioStream,
@@ -191,8 +212,7 @@ def _decode_mono(container: av.container.InputContainer, stream: av.audio.stream
     gives (chunking does not change its output), without holding the input rate's samples."""
     in_rate = stream.codec_context.sample_rate
     max_samples = limits.max_duration_s * in_rate
-    resampler = None if in_rate == sampling_rate_hz else soxr.ResampleStream(
-        in_rate, sampling_rate_hz, 1, dtype="float32", quality="HQ")
+    resampler = _resampler(in_rate, sampling_rate_hz)
     chunks: list[np.ndarray] = []
     decoded = 0
     for frame in container.decode(stream):
@@ -264,3 +284,72 @@ def decode_audio(data: bytes, *, param: str, sampling_rate_hz: int, limits: Audi
     if len(samples) == 0:
         raise InvalidInputError(f"audio is too short to resample to {sampling_rate_hz} Hz", param=param)
     return AudioClip(samples=samples, sampling_rate_hz=sampling_rate_hz)
+
+
+# numpy dtypes of integer PCM -> the sample format whose scale they take (floats are cast as they are)
+_ARRAY_FORMATS = {"uint8": "u8", "int16": "s16", "int32": "s32", "int64": "s64"}
+
+
+def _check_rate(rate_hz: Any, limits: AudioLimits, param: str) -> float:
+    number = isinstance(rate_hz, (int, float, np.integer, np.floating)) and not isinstance(rate_hz, bool)
+    if not number or not 1 <= float(rate_hz) <= limits.max_sampling_rate_hz:  # NaN fails the comparison too
+        raise InvalidInputError(f"audio sampling rate {rate_hz!r:.40} is not a number of Hz in "
+                                f"1..{limits.max_sampling_rate_hz}", param=param)
+    return float(rate_hz) if float(rate_hz) != int(rate_hz) else int(rate_hz)
+
+
+def _channels_first(samples: Any, limits: AudioLimits, param: str) -> tuple[np.ndarray, str]:
+    """`samples` (an array, or what numpy makes an array of) as (channels, samples) and the sample format
+    its dtype is. A 2-D array's channels are on
+    its shorter axis: (channels, samples) as librosa and torchaudio give it, (samples, channels) as
+    soundfile does; vLLM's `normalize_audio` reads them the same way."""
+    if not isinstance(samples, np.ndarray):  # a list of floats, a CPU tensor: what numpy makes of it
+        try:
+            samples = np.asarray(samples)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise InvalidInputError(f"audio samples must be an array of numbers, got "
+                                    f"{type(samples).__name__}", param=param) from exc
+    base = "flt" if samples.dtype.kind == "f" else _ARRAY_FORMATS.get(samples.dtype.name)
+    if base is None:
+        raise InvalidInputError(f"audio samples must be floats in [-1, 1] or integer PCM, got dtype "
+                                f"{samples.dtype}", param=param)
+    if samples.ndim not in (1, 2):
+        raise InvalidInputError(f"audio samples must be 1-D (mono) or 2-D (channels and samples), got shape "
+                                f"{samples.shape}", param=param)
+    if samples.ndim == 1:
+        array = samples[None, :]
+    else:
+        array = samples.T if samples.shape[0] > samples.shape[1] else samples
+    if not 0 < array.shape[0] <= limits.max_channels:
+        raise InvalidInputError(f"audio has {array.shape[0]} channels, not 1..{limits.max_channels}",
+                                param=param)
+    return array, base
+
+
+def clip_from_samples(samples: Any, rate_hz: Any, *, param: str, sampling_rate_hz: int,
+                      limits: AudioLimits) -> AudioClip:
+    """Samples a caller holds (vLLM's `(array, sampling_rate)`) -> mono float32 at `sampling_rate_hz`, made
+    as `decode_audio` makes a file's: integer PCM scaled alike, channels averaged alike, resampled by the
+    same soxr stream; so the samples of a WAV file given as an array become the very samples the file does.
+
+    The array is 1-D (mono) or 2-D with its channels on the shorter axis (`_channels_first`). The duration
+    limit is checked before anything is resampled; the result never aliases the caller's array."""
+    if sampling_rate_hz <= 0:
+        raise ValueError(f"sampling_rate_hz must be positive, not {sampling_rate_hz}")
+    rate = _check_rate(rate_hz, limits, param)
+    array, base = _channels_first(samples, limits, param)
+    if array.shape[1] == 0:
+        raise InvalidInputError("audio has no samples", param=param)
+    if array.shape[1] > limits.max_duration_s * rate:
+        raise InvalidInputError(f"audio is {array.shape[1] / rate:.1f} s long, over the limit of "
+                                f"{limits.max_duration_s:g} s", param=param)
+    mono = _mix_down(_as_float32(array, base, param), param)
+    resampler = _resampler(rate, sampling_rate_hz)
+    if resampler is None:
+        out = np.array(mono, dtype=np.float32)  # a copy: the caller may reuse its buffer
+    else:
+        out = np.concatenate([resampler.resample_chunk(np.ascontiguousarray(mono)),
+                              resampler.resample_chunk(np.zeros(0, np.float32), last=True)])
+    if len(out) == 0:
+        raise InvalidInputError(f"audio is too short to resample to {sampling_rate_hz} Hz", param=param)
+    return AudioClip(samples=out, sampling_rate_hz=sampling_rate_hz)

@@ -1,11 +1,13 @@
 """OpenAI-format chat messages -> template messages plus the media they carry, in order.
 
-Role: check each message, turn every media content part into a bare `{"type": "image"}` or
-`{"type": "video"}` part for the chat template (the family's template writes its own
-placeholder there), and collect the media, any per-part `uuid` and each part's field path
+Role: check each message, turn every media content part into a bare `{"type": "image"}`,
+`{"type": "video"}` or `{"type": "audio"}` part for the chat template (the family's template writes its
+own placeholder there), and collect the media, any per-part `uuid` and each part's field path
 (`messages[i].content[j].image_url`, which errors about that item name) in placeholder order.
-A `video_url` part is taken only as the server leaves it: with its frames already decoded.
-What it does not know: templates, tokenizers, models.
+A `video_url` part is taken only as the server leaves it: with its frames already decoded. Audio comes
+as OpenAI's `input_audio` (`{"data": <base64>, "format": "wav"}`: its format name and base64 checked
+here) or vLLM's `audio_url` (a data URL, a local path, or the bytes the server fetched).
+What it does not know: templates, tokenizers, models, how media are decoded.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mmserve.errors import InvalidInputError
-from mmserve.inputs.items import IMAGE, VIDEO
+from mmserve.inputs.audio_sources import EncodedAudio, input_audio
+from mmserve.inputs.items import AUDIO, IMAGE, VIDEO
 
 IMAGE_PART_TYPES = ("image_url", "image_pil", "image")
 VIDEO_PART_TYPES = ("video", "video_frames", "video_url")
+AUDIO_PART_TYPES = ("input_audio", "audio_url")
 
 
 @dataclass
@@ -27,8 +31,10 @@ class ChatInput:
     prompt: str
     images: list[Any] = field(default_factory=list)
     videos: list[Any] = field(default_factory=list)
-    uuids: dict[str, list[str | None]] = field(default_factory=lambda: {IMAGE: [], VIDEO: []})  # per-part "uuid"
-    params: dict[str, list[str]] = field(default_factory=lambda: {IMAGE: [], VIDEO: []})  # each part's field path
+    audios: list[Any] = field(default_factory=list)
+    # each part's "uuid", and its field path, per modality
+    uuids: dict[str, list[str | None]] = field(default_factory=lambda: {IMAGE: [], VIDEO: [], AUDIO: []})
+    params: dict[str, list[str]] = field(default_factory=lambda: {IMAGE: [], VIDEO: [], AUDIO: []})
 
 
 def require_unicode(text: str, param: str | None) -> str:
@@ -94,7 +100,28 @@ def _normalize_part(part: Any, media: ChatInput, where: str) -> dict[str, Any]:
         media.uuids[VIDEO].append(part.get("uuid"))
         media.params[VIDEO].append(f"{where}.{kind}")
         return {"type": "video"}
+    if kind in AUDIO_PART_TYPES:
+        media.audios.append(_audio_source(part, kind, where))
+        media.uuids[AUDIO].append(part.get("uuid"))
+        media.params[AUDIO].append(f"{where}.{kind}")
+        return {"type": "audio"}
     if not isinstance(part, dict):
         raise InvalidInputError(f"{where} must be an object with a 'type'", param=where)
     raise InvalidInputError(f"{where}.type {kind!r:.40} is not a supported content part type; supported: text, "
-                            f"{', '.join(IMAGE_PART_TYPES + VIDEO_PART_TYPES)}", param=f"{where}.type")
+                            f"{', '.join(IMAGE_PART_TYPES + VIDEO_PART_TYPES + AUDIO_PART_TYPES)}",
+                            param=f"{where}.type")
+
+
+def _audio_source(part: dict[str, Any], kind: str, where: str) -> Any:
+    """An audio part's source for the processor; None: a uuid alone names audio sent before."""
+    value = part.get(kind)
+    held = value.get("data" if kind == "input_audio" else "url") if isinstance(value, dict) else value
+    if value is None or (held is None and part.get("uuid") is not None):
+        return None
+    if kind == "input_audio":  # the server has checked and decoded it already: an EncodedAudio
+        return value if isinstance(value, EncodedAudio) else input_audio(value, f"{where}.input_audio")
+    url = value.get("url") if isinstance(value, dict) else value  # a bare URL too, as image_url takes one
+    if not isinstance(url, (str, bytes)) or not url:
+        raise InvalidInputError(f"{where}.audio_url: an audio_url part needs "
+                                "{'audio_url': {'url': '...'}}", param=f"{where}.audio_url")
+    return url

@@ -1,8 +1,9 @@
-"""The processed prompt: token ids plus one `MMItem` per image or video.
+"""The processed prompt: token ids plus one `MMItem` per image, video or audio clip.
 
 Role: the typed result of input processing and the only thing the engine sees of a prompt.
 An item carries its placeholder span, its encoder sizes (pre-merge patches, post-merge rows),
-its content key and its family-owned payload (pixels, grids: whatever the family's encoder reads).
+its content key and its family-owned payload (pixels, grids, audio features: whatever the family's
+encoder reads).
 The prompt carries its placeholder masks, the embed cumsum and its position table.
 What it does not know: engine state, tensors on devices, what a payload holds.
 """
@@ -17,6 +18,7 @@ import numpy as np
 
 IMAGE = "image"
 VIDEO = "video"
+AUDIO = "audio"
 
 
 @dataclass(frozen=True)
@@ -31,13 +33,13 @@ class CrossAttentionSpan:
 
 @dataclass(frozen=True)
 class MMItem:
-    modality: str  # IMAGE or VIDEO
-    index: int  # which image or video of the prompt (its parts share the index)
+    modality: str  # IMAGE, VIDEO or AUDIO
+    index: int  # which image, video or audio clip of the prompt, in its modality (its parts share the index)
     offset: int  # first token of the item's placeholder span in the prompt
     length: int  # tokens in the span (embedding rows plus any special tokens inside it)
-    encoder_tokens: int  # pre-merge patches the vision tower processes
+    encoder_tokens: int  # what the encoder processes: pre-merge patches, audio feature frames (the family's)
     output_rows: int  # post-merge embedding rows the item fills
-    content_hash: str  # identity of what the model sees (pixels + processing)
+    content_hash: str  # identity of what the model sees (pixels or samples + processing)
     payload: Any = None  # the family's encoder input; only the family's model reads it
     part: int = 0  # which part of its image or video (a video's temporal group, in families that split)
     # set when the item is read by cross-attention layers: its span is one token that keeps its text

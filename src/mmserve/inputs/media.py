@@ -12,6 +12,9 @@ alpha channel rather than blending it; a PIL image is handed on as it is (the fa
 composites transparency onto white, as transformers' image processors do); an RGBA array is composited
 onto white in float64 and rounded, as transformers' `convert_to_rgb` does for arrays.
 
+`MediaLimits` holds every media limit, audio's too (`.audio`: audio.py's `AudioLimits`); audio itself is
+loaded by audio_sources.py.
+
 What it does not know: models, patch sizes, tokens. Network fetching lives with the server.
 """
 
@@ -24,7 +27,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -32,6 +35,9 @@ from PIL import Image, ImageOps
 from mmserve.errors import InvalidInputError
 from mmserve.inputs.frame_sampling import check_fps
 from mmserve.options import option
+
+if TYPE_CHECKING:
+    from mmserve.inputs.audio import AudioLimits
 
 # The modes Pillow converts to RGB (as transformers does: 16-bit, 32-bit and float values are clipped to
 # 0..255, not rescaled). "La" (premultiplied) has no conversion to RGB in Pillow.
@@ -49,12 +55,25 @@ class MediaLimits:
                                                   shown="none")
     media_uuid_cache_bytes: int = option(256 * 1024 * 1024, "decoded media kept by uuid, so a later request may "
                                          "name it by its uuid alone (0: none kept)", shown="256MiB")
+    max_audio_bytes: int = option(25 * 1024 * 1024, "largest encoded audio file (OpenAI's upload limit)",
+                                  shown="25MiB")
+    max_audio_duration_s: float = option(600.0, "longest audio clip in seconds, refused from its header "
+                                         "before decoding, else as soon as decoding passes it")
 
     def __post_init__(self) -> None:
-        if min(self.max_image_bytes, self.max_image_pixels, self.max_video_frames, self.max_pixels_per_request) <= 0:
+        if min(self.max_image_bytes, self.max_image_pixels, self.max_video_frames,
+               self.max_pixels_per_request, self.max_audio_bytes, self.max_audio_duration_s) <= 0:
             raise ValueError("media limits must be positive")
         if self.media_uuid_cache_bytes < 0:
             raise ValueError("media_uuid_cache_bytes must be >= 0")
+
+    @property
+    def audio(self) -> AudioLimits:
+        """What one audio input may cost (audio.py's limits): the bytes and duration set here, audio.py's
+        sampling-rate and channel bounds."""
+        from mmserve.inputs.audio import AudioLimits  # here: importing PyAV is not every config's cost
+
+        return AudioLimits(max_bytes=self.max_audio_bytes, max_duration_s=self.max_audio_duration_s)
 
 
 class PixelBudget:
@@ -152,8 +171,10 @@ def decode_data_uri(uri: str, what: str = "image") -> bytes:
         raise InvalidInputError(f"{what} data URI has invalid base64: {exc}") from exc
 
 
-def read_local_file(path_or_url: str, limits: MediaLimits, what: str = "image") -> bytes:
-    """Read a local path or file:// URL, only inside `limits.allowed_local_media_path`."""
+def read_local_file(path_or_url: str, limits: MediaLimits, what: str = "image", max_bytes: int | None = None,
+                    setting: str = "max_image_bytes") -> bytes:
+    """Read a local path or file:// URL, only inside `limits.allowed_local_media_path`, of at most `max_bytes`
+    (default: `limits.max_image_bytes`; `setting` names the limit)."""
     raw = path_or_url[len("file://"):] if path_or_url.startswith("file://") else path_or_url
     if limits.allowed_local_media_path is None:
         raise InvalidInputError(f"{what}: local files are not allowed (set allowed_local_media_path)",
@@ -165,10 +186,10 @@ def read_local_file(path_or_url: str, limits: MediaLimits, what: str = "image") 
                                 "(allowed_local_media_path)", setting="allowed_local_media_path")
     if not path.is_file():
         raise InvalidInputError(f"{what}: no such file {raw!r}")
-    size = path.stat().st_size
-    if size > limits.max_image_bytes:
-        raise InvalidInputError(f"{what} is {size} bytes, over the limit of {limits.max_image_bytes} bytes "
-                                "(max_image_bytes)", setting="max_image_bytes")
+    size, cap = path.stat().st_size, limits.max_image_bytes if max_bytes is None else max_bytes
+    if size > cap:
+        raise InvalidInputError(f"{what} is {size} bytes, over the limit of {cap} bytes ({setting})",
+                                setting=setting)
     return path.read_bytes()
 
 

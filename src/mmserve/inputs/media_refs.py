@@ -4,7 +4,8 @@ Role: `MediaRefs`, a bounded store of decoded media by (modality, uuid). An item
 media and a uuid is loaded and kept here under the uuid (newer media under the same uuid replace the
 older: a growing video stream keeps its latest frames); an item that comes with the uuid and no media
 (None) is the media kept under it. The store holds at most `capacity_bytes` of decoded pixels, the
-least recently used given up first; a uuid it never held, or no longer holds, is an `InvalidInputError`
+least recently used given up first (an audio clip counts its float32 samples: 4 bytes each, at the model's
+rate); a uuid it never held, or no longer holds, is an `InvalidInputError`
 naming the uuid (which of the two it is, for the latest evictions). Thread-safe: prompts are processed
 on worker threads.
 What it does not know: content keys, the encoder cache, the engine, HTTP.
@@ -16,9 +17,11 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
 from PIL import Image
 
 from mmserve.errors import InvalidInputError
+from mmserve.inputs.audio_sources import load_audio
 from mmserve.inputs.media import MediaLimits, load_image, load_video
 
 EVICTED_KEPT = 4096  # evicted uuids remembered, to say "evicted" rather than "never sent"
@@ -58,6 +61,17 @@ class MediaRefs:
         if uuid is not None:
             self._put(("video", uuid), video, sum(_image_bytes(f) for f in video[0]))
         return video
+
+    def audio(self, source: Any, uuid: str | None, limits: MediaLimits, sampling_rate_hz: int,
+              where: str) -> np.ndarray:
+        """An audio item as mono float32 samples at `sampling_rate_hz`: loaded (and kept under `uuid`), or the
+        one kept."""
+        if source is None:
+            return self._get("audio", uuid, where)
+        samples = load_audio(source, limits, sampling_rate_hz, where)
+        if uuid is not None:
+            self._put(("audio", uuid), samples, samples.nbytes)
+        return samples
 
     def _get(self, modality: str, uuid: str | None, where: str) -> Any:
         if uuid is None:

@@ -8,11 +8,13 @@ positions. Invariant 1 is checked here:
 each span holds exactly as many placeholder ids as the encoder will produce rows (a family that reads
 items through cross-attention, `fuses_rows = False`: each span is one placeholder token).
 
-A family subclasses `MultimodalProcessor` and supplies four hooks: `processing_key` (validates
-mm_processor_kwargs and says what shapes the pixels: part of the content key), `expand_image`,
-`expand_video` (an `ItemExpansion` each: the span's token ids, the rows, the encoder tokens, the
-payload its model reads, and any text the placeholder becomes around the span) and, unless
-positions are token indices, `positions`.
+A family subclasses `MultimodalProcessor` and supplies its hooks: `processing_key` (validates
+mm_processor_kwargs and says what shapes the pixels or samples: part of the content key), `expand_image`,
+`expand_video`, `expand_audio` (an `ItemExpansion` each: the span's token ids, the rows, the encoder
+tokens, the payload its model reads, and any text the placeholder becomes around the span) for the
+`modalities` it takes and, unless positions are token indices, `positions`. A family that takes audio
+names the rate its feature extractor reads (`audio_sampling_rate_hz`): every clip reaches `expand_audio`
+as mono float32 samples at that rate (audio_sources.py), keyed by those samples (item_keys.py).
 
 The placeholder a prompt holds per item (`placeholder_ids`) and the token that marks an encoder row in
 the expanded prompt (`embed_ids`) are the same token in most families, not in all (Gemma 3:
@@ -39,7 +41,8 @@ from mmserve.errors import InvalidInputError, at_param, out_of_vocabulary
 from mmserve.inputs.chat import ChatInput, normalize_messages
 from mmserve.inputs.frame_sampling import SAMPLING_KWARG, check_fps, check_sampling
 from mmserve.inputs.hashing import hash_item
-from mmserve.inputs.items import IMAGE, VIDEO, MMItem, ProcessedPrompt, PromptPositions
+from mmserve.inputs.item_keys import item_keys, item_uuids
+from mmserve.inputs.items import AUDIO, IMAGE, VIDEO, MMItem, ProcessedPrompt, PromptPositions
 from mmserve.inputs.media import MediaLimits, PixelBudget
 from mmserve.inputs.media_refs import MediaRefs
 from mmserve.inputs.placeholders import check_item_rows, embeds_in_range
@@ -104,10 +107,14 @@ class MultimodalProcessor:
     # says which positions see each item
     fuses_rows: bool = True
     modalities: tuple[str, ...] = (IMAGE, VIDEO)  # what the family takes; others are refused up front
+    audio_sampling_rate_hz: int | None = None  # the rate its audio feature extractor reads (AUDIO only)
 
     def __init__(self, model_dir: str | Path, placeholder_ids: Mapping[str, int], vocab_size: int,
                  limits: MediaLimits | None = None, embed_ids: Mapping[str, int] | None = None,
                  tokenizer: TextTokenizer | None = None) -> None:  # tokenizer: --tokenizer's; None: the model's
+        if (AUDIO in self.modalities) != (self.audio_sampling_rate_hz is not None):
+            raise ValueError(f"{type(self).__name__}: a family that takes audio names its "
+                             "audio_sampling_rate_hz, and only such a family")
         root = Path(model_dir)
         self.limits = limits or MediaLimits()
         self.media_refs = MediaRefs(self.limits.media_uuid_cache_bytes)  # media a later request names by uuid alone
@@ -141,6 +148,10 @@ class MultimodalProcessor:
     def expand_video(self, frames: list[Image.Image], fps: float, kwargs: dict[str, Any]) -> ItemExpansion:
         raise InvalidInputError(f"{type(self).__name__} does not take videos")
 
+    def expand_audio(self, samples: np.ndarray, kwargs: dict[str, Any]) -> ItemExpansion:
+        """`samples`: one clip, mono float32 at `audio_sampling_rate_hz` (at least one sample)."""
+        raise InvalidInputError(f"{type(self).__name__} does not take audio")
+
     def positions(self, token_ids: list[int], items: list[MMItem]) -> PromptPositions:
         """Rotary positions of the prompt: by default a token's index (1-D RoPE)."""
         return PromptPositions(1)
@@ -159,7 +170,8 @@ class MultimodalProcessor:
                                     param="continue_final_message")
         out = ChatInput(prompt="")
         normalized = normalize_messages(messages, out)
-        self._check_modalities(len(out.images), len(out.videos), out.params)
+        counts = {IMAGE: len(out.images), VIDEO: len(out.videos), AUDIO: len(out.audios)}
+        self._check_modalities(counts, out.params)
         out.prompt = self.tokenizer.apply_chat_template(normalized, add_generation_prompt, **template_kwargs)
         if continue_final_message:
             out.prompt = _cut_after_final_message(out.prompt, normalized[-1] if normalized else {})
@@ -170,17 +182,19 @@ class MultimodalProcessor:
                 images: list[Any] | None = None, videos: list[Any] | None = None,
                 mm_processor_kwargs: dict[str, Any] | None = None,
                 uuids: dict[str, list[str | None]] | None = None,
-                item_params: dict[str, list[str]] | None = None) -> ProcessedPrompt:
+                item_params: dict[str, list[str]] | None = None,
+                audios: list[Any] | None = None) -> ProcessedPrompt:
         """Process a prompt (text or token ids) with its media into a ProcessedPrompt.
 
-        `uuids` ({"image": [...], "video": [...]}, None entries allowed) replace content hashing for
-        those items; the key still covers the processor kwargs and the model. `item_params` (shaped
-        the same) are the request fields the items came from, which an error about an item names
-        (default: `multi_modal_data.image[i]`)."""
-        images, videos = list(images or []), list(videos or [])
+        `uuids` ({"image": [...], "video": [...], "audio": [...]}, None entries allowed) replace content
+        hashing for those items; the key still covers the processor kwargs and the model. `item_params`
+        (shaped the same) are the request fields the items came from, which an error about an item names
+        (default: `multi_modal_data.image[i]`). `audios`: audio_sources.py's forms."""
+        media = {IMAGE: list(images or []), VIDEO: list(videos or []), AUDIO: list(audios or [])}
+        counts = {m: len(items) for m, items in media.items()}
         params = {m: list((item_params or {}).get(m) or [f"multi_modal_data.{m}[{i}]" for i in range(count)])
-                  for m, count in ((IMAGE, len(images)), (VIDEO, len(videos)))}
-        self._check_modalities(len(images), len(videos), params)
+                  for m, count in counts.items()}
+        self._check_modalities(counts, params)
         if mm_processor_kwargs is not None and not isinstance(mm_processor_kwargs, dict):
             raise InvalidInputError(f"mm_processor_kwargs must be an object, got {type(mm_processor_kwargs).__name__}",
                                     param="mm_processor_kwargs")
@@ -190,19 +204,26 @@ class MultimodalProcessor:
         if prompt is None and prompt_token_ids is None:
             raise InvalidInputError("need a prompt or prompt_token_ids", param="prompt")
         pieces = self._split_prompt(prompt) if prompt is not None else self._split_ids(prompt_token_ids)
-        self._check_counts(pieces, len(images), len(videos))
-        ids = self._item_uuids(uuids, len(images), len(videos))
+        self._check_counts(pieces, counts)
+        expanded = self._expand_media(media, item_uuids(uuids, counts), params, kwargs, fps)
+        token_ids, items = self._expand(pieces, expanded, params)
+        return self._finish(prompt, token_ids, items)
+
+    def _expand_media(self, media: dict[str, list[Any]], ids: dict[str, list[str | None]],
+                      params: dict[str, list[str]], kwargs: dict[str, Any],
+                      fps: float) -> dict[str, list[tuple[ItemExpansion, list[str]]]]:
+        """Each item loaded under the limits (or what its uuid alone names), expanded by the family, keyed."""
         image_shaping = self.processing_key(IMAGE, kwargs)
         video_shaping = self.processing_key(VIDEO, kwargs)
-        expanded: dict[str, list[tuple[ItemExpansion, list[str]]]] = {IMAGE: [], VIDEO: []}
+        expanded: dict[str, list[tuple[ItemExpansion, list[str]]]] = {m: [] for m in media}
         pixels = PixelBudget(self.limits)
-        for i, source in enumerate(images):
+        for i, source in enumerate(media[IMAGE]):
             with at_param(where := params[IMAGE][i]):
                 img = self.media_refs.image(source, ids[IMAGE][i], self.limits, where)
                 pixels.take([img], where)
-                exp = self.expand_image(img, kwargs, len(images))
+                exp = self.expand_image(img, kwargs, len(media[IMAGE]))
             expanded[IMAGE].append((exp, self._keys(IMAGE, ids[IMAGE][i], img, {**image_shaping, **exp.key_extra}, exp)))
-        for i, source in enumerate(videos):
+        for i, source in enumerate(media[VIDEO]):
             with at_param(where := params[VIDEO][i]):
                 frames, stated_fps = self.media_refs.video(source, ids[VIDEO][i], self.limits, where)
                 pixels.take(frames, where)
@@ -210,54 +231,29 @@ class MultimodalProcessor:
                 exp = self.expand_video(frames, video_fps, kwargs)
             shaping = {**video_shaping, "fps": video_fps, **exp.key_extra}
             expanded[VIDEO].append((exp, self._keys(VIDEO, ids[VIDEO][i], frames, shaping, exp)))
-        token_ids, items = self._expand(pieces, expanded, params)
-        return self._finish(prompt, token_ids, items)
+        # the samples are keyed at the model's rate: the same clip keys alike however it was sent
+        rate = self.audio_sampling_rate_hz
+        audio_shaping = {**self.processing_key(AUDIO, kwargs), "sampling_rate_hz": rate} \
+            if media[AUDIO] else {}
+        for i, source in enumerate(media[AUDIO]):
+            with at_param(where := params[AUDIO][i]):
+                samples = self.media_refs.audio(source, ids[AUDIO][i], self.limits, rate, where)
+                exp = self.expand_audio(samples, kwargs)
+            shaping = {**audio_shaping, **exp.key_extra}
+            expanded[AUDIO].append((exp, self._keys(AUDIO, ids[AUDIO][i], samples, shaping, exp)))
+        return expanded
 
-    def _check_modalities(self, num_images: int, num_videos: int,
-                          params: dict[str, list[str]] | None = None) -> None:
-        for modality, count in ((IMAGE, num_images), (VIDEO, num_videos)):
+    def _check_modalities(self, counts: dict[str, int], params: dict[str, list[str]] | None = None) -> None:
+        for modality, count in counts.items():
             if count and modality not in self.modalities:
                 where = (params or {}).get(modality) or [None]
                 raise InvalidInputError(f"this model does not take {modality}s ({count} given); it takes: "
                                         f"{', '.join(self.modalities)}", param=where[0])
 
-    def _key(self, modality: str, uuid: str | None, content: Any, shaping: dict[str, Any]) -> str:
-        """Content key: what the model sees (pixels or the caller's uuid), how it is shaped, which model."""
-        what = {"uuid": uuid} if uuid is not None else content
-        return hash_item({"modality": modality, "content": what, "processing": shaping, "model": self.model_key})
-
     def _keys(self, modality: str, uuid: str | None, content: Any, shaping: dict[str, Any],
               exp: ItemExpansion) -> list[str]:
-        """One content key per engine item: the whole item's, or each part's. A part is keyed by its own
-        pixels, so equal groups share an entry wherever they stand; under a caller's uuid (which names
-        the whole video, e.g. a stream) by the uuid, the part's place and its pixels' shape."""
-        if not exp.parts:
-            return [self._key(modality, uuid, content, shaping)]
-        keys = []
-        for k, part in enumerate(exp.parts):
-            part_shaping = {**shaping, "part_shape": part.shape}
-            keys.append(self._key(modality, uuid, part.content, part_shaping if uuid is None
-                                  else {**part_shaping, "part": k}))
-        return keys
-
-    @staticmethod
-    def _item_uuids(uuids: dict[str, list[str | None]] | None, num_images: int,
-                    num_videos: int) -> dict[str, list[str | None]]:
-        uuids = uuids or {}
-        unknown = sorted(set(uuids) - {IMAGE, VIDEO})
-        if unknown:
-            raise InvalidInputError(f"multi_modal_uuids has unknown modalities {unknown}", param="multi_modal_uuids")
-        out = {}
-        for modality, count in ((IMAGE, num_images), (VIDEO, num_videos)):
-            given = uuids.get(modality)
-            given = [given] if isinstance(given, str) else list(given or [None] * count)
-            if len(given) != count:
-                raise InvalidInputError(f"multi_modal_uuids['{modality}'] has {len(given)} entries for {count} "
-                                        f"{modality}(s)", param=f"multi_modal_uuids.{modality}")
-            if any(u is not None and not isinstance(u, str) for u in given):
-                raise InvalidInputError("multi_modal_uuids entries must be strings or None", param="multi_modal_uuids")
-            out[modality] = given
-        return out
+        """One content key per engine item (item_keys.py), of this model."""
+        return item_keys(modality, uuid, content, shaping, exp.parts, self.model_key)
 
     def _split_prompt(self, prompt: str) -> list[str | list[int]]:
         """Text -> pieces: a placeholder's modality name or a `_Text` chunk."""
@@ -297,8 +293,8 @@ class MultimodalProcessor:
                 out.append(_Run(*found))
         return out
 
-    def _check_counts(self, pieces: list[str | list[int]], num_images: int, num_videos: int) -> None:
-        for modality, given in ((IMAGE, num_images), (VIDEO, num_videos)):
+    def _check_counts(self, pieces: list[str | list[int]], counts: dict[str, int]) -> None:
+        for modality, given in counts.items():
             found = sum(1 for p in pieces if not isinstance(p, (_Text, list)) and p == modality)
             if found != given:
                 what = repr(self.pad_text.get(modality, "")) if modality in self.pad_ids else "none: not supported"
@@ -310,7 +306,7 @@ class MultimodalProcessor:
                 params: dict[str, list[str]]) -> tuple[list[int], list[MMItem]]:
         ids: list[int] = []
         items: list[MMItem] = []
-        seen = {IMAGE: 0, VIDEO: 0}
+        seen = dict.fromkeys(expanded, 0)
         text = ""  # prompt text not yet tokenized: it may still gain an item's text_before
 
         def flush() -> None:

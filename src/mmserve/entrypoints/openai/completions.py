@@ -183,7 +183,7 @@ class CompletionServing:
             return await self.serving.client.process(raw_prompt, body.mm_processor_kwargs)
         media = await self.serving.in_worker(resolve_media, body.media, self.serving.config.media,
                                              body.mm_processor_kwargs)
-        raw_prompt["multi_modal_data"] = {"image": media.images, "video": media.videos}
+        raw_prompt["multi_modal_data"] = {"image": media.images, "video": media.videos, "audio": media.audios}
         raw_prompt["multi_modal_uuids"] = media.uuids
         return await self.serving.client.process(raw_prompt, body.mm_processor_kwargs, media.params)
 

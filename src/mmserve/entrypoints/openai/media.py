@@ -5,9 +5,11 @@ with `inputs/fetch.py` (the safety rules live there); decode `video_url` files w
 `inputs/video.py` into sampled frames (the sampler from `mm_processor_kwargs.video_sampling`); take
 vLLM's `data:video/jpeg;base64,<JPEG>,<JPEG>,...` video data URL as its frames;
 fetch the frames of a `video_frames` part (`{"urls": [...], "fps": x}`: a video sent as its
-frames, e.g. a growing stream); leave data-URI and local-path images to the processor (which
-enforces the local-path allowlist and the image limits). Each part's `uuid` is kept; a part with a
-`uuid` and no media (absent, null, or a null url) goes on as None: the media sent before under that
+frames, e.g. a growing stream); fetch an `audio_url` part's http(s) URL under the same rules, capped at
+`max_audio_bytes`; check an `input_audio` part (format name, base64) and decode its base64; leave
+data-URI and local-path images and audio to the processor (which enforces the local-path allowlist and
+the image and audio limits, and decodes the audio). Each part's `uuid` is kept; a part with a `uuid`
+and no media (absent, null, or a null url or data) goes on as None: the media sent before under that
 uuid (the processor's `MediaRefs`).
 Runs in a worker thread (it blocks on the network and on decoding).
 
@@ -21,15 +23,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mmserve.errors import InvalidInputError, at_param
+from mmserve.inputs.audio_sources import input_audio
 from mmserve.inputs.chat import check_message
 from mmserve.inputs.fetch import FetchPolicy, fetch_url
 from mmserve.inputs.frame_sampling import SAMPLING_KWARG, check_fps, check_sampling
-from mmserve.inputs.items import IMAGE, VIDEO
+from mmserve.inputs.items import AUDIO, IMAGE, VIDEO
 from mmserve.inputs.media import MediaLimits, VideoFrames, decode_data_uri, read_local_file
 from mmserve.inputs.video import decode_video
 
-SUPPORTED_PARTS = ("text", "image_url", "video_url", "video_frames")
+SUPPORTED_PARTS = ("text", "image_url", "video_url", "video_frames", "input_audio", "audio_url")
 VIDEO_PARTS = ("video_url", "video_frames")
+AUDIO_PARTS = ("input_audio", "audio_url")
+MEDIA_PARTS = {IMAGE: ("image_url",), VIDEO: VIDEO_PARTS, AUDIO: AUDIO_PARTS}
 HTTP_SCHEMES = ("http://", "https://")
 
 
@@ -38,15 +43,16 @@ class MediaRules:
     limits: MediaLimits  # the engine's: bytes and pixels per image, frames per video, local root
     fetch: FetchPolicy = field(default_factory=FetchPolicy)
     max_video_bytes: int = 64 * 1024 * 1024  # encoded size of one video file
-    limit_per_prompt: dict[str, int] = field(default_factory=lambda: {IMAGE: 16, VIDEO: 4})
+    limit_per_prompt: dict[str, int] = field(default_factory=lambda: {IMAGE: 16, VIDEO: 4, AUDIO: 4})
     default_video_fps: float = 2.0  # frames sampled per second of a video file: the served family's default
 
     def __post_init__(self) -> None:
         if self.max_video_bytes <= 0:
             raise ValueError("max_video_bytes must be positive")
-        unknown = sorted(set(self.limit_per_prompt) - {IMAGE, VIDEO})
+        unknown = sorted(set(self.limit_per_prompt) - set(MEDIA_PARTS))
         if unknown or any(v < 0 for v in self.limit_per_prompt.values()):
-            raise ValueError(f"limit_per_prompt takes image=N,video=M with N, M >= 0; got {self.limit_per_prompt}")
+            raise ValueError(f"limit_per_prompt takes image=N,video=M,audio=K with N, M, K >= 0; got "
+                             f"{self.limit_per_prompt}")
 
 
 @dataclass
@@ -55,8 +61,9 @@ class ResolvedMedia:
 
     images: list[Any] = field(default_factory=list)
     videos: list[Any] = field(default_factory=list)
-    uuids: dict[str, list[str | None]] = field(default_factory=lambda: {IMAGE: [], VIDEO: []})
-    params: dict[str, list[str]] = field(default_factory=lambda: {IMAGE: [], VIDEO: []})  # each item's field path
+    audios: list[Any] = field(default_factory=list)
+    uuids: dict[str, list[str | None]] = field(default_factory=lambda: {m: [] for m in MEDIA_PARTS})
+    params: dict[str, list[str]] = field(default_factory=lambda: {m: [] for m in MEDIA_PARTS})  # field paths
 
 
 def _url_of(part: dict[str, Any], kind: str, where: str) -> str:
@@ -69,7 +76,7 @@ def _url_of(part: dict[str, Any], kind: str, where: str) -> str:
 
 
 def _check_counts(parts: list[tuple[str, dict[str, Any]]], rules: MediaRules) -> None:
-    for modality, kinds in ((IMAGE, ("image_url",)), (VIDEO, VIDEO_PARTS)):
+    for modality, kinds in MEDIA_PARTS.items():
         located = [(where, p["type"]) for where, p in parts if p.get("type") in kinds]
         limit = rules.limit_per_prompt.get(modality)
         if limit is not None and len(located) > limit:
@@ -138,8 +145,11 @@ def _video_frames(url: str, rules: MediaRules, fps: float, sampling: str, where:
     return decode_video(data, fps, rules.limits.max_video_frames, rules.limits.max_image_pixels, what, sampling)
 
 
-def _no_media(value: Any) -> bool:
-    """A media part's value that holds no media: absent, null, or `{"url": null}`."""
+def _no_media(kind: str, value: Any) -> bool:
+    """A media part's value that holds no media: absent, null, `{"url": null}` or (input_audio)
+    `{"data": null}`."""
+    if kind == "input_audio":
+        return value is None or (isinstance(value, dict) and value.get("data") is None)
     return value is None or (isinstance(value, dict) and value.get("url", value.get("urls")) is None
                              and not value.get("frames"))
 
@@ -160,13 +170,17 @@ def _resolve_part(part: dict[str, Any], rules: MediaRules, fps: float, sampling:
         raise InvalidInputError(f"{where}.type {kind!r:.40} is not a supported content part type; supported: "
                                 f"{', '.join(SUPPORTED_PARTS)}", param=f"{where}.type")
     with at_param(f"{where}.{kind}"):
-        if uuid is not None and _no_media(part.get(kind)):  # media sent before under this uuid (media_refs.py)
+        if uuid is not None and _no_media(kind, part.get(kind)):  # media sent before under this uuid
             return {"type": kind, kind: None, "uuid": uuid}
-        if kind == "image_url":
+        if kind in ("image_url", "audio_url"):
             url = _url_of(part, kind, where)
             if url.startswith(HTTP_SCHEMES):
-                url = fetch_url(url, rules.limits.max_image_bytes, rules.fetch, f"{where}.{kind}")
+                cap = rules.limits.max_image_bytes if kind == "image_url" else rules.limits.max_audio_bytes
+                url = fetch_url(url, cap, rules.fetch, f"{where}.{kind}")
             return {"type": kind, kind: {"url": url}, "uuid": uuid}
+        if kind == "input_audio":  # its format name and base64 checked now, before anything else is fetched
+            encoded = input_audio(part.get(kind), f"{where}.{kind}", rules.limits.max_audio_bytes)
+            return {"type": kind, kind: encoded, "uuid": uuid}
         if kind == "video_url":
             return {"type": kind, kind: _video_frames(_url_of(part, kind, where), rules, fps, sampling, where),
                     "uuid": uuid}
@@ -212,8 +226,9 @@ def resolve_media(parts: list[dict[str, Any]], rules: MediaRules,
     """The completions extension field `media`: image_url / video_url parts in placeholder order."""
     located = [(f"media[{j}]", p) for j, p in enumerate(parts)]
     for where, part in located:
-        if not isinstance(part, dict) or part.get("type") not in ("image_url", *VIDEO_PARTS):
-            raise InvalidInputError(f"{where}: media parts must be image_url, video_url or video_frames objects",
+        if not isinstance(part, dict) or part.get("type") not in ("image_url", *VIDEO_PARTS, *AUDIO_PARTS):
+            raise InvalidInputError(f"{where}: media parts must be image_url, video_url, video_frames, "
+                                    "input_audio or audio_url objects",
                                     param=f"{where}.type" if isinstance(part, dict) else where)
     _check_counts(located, rules)
     fps, sampling = _video_sampling(mm_processor_kwargs, rules.default_video_fps)
@@ -221,9 +236,10 @@ def resolve_media(parts: list[dict[str, Any]], rules: MediaRules,
     for where, part in located:
         item = _resolve_part(part, rules, fps, sampling, where)
         kind = item["type"]
-        modality = IMAGE if kind == "image_url" else VIDEO
-        media = item[kind]["url"] if modality == IMAGE and item[kind] is not None else item[kind]
-        (out.images if modality == IMAGE else out.videos).append(media)
+        modality = next(m for m, kinds in MEDIA_PARTS.items() if kind in kinds)
+        has_url = kind in ("image_url", "audio_url") and item[kind] is not None
+        media = item[kind]["url"] if has_url else item[kind]
+        {IMAGE: out.images, VIDEO: out.videos, AUDIO: out.audios}[modality].append(media)
         out.uuids[modality].append(item["uuid"])
         out.params[modality].append(f"{where}.{kind}")
     return out
