@@ -45,5 +45,6 @@ def full_logits(model, prompt: ProcessedPrompt, spec: FamilySpec) -> torch.Tenso
     cache = SequenceCache(spec, n, dtype, device)
     embeds, extra = prefill_inputs(model, prompt, device)
     meta = prefill_metadata(prompt, spec, prompt_cross_kv(model, prompt))
-    hidden = model(embeds, prompt_positions(prompt, 0, n, device), cache, meta, extra)
+    ids = torch.tensor(prompt.prompt_token_ids, dtype=torch.long, device=device)
+    hidden = model(embeds, prompt_positions(prompt, 0, n, device), cache, meta, extra, **spec.forward_kwargs(ids))
     return model.compute_logits(hidden)

@@ -38,5 +38,5 @@ def reference_inputs(model_dir, family: str, messages) -> dict:
 
     processor = load_processor(model_dir)
     chat = processor.render_chat(messages)
-    prompt = processor.process(chat.prompt, images=chat.images, videos=chat.videos)
+    prompt = processor.process(chat.prompt, images=chat.images, videos=chat.videos, audios=chat.audios)
     return FAMILIES[family].reference_kwargs(model_dir, messages, prompt)

@@ -68,9 +68,15 @@ _REFERENCES: dict = {}
 def _reference_processor(model_dir):
     """The family's transformers image processor (its PIL backend), called as the family's processor calls it."""
     if model_dir not in _REFERENCES:
-        name = json.loads((model_dir / "preprocessor_config.json").read_text())["image_processor_type"]
-        name = name.removesuffix("Fast").removesuffix("Pil")
-        image_processor = getattr(transformers, f"{name}Pil").from_pretrained(model_dir)
+        pre = model_dir / "preprocessor_config.json"
+        if pre.is_file():
+            name = json.loads(pre.read_text())["image_processor_type"]
+            name = name.removesuffix("Fast").removesuffix("Pil")
+            image_processor = getattr(transformers, f"{name}Pil").from_pretrained(model_dir)
+        else:  # the hub's newer layout (Gemma 4): the settings in processor_config.json's image_processor
+            section = dict(json.loads((model_dir / "processor_config.json").read_text())["image_processor"])
+            name = section.pop("image_processor_type").removesuffix("Fast").removesuffix("Pil")
+            image_processor = getattr(transformers, f"{name}Pil")(**section)
         config = json.loads((model_dir / "config.json").read_text())
         extra = {}
         if "Pixtral" in name:  # Mistral 3's processor resizes to whole merged patches
@@ -105,6 +111,10 @@ def _assert_same_pixels(family: str, items, ref: dict) -> None:
         got, want = payload.pixel_values, ref["pixel_values"][0, 0]
         assert payload.aspect_ratio_id == int(ref["aspect_ratio_ids"][0, 0])
         assert payload.num_tiles == int(ref["aspect_ratio_mask"][0, 0].sum())
+    elif family == "gemma4":  # its real patches; transformers pads to max_patches with positions -1
+        real = (ref["image_position_ids"][0] != -1).all(-1)
+        got, want = payload.pixel_values, ref["pixel_values"][0][real]
+        assert np.array_equal(payload.position_ids, ref["image_position_ids"][0][real])
     else:  # gemma3: the whole image, then any crops
         got, want = payload.pixel_values, ref["pixel_values"]
     assert got.shape == want.shape and got.dtype == want.dtype == np.float32

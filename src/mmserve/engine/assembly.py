@@ -93,7 +93,7 @@ def assemble(config: EngineConfig, faults: FaultPlan) -> EngineParts:
     fmt = kv_format(config.cache.kv_cache_dtype, loaded.dtype)
     drafter = load_drafter(config, spec, frontend.processor.tokenizer)  # speculative decoding's draft model
     # a draft model's KV lives in the target's blocks (its own layers): each block holds both
-    kv_bytes_per_token = (PagedKVStorage.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, fmt)
+    kv_bytes_per_token = (PagedKVStorage.bytes_per_token_of(spec.kv_layer_shapes, fmt)
                           + drafter_kv_bytes_per_token(drafter, fmt))
     state_slots = None if spec.linear_state is None else resolve_state_slots(
         config.cache, LinearStateStorage.bytes_per_slot(spec.linear_state), config.scheduler.max_num_seqs,
@@ -109,8 +109,8 @@ def assemble(config: EngineConfig, faults: FaultPlan) -> EngineParts:
                                    num_kv_blocks=num_blocks, max_model_len=max_model_len,
                                    num_position_rows=spec.num_position_rows, eager_decode=spec.eager_decode)
     # decode graphs' padding rows write to a scratch block after the ones the KV manager hands out
-    kv_storage = PagedKVStorage(spec.num_layers, num_blocks + graphs.num_scratch_blocks, config.cache.block_size,
-                                spec.num_kv_heads, spec.head_dim, fmt, loaded.device)
+    kv_storage = PagedKVStorage.for_layers(spec.kv_layer_shapes, num_blocks + graphs.num_scratch_blocks,
+                                           config.cache.block_size, fmt, loaded.device)
     encoder_pool = _start_encoder_pool(config, faults) if config.encoder.encoder_workers else None
     # MEAN and CLS pooling need every prompt row computed: no prefix hits (vLLM's rule too)
     prefix_caching = config.cache.enable_prefix_caching and (frontend.pooling is None

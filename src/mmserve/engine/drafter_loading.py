@@ -109,7 +109,7 @@ def _load_mtp_head(config: EngineConfig, target: FamilySpec) -> Drafter:
     if missing:
         raise ConfigError(f"speculative_config.method='mtp': {path} has no complete multi-token-prediction head "
                           f"(mtp.{missing[0].split('#')[0]} and {len(missing) - 1} more missing)", key=key)
-    one_layer = replace(target, num_layers=1)  # its KV: one full-attention layer of the target's shape
+    one_layer = replace(target, num_layers=1, kv_layers=None)  # its KV: one full-attention layer of the target's shape
     return Drafter(head.to(config.device).eval(), one_layer, path, mtp=True)
 
 
@@ -117,8 +117,7 @@ def kv_bytes_per_token(drafter: Drafter | None, fmt: Any) -> int:
     """The drafter's KV bytes per token (0: none), as the target's blocks hold them."""
     if drafter is None:
         return 0
-    spec = drafter.spec
-    return PagedKVStorage.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, fmt)
+    return PagedKVStorage.bytes_per_token_of(drafter.spec.kv_layer_shapes, fmt)
 
 
 def build_proposer(drafter: Drafter | None, target: FamilyModel, num_blocks: int, block_size: int, fmt: Any,
@@ -127,7 +126,7 @@ def build_proposer(drafter: Drafter | None, target: FamilyModel, num_blocks: int
     if drafter is None:
         return None
     spec = drafter.spec
-    storage = PagedKVStorage(spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, fmt, device)
+    storage = PagedKVStorage.for_layers(spec.kv_layer_shapes, num_blocks, block_size, fmt, device)
     if drafter.mtp:
         return MtpProposer(drafter.model, target, PagedAttentionBackend(storage), device)
-    return DraftModelProposer(drafter.model, PagedAttentionBackend(storage), device)
+    return DraftModelProposer(drafter.model, PagedAttentionBackend(storage), device, spec.forward_reads_token_ids)

@@ -145,7 +145,7 @@ class Engine:
                               self.cross_kv_bytes_per_row, prefill_after)
         request.hand_off = hand_off
         self.output_processor.add(request, prompt.prompt, trace_parent)
-        self.inputs.add(request, runner_prompt(prompt, request, self.spec.bidirectional_media, bad_words),
+        self.inputs.add(request, runner_prompt(prompt, request, self.spec.bidirectional_spans(prompt), bad_words),
                         {i: it.payload for i, it in enumerate(prompt.items)})
         if params.structured_outputs is not None:
             self.structured.start(request_id, params.structured_outputs, request.prompt_token_ids)
@@ -191,7 +191,7 @@ class Engine:
         needed = self.scheduler.admit_transferred(request)
         if needed is not None:
             self.output_processor.add(request, prompt.prompt, trace_parent, first)
-            self.inputs.add(request, runner_prompt(prompt, request, self.spec.bidirectional_media, bad_words), {},
+            self.inputs.add(request, runner_prompt(prompt, request, self.spec.bidirectional_spans(prompt), bad_words), {},
                             needed)
         return needed
 

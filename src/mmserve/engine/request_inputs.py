@@ -21,7 +21,6 @@ from mmserve.core.encoder_cache import EntryState
 from mmserve.core.request import Request, item_specs
 from mmserve.core.step import SchedulerOutput
 from mmserve.inputs.items import ProcessedPrompt
-from mmserve.inputs.placeholders import embed_runs
 from mmserve.runner.encoder.runner import EncodeJob
 from mmserve.runner.state import RunnerPrompt, StepInputs
 from mmserve.sampling_params import SamplingParams
@@ -36,10 +35,10 @@ def new_request(request_id: str, prompt: ProcessedPrompt, params: SamplingParams
                    cross_kv_bytes=cross_kv_bytes_per_row * cross_rows)
 
 
-def runner_prompt(prompt: ProcessedPrompt, request: Request, bidirectional_media: bool,
+def runner_prompt(prompt: ProcessedPrompt, request: Request, spans: tuple[tuple[int, int], ...],
                   bad_words: tuple[tuple[int, ...], ...]) -> RunnerPrompt:
-    """The prompt's layout as the runner reads it (sent once per new or resumed request)."""
-    spans = embed_runs(prompt.embed_mask) if bidirectional_media and prompt.items else ()
+    """The prompt's layout as the runner reads it (sent once per new or resumed request); `spans`: its
+    bidirectional runs (`FamilySpec.bidirectional_spans`)."""
     return RunnerPrompt(prompt.positions, prompt.embed_mask, prompt.embed_cumsum,
                         tuple(i.content_hash for i in prompt.items), tuple(i.output_rows for i in prompt.items),
                         tuple(sorted(request.min_tokens_banned_ids)), spans, bad_words,

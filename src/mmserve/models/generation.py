@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from mmserve.inputs.items import ProcessedPrompt
-from mmserve.inputs.placeholders import embed_runs
 from mmserve.models.layers.attention import AttentionMetadata, ContiguousKVCache
 from mmserve.models.layers.cross_attention import CrossKV, step_inputs
 from mmserve.models.spec import FamilyModel, FamilySpec
@@ -32,7 +31,8 @@ class SequenceCache(ContiguousKVCache):
     """One sequence's KV (slot 0), and a hybrid model's recurrent states (one slot, float32, zero at start)."""
 
     def __init__(self, spec: FamilySpec, max_len: int, dtype: torch.dtype, device: torch.device | str) -> None:
-        super().__init__(spec.num_layers, 1, max_len, spec.num_kv_heads, spec.head_dim, dtype, device)
+        super().__init__(spec.num_layers, 1, max_len, spec.num_kv_heads, spec.head_dim, dtype, device,
+                         layers=spec.kv_layer_shapes)
         layout = spec.linear_state
         self.states = [] if layout is None else [
             (torch.zeros((1, *layout.conv_shape), device=device), torch.zeros((1, *layout.recurrent_shape),
@@ -84,7 +84,7 @@ def step_metadata(query_len: int, context_len: int, cross: CrossKV | None, devic
 def prefill_metadata(prompt: ProcessedPrompt, spec: FamilySpec, cross: CrossKV | None = None) -> AttentionMetadata:
     """Attention metadata of a whole prompt prefilled at once: its bidirectional spans, if the family has any,
     and its cross-attention inputs, if it has cross-attended items (`cross`: their K/V)."""
-    spans = embed_runs(prompt.embed_mask) if spec.bidirectional_media and prompt.items else ()
+    spans = spec.bidirectional_spans(prompt)
     device = cross.kv[0][0].device if cross is not None else torch.device("cpu")
     return step_metadata(prompt.num_tokens, 0, cross, device, spans)
 
@@ -104,8 +104,9 @@ def generate(model: FamilyModel, spec: FamilySpec, prompt: ProcessedPrompt, max_
     cache = SequenceCache(spec, n + max_new_tokens, next(model.parameters()).dtype, device)
     embeds, extra = prefill_inputs(model, prompt, device)
     cross = prompt_cross_kv(model, prompt)
+    ids = torch.tensor(prompt.prompt_token_ids, dtype=torch.long, device=device)
     hidden = model(embeds, prompt_positions(prompt, 0, n, device), cache, prefill_metadata(prompt, spec, cross),
-                   extra)
+                   extra, **spec.forward_kwargs(ids))
     logits = model.compute_logits(hidden[-1:])[0]
     generated: list[int] = []
     for step in range(max_new_tokens):
@@ -118,5 +119,6 @@ def generate(model: FamilyModel, spec: FamilySpec, prompt: ProcessedPrompt, max_
             return
         ids = torch.tensor([token], dtype=torch.long, device=device)
         pos = prompt_positions(prompt, n + step, n + step + 1, device)
-        hidden = model(model.embed(ids), pos, cache, step_metadata(1, n + step, cross, device))
+        hidden = model(model.embed(ids), pos, cache, step_metadata(1, n + step, cross, device), None,
+                       **spec.forward_kwargs(ids))
         logits = model.compute_logits(hidden)[0]

@@ -11,6 +11,8 @@ from types import MappingProxyType
 
 from mmserve.errors import ModelLoadError
 from mmserve.models.gemma3 import family as gemma3
+from mmserve.models.gemma4 import family as gemma4
+from mmserve.models.gemma4.assistant import ASSISTANT, not_served
 from mmserve.models.llava_onevision import family as llava_onevision
 from mmserve.models.mistral3 import family as mistral3
 from mmserve.models.mllama import family as mllama
@@ -25,6 +27,7 @@ _FAMILIES: Mapping[str, ModelFamily] = MappingProxyType({
     **qwen3_vl.FAMILIES,
     **qwen3_5.FAMILIES,
     **gemma3.FAMILIES,
+    **gemma4.FAMILIES,
     **mistral3.FAMILIES,
     **mllama.FAMILIES,
 })
@@ -37,6 +40,8 @@ def supported_architectures() -> list[str]:
 def resolve(raw_config: dict) -> ModelFamily:
     archs = raw_config.get("architectures") or []
     arch = archs[0] if archs else None
+    if arch == ASSISTANT:
+        raise not_served(raw_config)
     if arch not in _FAMILIES:
         raise ModelLoadError(
             f"unsupported architecture {arch!r}; supported: {', '.join(supported_architectures())}"

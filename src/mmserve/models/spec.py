@@ -28,6 +28,7 @@ import torch
 from mmserve.inputs.chat import ChatInput
 from mmserve.inputs.items import ProcessedPrompt
 from mmserve.inputs.media import MediaLimits
+from mmserve.inputs.placeholders import embed_runs
 from mmserve.inputs.tokenizer import TextTokenizer
 from mmserve.models.config_reader import DecoderTextConfig
 from mmserve.models.layers.attention import AttentionBackend, AttentionMetadata
@@ -36,6 +37,15 @@ from mmserve.models.layers.attention import AttentionBackend, AttentionMetadata
 class PositionScheme(enum.Enum):
     ROPE_1D = "rope_1d"  # one position row: the token index
     MROPE = "mrope"  # three rows (t, h, w) inside media spans, text advances all three; decode adds a delta
+
+
+@dataclass(frozen=True)
+class KVLayerShape:
+    """One self-attention layer's KV: its heads and head size, or the earlier layer whose cache it reads."""
+
+    num_kv_heads: int
+    head_dim: int
+    reads_layer: int | None = None  # None: it keeps its own keys and values
 
 
 @dataclass(frozen=True)
@@ -96,6 +106,8 @@ class FamilySpec:
     # each run of an item's encoder rows attends to itself in both directions (Gemma 3): the language
     # model must see an item's span in one prefill chunk
     bidirectional_media: bool = False
+    # the modalities whose rows attend both ways (None: all of them, when `bidirectional_media`)
+    bidirectional_modalities: frozenset[str] | None = None
     # items are read by cross-attention layers (Llama 3.2 Vision): a request's items are encoded before its
     # first prefill chunk, their K/V kept per request; `num_layers` above counts self-attention layers only
     cross_attention: CrossAttentionLayout | None = None
@@ -105,6 +117,11 @@ class FamilySpec:
     # why the decode step cannot be captured or compiled (state layers, sparse experts' data-dependent
     # routing): it runs eagerly; None: it can be
     eager_decode: str | None = None
+    # each layer's KV shape when the layers differ (Gemma 4: head sizes per layer type, KV-shared layers);
+    # None: every layer is (num_kv_heads, head_dim) and keeps its own
+    kv_layers: tuple[KVLayerShape, ...] | None = None
+    # the model's forward also reads the step's token ids (`token_ids=`; Gemma 4's per-layer embeddings)
+    forward_reads_token_ids: bool = False
 
     @classmethod
     def for_decoder(cls, name: str, text: DecoderTextConfig, *, eos_token_ids: tuple[int, ...],
@@ -121,6 +138,29 @@ class FamilySpec:
             raise ValueError("a family has at least one embedding stream")
         if not self.largest_item:
             raise ValueError(f"{self.name}: no modality declares its largest item")
+
+    @property
+    def kv_layer_shapes(self) -> tuple[KVLayerShape, ...]:
+        """Every self-attention layer's KV shape."""
+        if self.kv_layers is not None:
+            return self.kv_layers
+        return (KVLayerShape(self.num_kv_heads, self.head_dim),) * self.num_layers
+
+    def bidirectional_spans(self, prompt: ProcessedPrompt) -> tuple[tuple[int, int], ...]:
+        """[start, end) of every run of a prompt's encoder rows that attends within itself both ways."""
+        if not self.bidirectional_media or not prompt.items or prompt.embed_mask is None:
+            return ()
+        mask = prompt.embed_mask
+        if self.bidirectional_modalities is not None:
+            mask = mask.copy()
+            for item in prompt.items:
+                if item.modality not in self.bidirectional_modalities:
+                    mask[item.offset:item.offset + item.length] = False
+        return embed_runs(mask)
+
+    def forward_kwargs(self, token_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The keyword arguments a forward over the step's `token_ids` takes besides the common ones."""
+        return {"token_ids": token_ids} if self.forward_reads_token_ids else {}
 
     @property
     def num_position_rows(self) -> int:
@@ -156,6 +196,7 @@ class FamilyModel(Protocol):
                 meta: AttentionMetadata, extra_streams: torch.Tensor | None = None) -> torch.Tensor:
         """inputs_embeds (num_tokens, hidden); positions (num_position_rows, num_tokens) int64;
         extra_streams (num_embedding_streams - 1, num_tokens, hidden) or None (zero at text rows).
+        A family with `FamilySpec.forward_reads_token_ids` also takes `token_ids` (num_tokens,).
         Returns the final hidden states (num_tokens, hidden)."""
         ...
 
@@ -173,7 +214,8 @@ class FamilyProcessor(Protocol):
     def process(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
                 images: list[Any] | None = None, videos: list[Any] | None = None,
                 mm_processor_kwargs: dict[str, Any] | None = None,
-                uuids: dict[str, list[str | None]] | None = None) -> ProcessedPrompt: ...
+                uuids: dict[str, list[str | None]] | None = None, item_params: dict[str, list[str]] | None = None,
+                audios: list[Any] | None = None) -> ProcessedPrompt: ...
 
 
 @dataclass(frozen=True)

@@ -59,11 +59,21 @@ def decoder_shard_sizes(name: str, param: torch.Tensor, text: Any) -> list[int]:
     return even_shards(name, param, 3 if ".qkv_proj." in name else 2)
 
 
+def loadable_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint fills: the parameters and the persistent buffers (clipping bounds, layer scalars)."""
+    tensors = dict(module.named_parameters())
+    for name, sub in module.named_modules():
+        for buffer_name, buffer in sub.named_buffers(recurse=False):
+            if buffer is not None and buffer_name not in sub._non_persistent_buffers_set:
+                tensors[f"{name}.{buffer_name}" if name else buffer_name] = buffer
+    return tensors
+
+
 def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], rename: Rename,
                  stacked: Sequence[StackedParam], shard_sizes: ShardSizes) -> tuple[set[str], list[str]]:
     """Copy tensors in. Returns (names of parameters filled, `name#shard` for stacked ones; unexpected hf
     names). Raises ValueError naming the tensor on a shape mismatch."""
-    params = dict(module.named_parameters())
+    params = loadable_tensors(module)
     loaded: set[str] = set()
     unexpected: list[str] = []
     for hf_name, tensor in weights:
@@ -99,7 +109,7 @@ def expected_weight_names(module: nn.Module, stacked: Sequence[StackedParam]) ->
     for s in stacked:
         shards[s.fragment] = max(shards.get(s.fragment, 0), s.shard + 1)
     out = set()
-    for name, _ in module.named_parameters():
+    for name in loadable_tensors(module):
         count = next((n for frag, n in shards.items() if frag in name), 0)
         if count:
             out.update(f"{name}#{i}" for i in range(count))

@@ -73,12 +73,13 @@ class PagedAttentionBackend:
         self.state = state
         self.block_size = storage.block_size
         self.cpu_plan = cpu_plan if cpu_plan is not None else CpuAttentionPlan.for_storage(
-            storage.key.device, storage.key.dtype, storage.fmt.quantized)
+            storage.device, storage.dtype, storage.fmt.quantized)
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: PagedAttentionMetadata, layer: LayerAttention = FULL) -> torch.Tensor:
         """q: (num_tokens, heads, head_dim); k, v: (num_tokens, kv_heads, head_dim) -> (num_tokens, heads*head_dim)."""
-        self.storage.write(layer_idx, meta.slot_mapping, k, v)
+        if not layer.shared_kv:
+            self.storage.write(layer_idx, meta.slot_mapping, k, v)
         key_layer = self.storage.key[layer_idx]
         tokens = meta.kernel_tokens
         kernel = tokens is not None and self.cpu_plan.enabled and cpu_attention.supports(q, key_layer)
@@ -102,7 +103,8 @@ class PagedAttentionBackend:
                 else:
                     keys, values = self.storage.gather(layer_idx, table, q.dtype)
                     keys, values = keys.flatten(0, 1)[:ctx + q_len], values.flatten(0, 1)[:ctx + q_len]
-                out[start:end] = dense_attention(q[start:end], keys, values, ctx, meta.spans_of(i), layer)
+                out[start:end] = dense_attention(q[start:end], keys, values, ctx, layer.spans(meta.spans_of(i)),
+                                                 layer)
             start = end
         if not (kernel and self.cpu_plan.takes_decodes):  # else the decodes were among the kernel's rows
             for group in meta.decode_groups:

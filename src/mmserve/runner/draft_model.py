@@ -32,8 +32,10 @@ DRAFT_PARAMS = SamplingParams(temperature=0.0)  # what a drafter's view of a req
 class DraftModelProposer:
     reads_hidden = False  # it reads tokens only, not the target's hidden states
 
-    def __init__(self, model: FamilyModel, attention: PagedAttentionBackend, device: torch.device) -> None:
+    def __init__(self, model: FamilyModel, attention: PagedAttentionBackend, device: torch.device,
+                 forward_reads_token_ids: bool = False) -> None:
         self.model = model
+        self.forward_reads_token_ids = forward_reads_token_ids  # the drafter's FamilySpec says
         self.attention = attention
         self.device = device
         self.num_forwards = 0  # the drafter's batched forwards over its life
@@ -73,7 +75,9 @@ class DraftModelProposer:
     def _greedy(self, builder: BatchBuilder) -> list[int]:
         """The drafter's greedy token after each sequence of the batch."""
         batch = builder.build()
-        hidden = self.model(self.model.embed(batch.input_ids), batch.positions, self.attention, batch.attn, None)
+        ids = {"token_ids": batch.input_ids} if self.forward_reads_token_ids else {}
+        hidden = self.model(self.model.embed(batch.input_ids), batch.positions, self.attention, batch.attn, None,
+                            **ids)
         self.num_forwards += 1
         return greedy_argmax(self.model.compute_logits(hidden[batch.sample_index])).tolist()
 

@@ -7,6 +7,11 @@ slots (quantizing them on the way in), and hand the attention backend the blocks
 back in the compute dtype (dequantized on the way out: only those blocks, never a full-precision
 copy of the cache).
 
+Layers may differ (`KVLayerShape`): a model whose layers have different head sizes or kv heads (Gemma 4's
+sliding and full layers) keeps one stacked tensor per shape, and a layer that reads another layer's cache
+(Gemma 4's KV-shared layers) owns nothing: `key[i]` is its source's tensor, and it never writes. Block ids
+are the same in every layer.
+
 What it does not know: attention, masks, sequences, requests — only slots and block ids.
 
 Under `torch.compile` (the CPU's compiled decode step, runner/graphs/decode_graphs.py) the slot writes go
@@ -16,8 +21,11 @@ through `mmserve::write_slots`, an operator that declares it mutates the cache: 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from mmserve.models.spec import KVLayerShape
 from mmserve.runner.kv_quant import SCALE_DTYPE, KVFormat, dequantize, fp8_decode_table, quantize
 
 
@@ -43,23 +51,71 @@ def _write_rows(flats: list[torch.Tensor], slots: torch.Tensor, rows: list[torch
 
 class PagedKVStorage:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 fmt: KVFormat, device: torch.device | str = "cpu") -> None:
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+                 fmt: KVFormat, device: torch.device | str = "cpu", *,
+                 layers: Sequence[KVLayerShape] | None = None) -> None:
+        """`layers`: each layer's own shape (then `num_kv_heads` and `head_dim` are unused); None: all alike."""
+        shapes = tuple(layers) if layers is not None else (KVLayerShape(num_kv_heads, head_dim),) * num_layers
+        if len(shapes) != num_layers:
+            raise ValueError(f"{len(shapes)} layer shapes for {num_layers} layers")
         self.fmt = fmt
-        self.key = torch.zeros(shape, dtype=fmt.element_dtype, device=device)
-        self.value = torch.zeros(shape, dtype=fmt.element_dtype, device=device)
-        self.key_scale = self.value_scale = None
-        if fmt.quantized:
-            self.key_scale = torch.ones(shape[:-1], dtype=SCALE_DTYPE, device=device)
-            self.value_scale = torch.ones(shape[:-1], dtype=SCALE_DTYPE, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.device = torch.device(device)
+        self.layer_shapes = shapes
         self._table = fp8_decode_table(device) if fmt.element_dtype == torch.float8_e4m3fn else None
+        owners: dict[tuple[int, int], list[int]] = {}
+        for i, shape in enumerate(shapes):
+            if shape.reads_layer is None:
+                owners.setdefault((shape.num_kv_heads, shape.head_dim), []).append(i)
+        # one stacked (layers, num_blocks, block_size, kv_heads, head_dim) tensor per shape, key and value
+        # (and their scales): the parts a hand-off copies
+        self._groups: list[list[torch.Tensor]] = []
+        per_layer: dict[int, list[torch.Tensor]] = {}
+        for (kv_heads, dim), members in owners.items():
+            group = self._allocate(len(members), kv_heads, dim)
+            self._groups.append(group)
+            for j, layer in enumerate(members):
+                per_layer[layer] = [part[j] for part in group]
+        for i, shape in enumerate(shapes):
+            if shape.reads_layer is not None:
+                per_layer[i] = per_layer[shape.reads_layer]
+        if len(self._groups) == 1 and len(owners[next(iter(owners))]) == num_layers:
+            self.key, self.value = self._groups[0][:2]  # all alike: the stacked tensors themselves
+            self.key_scale, self.value_scale = (self._groups[0][2:] if fmt.quantized else (None, None))
+            return
+        self.key = [per_layer[i][0] for i in range(num_layers)]
+        self.value = [per_layer[i][1] for i in range(num_layers)]
+        self.key_scale = [per_layer[i][2] for i in range(num_layers)] if fmt.quantized else None
+        self.value_scale = [per_layer[i][3] for i in range(num_layers)] if fmt.quantized else None
+
+    @classmethod
+    def for_layers(cls, layers: Sequence[KVLayerShape], num_blocks: int, block_size: int, fmt: KVFormat,
+                   device: torch.device | str = "cpu") -> PagedKVStorage:
+        """Storage for layers of the given shapes (a family's `FamilySpec.kv_layer_shapes`)."""
+        first = layers[0]
+        return cls(len(layers), num_blocks, block_size, first.num_kv_heads, first.head_dim, fmt, device,
+                   layers=layers)
+
+    def _allocate(self, num_layers: int, kv_heads: int, head_dim: int) -> list[torch.Tensor]:
+        shape = (num_layers, self.num_blocks, self.block_size, kv_heads, head_dim)
+        parts = [torch.zeros(shape, dtype=self.fmt.element_dtype, device=self.device) for _ in range(2)]
+        if self.fmt.quantized:
+            parts += [torch.ones(shape[:-1], dtype=SCALE_DTYPE, device=self.device) for _ in range(2)]
+        return parts
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fmt.element_dtype
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, fmt: KVFormat) -> int:
         """Bytes one token's KV takes over all layers, K and V, scales included."""
         return 2 * num_layers * num_kv_heads * fmt.bytes_per_head(head_dim)
+
+    @staticmethod
+    def bytes_per_token_of(layers: Sequence[KVLayerShape], fmt: KVFormat) -> int:
+        """The same over layers of their own shapes; a layer that reads another's cache costs nothing."""
+        return sum(2 * s.num_kv_heads * fmt.bytes_per_head(s.head_dim) for s in layers if s.reads_layer is None)
 
     def write(self, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v (num_tokens, kv_heads, head_dim) at flat slots (block * block_size + offset)."""
@@ -88,10 +144,9 @@ class PagedKVStorage:
 
     # ---- hand-offs: blocks as bytes ---------------------------------------------------------------
     def _byte_parts(self) -> list[torch.Tensor]:
-        parts = [self.key, self.value]
-        if self.fmt.quantized:
-            parts += [self.key_scale, self.value_scale]
-        return [p.view(torch.uint8) for p in parts]  # codes and scales as stored, whatever their dtype
+        """Every stored tensor as bytes, codes and scales as stored whatever their dtype: per shape group,
+        its keys, values (and their scales), each (layers, num_blocks, ...)."""
+        return [p.view(torch.uint8) for group in self._groups for p in group]
 
     def block_part_shapes(self) -> list[tuple[int, ...]]:
         """The byte shape of one block in each stored tensor (keys, values, and their scales when
@@ -100,7 +155,7 @@ class PagedKVStorage:
 
     def read_blocks(self, block_ids: list[int], outs: list[torch.Tensor]) -> None:
         """Copy blocks `block_ids` into `outs` (one per part, (num_layers, n, ...) bytes): bit for bit."""
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.key.device)
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         for part, out in zip(self._byte_parts(), outs, strict=True):
             if out.device == part.device:
                 torch.index_select(part, 1, ids, out=out)
@@ -109,6 +164,6 @@ class PagedKVStorage:
 
     def write_blocks(self, block_ids: list[int], parts: list[torch.Tensor]) -> None:
         """Store blocks read by another storage's `read_blocks` at `block_ids`."""
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.key.device)
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         for part, src in zip(self._byte_parts(), parts, strict=True):
             part.index_copy_(1, ids, src.to(part.device))

@@ -96,7 +96,8 @@ class ModelRunner:
         self.encoder = EncoderRunner(encode, OutputShape(spec.num_embedding_streams, spec.embed_dim, dtype))
         self.decode_graphs = None
         if decode_graphs is not None:
-            self.decode_graphs = DecodeGraphRunner(model, attention, decode_graphs, device)
+            self.decode_graphs = DecodeGraphRunner(model, attention, decode_graphs, device,
+                                                    spec.forward_reads_token_ids)
             self.decode_graphs.start()
         # with workers, items are encoded elsewhere and arrive in later steps
         self.async_encoder = None if pool is None else AsyncEncoder(pool, self.encoder, encoder_timeout_s)
@@ -346,7 +347,9 @@ class ModelRunner:
         if self.fault_token is not None and bool((batch.input_ids == self.fault_token).any()):
             raise RuntimeError(f"test fault: token {self.fault_token} in the batch (FaultPlan.step_fault_token_id)")
         forward_started = time.perf_counter()
-        return self.model(embeds, batch.positions, self.attention, batch.attn, extra), batch, forward_started
+        hidden = self.model(embeds, batch.positions, self.attention, batch.attn, extra,
+                            **self.spec.forward_kwargs(batch.input_ids))
+        return hidden, batch, forward_started
 
     def _sampled_row(self, state: RunnerRequest, vocab_size: int, token_bitmask: torch.Tensor | None,
                      num_drafts: int = 0) -> SampledRow:

@@ -41,6 +41,16 @@ class LayerAttention:
 
     sliding_window: int | None = None  # a query at p sees only keys at positions > p - sliding_window
     scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    # False: the sequences' bidirectional spans do not apply to this layer, which stays causal (Gemma 4's
+    # full-attention layers, while its sliding ones see an image both ways)
+    bidirectional_spans: bool = True
+    # True: the layer reads the cache of the layer whose index it passes, with that layer's keys and values
+    # of this step, and writes nothing (Gemma 4's KV-shared layers)
+    shared_kv: bool = False
+
+    def spans(self, spans: tuple[Span, ...]) -> tuple[Span, ...]:
+        """The spans this layer applies."""
+        return spans if self.bidirectional_spans else ()
 
 
 FULL = LayerAttention()
@@ -181,10 +191,20 @@ class ContiguousKVCache:
     """
 
     def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
-        shape = (num_layers, num_slots, max_len, num_kv_heads, head_dim)
-        self.key = torch.zeros(shape, dtype=dtype, device=device)
-        self.value = torch.zeros(shape, dtype=dtype, device=device)
+                 dtype: torch.dtype, device: torch.device | str = "cpu", layers: Sequence | None = None) -> None:
+        """`layers`: each layer's own (num_kv_heads, head_dim) shape (`spec.KVLayerShape`s); a layer that reads
+        another's cache gets none. None: every layer (num_kv_heads, head_dim)."""
+        shapes = [(s.num_kv_heads, s.head_dim, s.reads_layer) for s in layers] if layers is not None else \
+            [(num_kv_heads, head_dim, None)] * num_layers
+        self.key: list[torch.Tensor] = []
+        self.value: list[torch.Tensor] = []
+        for heads, dim, reads in shapes:
+            if reads is not None:
+                self.key.append(self.key[reads])
+                self.value.append(self.value[reads])
+                continue
+            self.key.append(torch.zeros((num_slots, max_len, heads, dim), dtype=dtype, device=device))
+            self.value.append(torch.zeros((num_slots, max_len, heads, dim), dtype=dtype, device=device))
         self.max_len = max_len
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
@@ -195,10 +215,12 @@ class ContiguousKVCache:
             end = start + q_len
             if ctx + q_len > self.max_len:
                 raise ValueError(f"sequence of {ctx + q_len} tokens exceeds the cache length {self.max_len}")
-            self.key[layer_idx, slot, ctx:ctx + q_len] = k[start:end]
-            self.value[layer_idx, slot, ctx:ctx + q_len] = v[start:end]
-            keys = self.key[layer_idx, slot, :ctx + q_len]
-            values = self.value[layer_idx, slot, :ctx + q_len]
-            outputs.append(dense_attention(q[start:end], keys, values, ctx, meta.spans_of(slot), layer))
+            if not layer.shared_kv:
+                self.key[layer_idx][slot, ctx:ctx + q_len] = k[start:end]
+                self.value[layer_idx][slot, ctx:ctx + q_len] = v[start:end]
+            keys = self.key[layer_idx][slot, :ctx + q_len]
+            values = self.value[layer_idx][slot, :ctx + q_len]
+            outputs.append(dense_attention(q[start:end], keys, values, ctx, layer.spans(meta.spans_of(slot)),
+                                           layer))
             start = end
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)

@@ -100,8 +100,9 @@ class DecodeGraphStats:
 
 class DecodeGraphRunner:
     def __init__(self, model: FamilyModel, attention: PagedAttentionBackend, settings: DecodeGraphSettings,
-                 device: torch.device) -> None:
+                 device: torch.device, forward_reads_token_ids: bool = False) -> None:
         self.model = model
+        self.forward_reads_token_ids = forward_reads_token_ids  # FamilySpec's: pass the ids to the forward
         self.attention = attention
         self.settings = settings
         self.device = device
@@ -267,7 +268,8 @@ class DecodeGraphRunner:
         meta = PagedAttentionMetadata(query_lens=[], context_lens=[], spans=[], slot_mapping=buffers["slot_mapping"],
                                       decode_groups=[group])
         embeds = self.model.embed(buffers["input_ids"])
-        hidden = self.model(embeds, buffers["positions"], self.attention, meta, None)
+        ids = {"token_ids": buffers["input_ids"]} if self.forward_reads_token_ids else {}
+        hidden = self.model(embeds, buffers["positions"], self.attention, meta, None, **ids)
         return self.model.compute_logits(hidden)
 
     def _load(self, buffers: StaticBuffers, bucket: DecodeBucket, arrays: _DecodeArrays) -> None:
