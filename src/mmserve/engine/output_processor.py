@@ -165,7 +165,12 @@ class OutputProcessor:
             if state.logprobs is not None and i < len(core.new_logprobs):
                 state.logprobs.append(self._logprob_entry(token, core.new_logprobs[i]))
                 state.cumulative_logprob += core.new_logprobs[i].logprob
-            stop_string = state.detokenizer.update([token])
+            # a stop id ending the request is in the tokens, not the text, unless asked for (vLLM's rule; its
+            # text shows only with skip_special_tokens=False, or for a stop id that is an ordinary token)
+            ends_on_stop_id = last and core.stop_token_id is not None and finish is not None
+            stop_string = None
+            if not ends_on_stop_id or state.request.sampling_params.include_stop_str_in_output:
+                stop_string = state.detokenizer.update([token])
             if refused:  # the mask allowed only tokens the grammar accepts: a refusal is the engine's fault
                 logger.error("%s: the grammar refused a sampled token", rid)
                 status = RequestStatus.FINISHED_ABORTED if finish is None else None

@@ -55,7 +55,8 @@ def build_server_config(args: argparse.Namespace, model: str, client: EngineClie
                         force_include_usage=args.enable_force_include_usage,
                         server_load_tracking=args.enable_server_load_tracking,
                         cors=cors_policy(args), tls=tls_files(args),
-                        tool_call_parser=args.tool_call_parser, response_store_bytes=args.response_store_bytes,
+                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                        response_store_bytes=args.response_store_bytes,
                         response_store_age_s=args.response_store_max_age,
                         log_stats_interval_s=None if args.disable_log_stats else LOG_INTERVAL_S)
 

@@ -39,11 +39,20 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # the first i
 
 # the tags a thinking template opens and closes its thought with (Qwen3-VL Thinking, DeepSeek-R1 style)
 THOUGHT_OPEN, THOUGHT_CLOSE = "<think>", "</think>"
+CHANNEL_OPEN, CHANNEL_CLOSE = "<|channel>", "<channel|>"  # Gemma 4's thought: a channel the template opens
 
 
 def thinks(chat_template: str | None) -> bool:
     """Does the template think (render a thought between `THOUGHT_OPEN` and `THOUGHT_CLOSE`)?"""
     return bool(chat_template) and THOUGHT_OPEN in chat_template
+
+
+def thought_tag_pair(chat_template: str | None) -> tuple[str, str] | None:
+    """The (open, close) tags a template's thoughts are written between: Gemma 4's channel, or `<think>`'s;
+    None: the template does not think."""
+    if chat_template and CHANNEL_OPEN in chat_template:
+        return CHANNEL_OPEN, CHANNEL_CLOSE
+    return (THOUGHT_OPEN, THOUGHT_CLOSE) if thinks(chat_template) else None
 
 def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 
 from mmserve.errors import InvalidInputError, ModelLoadError
 from mmserve.inputs.chat import require_unicode
-from mmserve.inputs.chat_template import THOUGHT_CLOSE, THOUGHT_OPEN, ChatTemplate, load_chat_template, thinks
+from mmserve.inputs.chat_template import ChatTemplate, load_chat_template, thought_tag_pair
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -91,9 +91,10 @@ class TextTokenizer:
 
     def thought_token_ids(self) -> tuple[int, int] | None:
         """(open, close) ids of the thought tags when the chat template thinks and each tag is one token."""
-        if not thinks(self.chat_template):
+        tags = thought_tag_pair(self.chat_template)
+        if tags is None:
             return None
-        ids = self.token_to_id(THOUGHT_OPEN), self.token_to_id(THOUGHT_CLOSE)
+        ids = self.token_to_id(tags[0]), self.token_to_id(tags[1])
         return None if None in ids else (ids[0], ids[1])
 
     def bad_words_token_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:

@@ -31,13 +31,12 @@ from mmserve.entrypoints.openai.protocol import (
     Usage,
     WireModel,
 )
-from mmserve.entrypoints.openai.reasoning import opens_thought, split
+from mmserve.entrypoints.openai.reasoning import ThoughtStart, ThoughtTags, opens_thought, split, thought_tags
 from mmserve.entrypoints.openai.serving import OpenAIServing
 from mmserve.entrypoints.openai.streaming import StreamCursor, choice_usage, usage_of
 from mmserve.entrypoints.openai.tool_formats import ToolFormat, tool_format
 from mmserve.entrypoints.openai.tools import ToolRequest, parse_tools, parsed_tool_arguments
 from mmserve.errors import InvalidInputError
-from mmserve.inputs.chat_template import thinks
 from mmserve.inputs.items import ProcessedPrompt
 from mmserve.outputs import CompletionOutput, RequestOutput
 from mmserve.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
@@ -179,13 +178,13 @@ def _echoed(body: ChatCompletionRequest) -> str:
 @dataclass
 class SubmittedChat:
     """A chat submitted to the engine: its first output, the rest to come, its tools (the request's and the
-    model's call syntax; None without tools) and whether the answer starts inside a thought (None: the
-    template does not think)."""
+    model's call syntax; None without tools) and whether the answer starts inside a thought, with the tags
+    the model writes one with (None: the template does not think)."""
 
     first: RequestOutput
     outputs: AsyncIterator[RequestOutput]
     tools: tuple[ToolRequest, ToolFormat] | None
-    in_thought: bool | None
+    in_thought: ThoughtStart | None
 
 
 class ChatServing:
@@ -223,16 +222,22 @@ class ChatServing:
                                "combined with response_format or structured_outputs", param="tool_choice")
         return tools, fmt
 
-    def _in_thought(self, output: RequestOutput) -> bool | None:
+    def thought_tags(self) -> ThoughtTags | None:
+        """The tags the model thinks in: its template's, or --reasoning-parser's (None: it does not think)."""
+        return thought_tags(self.serving.client.frontend.processor.tokenizer.chat_template,
+                            self.serving.config.reasoning_parser)
+
+    def _in_thought(self, output: RequestOutput, tags: ThoughtTags | None) -> ThoughtStart | None:
         """For a thinking template: does the answer start inside a thought (None: the template does not think)?"""
-        tokenizer = self.serving.client.frontend.processor.tokenizer
-        if not thinks(tokenizer.chat_template):
+        if tags is None:
             return None
-        return opens_thought(tokenizer.decode(list(output.prompt_token_ids[-8:]), skip_special_tokens=False))
+        tokenizer = self.serving.client.frontend.processor.tokenizer
+        return ThoughtStart(opens_thought(tokenizer.decode(list(output.prompt_token_ids[-8:]),
+                                                           skip_special_tokens=False), tags), tags)
 
     @staticmethod
     def message_of(completion: CompletionOutput, tools: tuple[ToolRequest, ToolFormat] | None,
-                 in_thought: bool | None = None) -> tuple[ChatMessage, str | None]:
+                 in_thought: bool | ThoughtStart | None = None) -> tuple[ChatMessage, str | None]:
         """The choice's message (its thought apart, its calls parsed out, where the request has tools) and
         finish reason. A forced choice (required, named) has content "" rather than null, as vLLM answers."""
         reasoning, text = (None, completion.text) if in_thought is None else split(completion.text, in_thought)
@@ -240,8 +245,8 @@ class ChatServing:
         if tools is None or tools[0].choice == "none":
             return ChatMessage(content=text, **thought), completion.finish_reason
         content, calls = tools[1].parse(text, tools[0])
-        if not calls:
-            return ChatMessage(content=text, **thought), completion.finish_reason
+        if not calls:  # the whole answer is content (less a turn-end marker the syntax drops)
+            return ChatMessage(content=content, **thought), completion.finish_reason
         message = ChatMessage(content=content or ("" if tools[0].forced else None), **thought, tool_calls=[
             ToolCallModel(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls])
         return message, tool_finish_reason(completion.finish_reason, tools[0])
@@ -255,6 +260,11 @@ class ChatServing:
         # the media and the processed prompt live in no frame of this request past submission: once
         # encoded, the engine releases the pixels and nothing else holds them
         tools = self.request_tools(body)
+        tags = self.thought_tags()
+        if _parses_special_tokens(tools, tags):
+            # the markers the parsers read are special tokens: decoded with them kept, as vLLM's gemma4
+            # parsers ask (the parsers leave none in the content they return)
+            body.skip_special_tokens = False
         grammar = None
         if tools is not None and tools[0].forced:
             grammar = StructuredOutputsParams(structural_tag=tools[1].structural_tag(tools[0]))
@@ -262,7 +272,7 @@ class ChatServing:
         with self.serving.traced("media_load", raw):
             prompt = await self.chat_prompt(body, tools and tools[0])
         first, outputs = await self.serving.start(request_id, prompt, body, raw, arrival_time, grammar)
-        return SubmittedChat(first, outputs, tools, self._in_thought(first))
+        return SubmittedChat(first, outputs, tools, self._in_thought(first, tags))
 
     async def create(self, body: ChatCompletionRequest, raw: Request) -> Any:
         """Answer one chat request: a JSON response, or a stream of chunks with `stream`."""
@@ -354,6 +364,13 @@ class ChatServing:
                           DeltaToolCall(index=i, function=FunctionCall(arguments=call.arguments))):
                 choices.append(ChatChunkChoice(index=index, delta=DeltaMessage(tool_calls=[delta])))
         return choices, finish_reason
+
+
+def _parses_special_tokens(tools: tuple[ToolRequest, ToolFormat] | None, tags: ThoughtTags | None) -> bool:
+    """Do the parsers this answer goes through read special tokens (Gemma 4's thought channel, or its call
+    syntax where the request may call a tool)?"""
+    calls = tools is not None and tools[0].choice != "none" and tools[1].special
+    return calls or (tags is not None and tags.special)
 
 
 def tool_finish_reason(finish_reason: str | None, tools: ToolRequest) -> str | None:

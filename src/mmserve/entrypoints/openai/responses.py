@@ -59,7 +59,7 @@ from mmserve.entrypoints.openai.serving import (
 from mmserve.entrypoints.openai.streaming import failed
 from mmserve.entrypoints.openai.tools import ToolCall
 from mmserve.errors import InvalidInputError
-from mmserve.inputs.chat_template import THOUGHT_CLOSE, thinks
+from mmserve.inputs.chat_template import THOUGHT_CLOSE, thought_tag_pair
 from mmserve.outputs import RequestOutput
 
 # the chat request's fields as the Responses request names them (errors name the client's field)
@@ -87,15 +87,15 @@ def client_field_names(sources: ChatSources) -> Iterator[None]:
         raise renamed from exc
 
 
-def reasoning_tokens(decode: Any, token_ids: list[int]) -> int:
+def reasoning_tokens(decode: Any, token_ids: list[int], close: str = THOUGHT_CLOSE) -> int:
     """How many of the generated tokens are the thought: up to the one that completes its closing tag
-    (all of them where it never closes)."""
-    if THOUGHT_CLOSE not in decode(token_ids):
+    `close` (all of them where it never closes)."""
+    if close not in decode(token_ids):
         return len(token_ids)
     low, high = 1, len(token_ids)  # the shortest prefix whose text holds the closing tag
     while low < high:
         middle = (low + high) // 2
-        low, high = (low, middle) if THOUGHT_CLOSE in decode(token_ids[:middle]) else (middle + 1, high)
+        low, high = (low, middle) if close in decode(token_ids[:middle]) else (middle + 1, high)
     return low
 
 
@@ -119,7 +119,7 @@ class ResponsesServing:
             "response_format": chat_response_format(body.text_format), "max_completion_tokens": body.max_output_tokens,
             "temperature": body.temperature, "top_p": body.top_p}
         template = self.serving.client.frontend.processor.tokenizer.chat_template
-        if body.reasoning_effort == "none" and thinks(template):
+        if body.reasoning_effort == "none" and thought_tag_pair(template) is not None:
             if "enable_thinking" not in template:
                 raise RequestError("reasoning.effort 'none' cannot be honoured: this model's chat template always "
                                    "thinks", param="reasoning.effort", code="unsupported_parameter")
@@ -194,8 +194,14 @@ class ResponsesServing:
                                                                      cache_write_tokens=max(0, num_written)),
                              output_tokens=num_output,
                              output_tokens_details=OutputTokensDetails(
-                                 reasoning_tokens=reasoning_tokens(decode, token_ids) if thought else 0),
+                                 reasoning_tokens=reasoning_tokens(decode, token_ids, self._thought_close())
+                                 if thought else 0),
                              total_tokens=num_input + num_output)
+
+    def _thought_close(self) -> str:
+        """The closing tag of this model's thoughts."""
+        tags = thought_tag_pair(self.serving.client.frontend.processor.tokenizer.chat_template)
+        return tags[1] if tags is not None else THOUGHT_CLOSE
 
     def _keep(self, body: ResponsesRequest, response_id: str, input_items: list[dict[str, Any]], chain_depth: int,
               response: ResponseObject) -> None:

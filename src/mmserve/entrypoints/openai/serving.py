@@ -33,6 +33,7 @@ from mmserve.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from mmserve.entrypoints.openai.logprobs import named_by_id
 from mmserve.entrypoints.openai.media import MediaRules
 from mmserve.entrypoints.openai.protocol import RequestError
+from mmserve.entrypoints.openai.reasoning import ThoughtStart
 from mmserve.entrypoints.openai.responses_store import (
     DEFAULT_MAX_AGE_S,
     DEFAULT_MAX_BYTES,
@@ -71,6 +72,8 @@ class ServerConfig:
     cors: CorsPolicy = field(default_factory=lambda: CorsPolicy())  # vLLM's CORS flags; its defaults
     tls: TlsFiles | None = None  # vLLM's --ssl-* flags: https instead of http
     tool_call_parser: str | None = None  # vLLM's --tool-call-parser: the call syntax by name (None: the template's)
+    reasoning_parser: str | None = None  # vLLM's --reasoning-parser: gemma4 names Gemma 4's thought channel (any
+    # other name, or None: the tags the template writes)
     # the Responses API's store of responses for previous_response_id (responses_store.py): its limits
     response_store_bytes: int = DEFAULT_MAX_BYTES
     response_store_age_s: float = DEFAULT_MAX_AGE_S
@@ -234,7 +237,8 @@ class OpenAIServing:
     async def respond(self, request_id: str, model: str, body: Any, raw: Request, first: RequestOutput,
                       outputs: AsyncIterator[RequestOutput], chunks: Callable[..., list[BaseModel]],
                       whole: Callable[[RequestOutput], BaseModel], echo: Callable | None = None,
-                      tools: tuple[ToolRequest, ToolFormat] | None = None, in_thought: bool | None = None,
+                      tools: tuple[ToolRequest, ToolFormat] | None = None,
+                      in_thought: bool | ThoughtStart | None = None,
                       role: str = "assistant") -> Any:
         """Finish one submitted request: server-sent events rendered by `chunks`, or the answer built by
         `whole`."""

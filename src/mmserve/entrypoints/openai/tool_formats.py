@@ -1,10 +1,13 @@
 """The model's tool-call syntax: parsing a finished answer, streaming a growing one, forcing a call.
 
-Role: every format writes each call between `<tool_call>` and `</tool_call>`; they differ inside.
-`HERMES` (Qwen2.5, Qwen3-VL, the demo model): `{"name": ..., "arguments": {...}}`. `QWEN3_XML` (Qwen3.5,
-Qwen3-Coder): `<function=NAME>` then one `<parameter=KEY>\\nVALUE\\n</parameter>` per argument, a string
-written raw and any other value as JSON (as their chat templates render an assistant's calls).
-`tool_format(chat_template, parser)` picks the syntax from the template, or by vLLM's parser name.
+Role: every format writes each call between a begin and an end tag and differs inside. `HERMES` (Qwen2.5,
+Qwen3-VL, the demo model): `<tool_call>` `{"name": ..., "arguments": {...}}` `</tool_call>`. `QWEN3_XML`
+(Qwen3.5, Qwen3-Coder): `<function=NAME>` then one `<parameter=KEY>\\nVALUE\\n</parameter>` per argument, a
+string written raw and any other value as JSON (as their chat templates render an assistant's calls), inside
+the same tags. `GEMMA4`: `<|tool_call>call:NAME{key:<|"|>text<|"|>,n:3}<tool_call|>` (gemma4_syntax.py), its
+tags special tokens (`special`: the answer is decoded with them kept) and its turn-end markers (`ends`) dropped
+from the end of the answer. `tool_format(chat_template, parser)` picks the syntax from the template, or by
+vLLM's parser name.
 `ToolFormat.parse` splits a finished answer into content and calls (text that only looks like a call stays
 content); `ToolFormat.structural_tag` is the xgrammar structural tag that makes `required` and named choices
 always parse and match the tool's parameters; `ToolCallStream` turns a growing answer into content deltas
@@ -20,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mmserve.engine.structured_outputs import json_schema_ebnf
-from mmserve.entrypoints.openai.reasoning import partial_tag_len
+from mmserve.entrypoints.openai import gemma4_syntax
+from mmserve.entrypoints.openai.reasoning import partial_tag_len, without_end
 from mmserve.entrypoints.openai.tools import ToolCall, ToolRequest, ToolSpec, new_call_id
 
 BEGIN, END, SEPARATOR = "<tool_call>\n", "\n</tool_call>", "\n"
@@ -35,11 +39,14 @@ class ToolFormat:
     begin: str = BEGIN
     end: str = END
     separator: str = SEPARATOR
+    ends: tuple[str, ...] = ()  # turn-end markers a decode that keeps special tokens leaves at the end
+    special: bool = False  # the tags are special tokens: the answer must be decoded with them kept
 
     def parse(self, text: str, tools: ToolRequest) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a finished answer. Calls are taken only when every `begin` ... `end` block
         is a well-formed call of one of the tools and nothing but whitespace follows the last; else it is
         all content."""
+        text = without_end(text, self.ends)
         start = text.find(self.begin.strip())
         if start < 0:
             return text, []
@@ -155,10 +162,30 @@ class XmlToolFormat(ToolFormat):
                 "end": "\n</function>" + self.end}
 
 
+@dataclass(frozen=True)
+class Gemma4ToolFormat(ToolFormat):
+    """`<|tool_call>call:NAME{key:<|"|>text<|"|>,n:3}<tool_call|>`, calls written back to back."""
+
+    begin: str = gemma4_syntax.CALL_BEGIN
+    end: str = gemma4_syntax.CALL_END
+    separator: str = ""
+    ends: tuple[str, ...] = gemma4_syntax.TURN_ENDS
+    special: bool = True
+
+    def read_call(self, body: str, tools: dict[str, ToolSpec]) -> tuple[str, dict[str, Any]] | None:
+        return gemma4_syntax.read_call(body, tools)
+
+    def call_tag(self, tool: ToolSpec) -> dict[str, Any]:
+        return {"type": "tag", "begin": self.begin + tool.name, "content": gemma4_syntax.call_content(tool.parameters),
+                "end": self.end}
+
+
 HERMES = JsonToolFormat("hermes")
 QWEN3_XML = XmlToolFormat("qwen3_xml")
+GEMMA4 = Gemma4ToolFormat("gemma4")
 # vLLM's --tool-call-parser names of these syntaxes
-TOOL_FORMATS: dict[str, ToolFormat] = {"hermes": HERMES, "qwen3_xml": QWEN3_XML, "qwen3_coder": QWEN3_XML}
+TOOL_FORMATS: dict[str, ToolFormat] = {"hermes": HERMES, "qwen3_xml": QWEN3_XML, "qwen3_coder": QWEN3_XML,
+                                       "gemma4": GEMMA4}
 
 
 def tool_format(chat_template: str | None, parser: str | None = None) -> ToolFormat | None:
@@ -168,6 +195,8 @@ def tool_format(chat_template: str | None, parser: str | None = None) -> ToolFor
         return None
     if parser not in (None, "auto"):
         return TOOL_FORMATS[parser]
+    if gemma4_syntax.CALL_OPEN in chat_template:
+        return GEMMA4
     if "<function=" in chat_template and "<parameter=" in chat_template:
         return QWEN3_XML
     return HERMES if "<tool_call>" in chat_template else None
@@ -186,12 +215,14 @@ class ToolCallStream:
 
     def update(self, text: str, finished: bool) -> tuple[str, list[tuple[int, ToolCall]]]:
         """(new content, new (index, call) pairs) for the answer's text so far."""
+        text = without_end(text, self.format.ends)
         begin = self.format.begin.strip()
         start = text.find(begin)
         if start < 0:
-            # hold back a tail that could be the start of a call's opening tag, and trailing whitespace
-            # (the content before a call is sent stripped, as the finished answer's)
-            safe = len(text) if finished else len(text[:len(text) - partial_tag_len(text, begin)].rstrip())
+            # hold back a tail that could be the start of a call's opening tag (or of a turn end), and
+            # trailing whitespace (the content before a call is sent stripped, as the finished answer's)
+            held = max(partial_tag_len(text, tag) for tag in (begin, *self.format.ends))
+            safe = len(text) if finished else len(text[:len(text) - held].rstrip())
             new, self.sent_content = text[self.sent_content:safe], max(self.sent_content, safe)
             return new, []
         content_end = len(text[:start].rstrip())
