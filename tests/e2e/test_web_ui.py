@@ -210,6 +210,8 @@ def test_keyboard_phone_width_drop_and_paste(server, browser):
     page.wait_for_selector("body[data-ready=true]")
     # nothing wider than the screen: no sideways scrolling at phone width
     assert page.evaluate("document.documentElement.scrollWidth") <= 360
+    # the demo model takes no audio: no audio buttons (test_web_ui_audio.py drives them on Gemma 4)
+    assert page.locator("#audio-button").is_hidden() and page.locator("#record-button").is_hidden()
     for control in ("#prompt", "#temperature", "#max-tokens"):  # every field has a label
         assert page.locator(f"label[for='{control[1:]}']").count() == 1
     page.focus("#prompt")
@@ -292,6 +294,8 @@ def test_page_is_self_contained_and_can_be_turned_off(server, tmp_path):
     for path in WEB_UI_DIR.iterdir():
         for url in re.findall(r"https?://[^\s\"'`)<>]+", path.read_text()):
             assert urlparse(url).hostname in ("127.0.0.1", "localhost"), f"{path.name} refers to {url}"
+    config = httpx.get(server.url + "/web-ui/config.json", timeout=5).json()
+    assert config == {"demo_model": True, "api_key_required": False, "input_modalities": ["image", "video"]}
     sample = httpx.get(server.url + "/demo/sample", params={"seed": 7, "index": 0}, timeout=10).json()
     expected = shapes.make_sample(7, 0)
     assert (sample["question"], sample["answer"]) == (expected.question, expected.answer)

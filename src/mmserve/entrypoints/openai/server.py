@@ -90,7 +90,11 @@ def _include_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics
     app.include_router(pooling_root, dependencies=pooling)
     app.include_router(tokens_router(serving), dependencies=auth)
     if config.web_ui:  # the chat page and its files need no API key: the user types it into the page
-        app.include_router(web_ui_router(config.demo_model, api_key_required=config.api_key is not None))
+        # the media the page offers to attach: what the model takes, less what --limit-mm-per-prompt turns off
+        takes = [m for m in getattr(client.frontend.processor, "modalities", ())
+                 if config.media.limit_per_prompt.get(m, 1) > 0]
+        app.include_router(web_ui_router(config.demo_model, api_key_required=config.api_key is not None,
+                                         input_modalities=takes))
     app.include_router(health_router(client, metrics))
 
 

@@ -1,6 +1,7 @@
 """The built-in web chat: a single page at `/`, its static files, and the demo picture endpoint.
 
-Role: serve the page (`/`), what it needs to know of the server (`/web-ui/config.json`) and its
+Role: serve the page (`/`), what it needs to know of the server (`/web-ui/config.json`: whether a key is
+needed, whether the demo model is served, which media the served model takes) and its
 assets (`/web-ui/<file>`, a fixed list: nothing else on disk is reachable) from
 `mmserve/assets/web_ui/` as they ship in the package — no build step, nothing fetched at run time.
 When the bundled demo model is served, `GET /demo/sample` draws a shapes picture with the demo task's
@@ -9,7 +10,7 @@ needs the API key: the page holds no secret (the user types the key into it), an
 is harmless. The page talks to `/v1/chat/completions` like any other client.
 
 What it does not know: the engine, the OpenAI routes, authentication, models other than by the flag
-that says the demo model is served.
+that says the demo model is served and the media kinds the app says it takes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import base64
 import io
 import secrets
+from collections.abc import Sequence
 from pathlib import Path
 
 from fastapi import APIRouter, HTTPException, Query
@@ -66,12 +68,17 @@ class WebUIConfig(BaseModel):
 
     demo_model: bool  # `/demo/sample` exists: show the "draw a shapes picture" button
     api_key_required: bool  # show the API key field
+    # the media kinds a request may carry ("image", "video", "audio"): the model's, less those
+    # --limit-mm-per-prompt sets to 0; "audio" in it: show the audio file and microphone buttons
+    input_modalities: list[str]
 
 
-def web_ui_router(demo_model: bool, api_key_required: bool) -> APIRouter:
-    """`/`, `/web-ui/config.json` and `/web-ui/<file>`; with `demo_model`, also `/demo/sample`."""
+def web_ui_router(demo_model: bool, api_key_required: bool, input_modalities: Sequence[str] = ()) -> APIRouter:
+    """`/`, `/web-ui/config.json` and `/web-ui/<file>`; with `demo_model`, also `/demo/sample`.
+    `input_modalities`: the media kinds the served model takes, as the page is told."""
     router = APIRouter(include_in_schema=False)
-    page_config = WebUIConfig(demo_model=demo_model, api_key_required=api_key_required)
+    page_config = WebUIConfig(demo_model=demo_model, api_key_required=api_key_required,
+                              input_modalities=list(input_modalities))
 
     @router.get("/")
     async def index() -> FileResponse:
