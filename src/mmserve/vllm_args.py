@@ -221,12 +221,15 @@ VLLM_ARGS: tuple[VllmArg, ...] = (
     VllmArg("response_role", OK, "the answer's role", accepted_values=("assistant",), server_only=True),
     VllmArg("return_tokens_as_token_ids", W, "logprobs name tokens as 'token_id:N'", switch=True, server_only=True),
     VllmArg("enable_auto_tool_choice", W, "tool_choice auto (always on)", switch=True, server_only=True),
-    VllmArg("tool_call_parser", W, "hermes (<tool_call>{json}</tool_call>) or qwen3_xml / qwen3_coder "
-            "(<function=...><parameter=...>); auto: the syntax the chat template renders", server_only=True,
+    VllmArg("tool_call_parser", W, "hermes (<tool_call>{json}</tool_call>), qwen3_xml / qwen3_coder "
+            "(<function=...><parameter=...>) or gemma4 (<|tool_call>call:name{...}<tool_call|>); auto: the syntax "
+            "the chat template renders", server_only=True,
             example=("qwen3_xml",)),
-    VllmArg("tool_parser_plugin", NO, "mmserve imports no user code; the hermes and qwen3_xml syntaxes are built in",
+    VllmArg("tool_parser_plugin", NO, "mmserve imports no user code; the hermes, qwen3_xml and gemma4 syntaxes are "
+            "built in",
             server_only=True),
-    VllmArg("reasoning_parser", W, "a thinking template's thought is returned as reasoning, whatever the name",
+    VllmArg("reasoning_parser", W, "a thinking template's thought (<think>, or Gemma 4's <|channel>thought) is "
+            "returned as reasoning; gemma4 names Gemma 4's channel, any other name the template's tags",
             server_only=True, example=("qwen3",)),
     VllmArg("enable_request_id_headers", W, "answer with an X-Request-Id header", switch=True, server_only=True),
     VllmArg("enable_tokenizer_info_endpoint", W, "serve GET /tokenizer_info", switch=True, server_only=True),

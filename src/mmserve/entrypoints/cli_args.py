@@ -256,13 +256,15 @@ def _add_http_flags(http: argparse._ArgumentGroup) -> None:
                       help="serve GET /tokenizer_info: the tokenizer's configuration and chat template (vLLM's)")
     http.add_argument("--tool-call-parser", default=None, metavar="NAME",
                       help="the tool-call syntax, by vLLM's parser names: hermes (<tool_call>{json}</tool_call>), "
-                           "qwen3_xml or qwen3_coder (<tool_call><function=...><parameter=...>); default auto: the "
-                           "syntax the model's chat template renders")
+                           "qwen3_xml or qwen3_coder (<tool_call><function=...><parameter=...>), gemma4 "
+                           "(<|tool_call>call:name{...}<tool_call|>); default auto: the syntax the model's chat "
+                           "template renders")
     http.add_argument("--enable-auto-tool-choice", action="store_true",
                       help="accepted for vLLM compatibility: tool_choice auto is always enabled")
     http.add_argument("--reasoning-parser", default=None, metavar="NAME",
-                      help="accepted for vLLM compatibility: a chat template that thinks (<think>...</think>) has "
-                           "its thought returned as reasoning (and reasoning_content), and grammars apply after it, whatever the name")
+                      help="a chat template that thinks (<think>...</think>, or Gemma 4's <|channel>thought..."
+                           "<channel|>) has its thought returned as reasoning (and reasoning_content), and grammars "
+                           "apply after it; gemma4 names Gemma 4's tags, any other name (vLLM's) the template's")
     http.add_argument("--enable-force-include-usage", action="store_true",
                       help="every streamed answer ends with its usage, as if stream_options.include_usage were set")
     add_response_store_args(http, int_or_size)
