@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -171,10 +172,17 @@ def decode_data_uri(uri: str, what: str = "image") -> bytes:
         raise InvalidInputError(f"{what} data URI has invalid base64: {exc}") from exc
 
 
+_URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")  # a URL, not a path: only file:// is read here
+
+
 def read_local_file(path_or_url: str, limits: MediaLimits, what: str = "image", max_bytes: int | None = None,
                     setting: str = "max_image_bytes") -> bytes:
     """Read a local path or file:// URL, only inside `limits.allowed_local_media_path`, of at most `max_bytes`
     (default: `limits.max_image_bytes`; `setting` names the limit)."""
+    scheme = _URL_SCHEME.match(path_or_url)
+    if scheme and scheme.group(1).lower() != "file":
+        raise InvalidInputError(f"{what}: URL scheme {scheme.group(1)!r} is not supported (http(s), data: or a "
+                                "local file)")
     raw = path_or_url[len("file://"):] if path_or_url.startswith("file://") else path_or_url
     if limits.allowed_local_media_path is None:
         raise InvalidInputError(f"{what}: local files are not allowed (set allowed_local_media_path)",

@@ -70,7 +70,8 @@ def _url_of(part: dict[str, Any], kind: str, where: str) -> str:
     value = part.get(kind)
     url = value.get("url") if isinstance(value, dict) else None  # a bare string is refused, as OpenAI does
     if not isinstance(url, str) or not url:
-        raise InvalidInputError(f"{where}.{kind}: a {kind} part needs {{'{kind}': {{'url': '...'}}}}",
+        article = "an" if kind[0] in "aeiou" else "a"
+        raise InvalidInputError(f"{where}.{kind}: {article} {kind} part needs {{'{kind}': {{'url': '...'}}}}",
                                 param=f"{where}.{kind}")
     return url
 
