@@ -11,6 +11,7 @@ import wave
 import av
 import numpy as np
 import pytest
+import soundfile
 import soxr
 from PIL import Image
 
@@ -310,3 +311,15 @@ def test_limits_must_be_positive():
 def test_a_nonpositive_output_rate_is_the_callers_bug():
     with pytest.raises(ValueError, match="sampling_rate_hz"):
         _decode(_wav(_pcm16(0.1, 16000), 16000), rate=0)
+
+
+def test_mp3_is_decoded_by_libsndfile_under_the_duration_limit():
+    """MP3 goes through libsndfile (transformers' decoder); its length is counted as it decodes: over the
+    limit it is refused whatever the header, and the samples are libsndfile's, mixed and resampled alike."""
+    data = _encode(_tone(3.0, 44100, channels=2), 44100, *COMPRESSED["mp3"][:3])
+    clip = _decode(data)
+    decoded, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    expected = soxr.resample(decoded.T.mean(axis=0, dtype=np.float32), rate, 16000, quality="HQ")
+    assert np.array_equal(clip.samples, expected)
+    _refused(data, "over the limit of 2 s|longer than the limit of 2 s", limits=AudioLimits(max_duration_s=2.0))
+    _refused(data[:200] + bytes(range(256)) * 8, "could not be decoded|not a readable|no decodable|no audio")

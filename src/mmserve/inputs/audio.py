@@ -4,7 +4,9 @@ Role: `decode_audio(data, param=..., sampling_rate_hz=..., limits=...)` reads an
 PyAV reads (wav/pcm, mp3, flac, ogg vorbis/opus, m4a/aac, webm/opus, ...), mixes the channels down to
 mono by averaging them, scales integer PCM to float32 as librosa/soundfile do (int16 / 32768, ...), and
 resamples with soxr at "HQ" quality: librosa's default `res_type="soxr_hq"`, the loading transformers'
-and vLLM's audio paths use, so the samples match theirs. Every bad input raises `InvalidInputError`
+and vLLM's audio paths use, so the samples match theirs. MP3 is decoded by libsndfile (soundfile), as
+transformers' loader decodes it: MP3 decoders differ in their last bits, and its mpg123 is the reference
+(PyAV still opens and checks the file first). Every bad input raises `InvalidInputError`
 naming `param` (or `param.format`): oversized bytes (refused before decoding), undecodable or audio-less
 files, impossible stream parameters, a declared or decoded duration over the limit.
 `clip_from_samples(samples, rate_hz, ...)` does the same for samples a caller already holds (vLLM's
@@ -31,6 +33,7 @@ from typing import Any
 
 import av
 import numpy as np
+import soundfile
 import soxr
 
 from mmserve.errors import InvalidInputError
@@ -45,8 +48,10 @@ _CONTAINER_NAMES = {"wav": ("wav",), "mp3": ("mp3",), "flac": ("flac",), "ogg": 
 _DEMUXERS = ",".join(("wav", "w64", "mp3", "flac", "ogg", "aac", "aiff", "caf", "au",
                       "mov,mp4,m4a,3gp,3g2,mj2", "matroska,webm"))
 
-# PyAV's and FFmpeg's failures (av.FFmpegError subclasses ValueError/OSError/...), soxr's ValueError.
-_DECODE_ERRORS = (av.FFmpegError, OSError, ValueError, EOFError, RuntimeError)
+# PyAV's and FFmpeg's failures (av.FFmpegError subclasses ValueError/OSError/...), soxr's ValueError,
+# libsndfile's (soundfile.SoundFileError).
+_DECODE_ERRORS = (av.FFmpegError, OSError, ValueError, EOFError, RuntimeError, soundfile.SoundFileError)
+_SNDFILE_BLOCK_FRAMES = 1 << 16  # frames libsndfile decodes at a time
 
 # (offset, divisor) turning each integer sample format into float32 in [-1, 1], as libsndfile does.
 _INT_SCALES = {"u8": (128.0, 128.0), "s16": (0.0, 32768.0), "s32": (0.0, 2.0**31), "s64": (0.0, 2.0**63)}
@@ -236,6 +241,28 @@ def _decode_mono(container: av.container.InputContainer, stream: av.audio.stream
     return np.concatenate(chunks)
 
 
+def _decode_mono_libsndfile(data: bytes, sampling_rate_hz: int, limits: AudioLimits, param: str) -> np.ndarray:
+    """`_decode_mono` with libsndfile as the decoder (MP3, as transformers' loader reads it), block by block
+    under the same duration limit."""
+    with soundfile.SoundFile(io.BytesIO(data)) as sound:
+        in_rate = sound.samplerate
+        resampler = _resampler(in_rate, sampling_rate_hz)
+        chunks: list[np.ndarray] = []
+        decoded = 0
+        for block in sound.blocks(blocksize=_SNDFILE_BLOCK_FRAMES, dtype="float32", always_2d=True):
+            decoded += len(block)
+            if decoded > limits.max_duration_s * in_rate:
+                raise InvalidInputError(f"audio is longer than the limit of {limits.max_duration_s:g} s "
+                                        f"(decoded past it)", param=param)
+            mono = _mix_down(block.T, param)
+            chunks.append(mono if resampler is None else resampler.resample_chunk(mono))
+    if decoded == 0:
+        raise InvalidInputError("audio has no decodable samples", param=param)
+    if resampler is not None:
+        chunks.append(resampler.resample_chunk(np.zeros(0, np.float32), last=True))
+    return np.concatenate(chunks)
+
+
 def _short(exc: BaseException) -> str:
     """FFmpeg's own words for a failure, without errno numbers or a traceback; at most 200 characters."""
     text = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
@@ -275,7 +302,10 @@ def decode_audio(data: bytes, *, param: str, sampling_rate_hz: int, limits: Audi
         with _opened(data, param) as container:
             _check_container(container, name, param)
             stream = _audio_stream(data, container, limits, param)
-            samples = _decode_mono(container, stream, sampling_rate_hz, limits, param)
+            if container.format.name == "mp3":
+                samples = _decode_mono_libsndfile(data, sampling_rate_hz, limits, param)
+            else:
+                samples = _decode_mono(container, stream, sampling_rate_hz, limits, param)
     except InvalidInputError:
         raise
     except _DECODE_ERRORS as exc:
