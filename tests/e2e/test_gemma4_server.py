@@ -332,3 +332,21 @@ def test_enable_thinking_is_accepted_and_the_message_is_consistent(server, clien
     assert isinstance(message.content, str)
     for field in (message.content, reasoning or ""):
         assert not any(marker in field for marker in MARKERS), message
+
+
+# ---- the Responses API takes clips too -------------------------------------------------------------------
+def test_the_responses_api_takes_an_input_audio_part_as_the_chat_does(server, client):
+    """/v1/responses with an input_audio part answers as chat completions does for the same message; a bad
+    clip there is a 400 naming the Responses field."""
+    chat = ask(client, server, [input_audio(CLIP), text("What do you hear?")])
+    part = {"type": "input_audio", "input_audio": input_audio(CLIP)["input_audio"]}
+    response = client.responses.create(model=server.model, max_output_tokens=NUM_TOKENS, temperature=0, input=[
+        {"role": "user", "content": [part, {"type": "input_text", "text": "What do you hear?"}]}])
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    bad = {"type": "input_audio", "input_audio": {"data": base64.b64encode(b"not audio").decode(),
+                                                  "format": "wav"}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=server.model, max_output_tokens=NUM_TOKENS, input=[
+            {"role": "user", "content": [bad, {"type": "input_text", "text": "Hm?"}]}])
+    assert caught.value.body["param"] == "input[0].content[0].input_audio"

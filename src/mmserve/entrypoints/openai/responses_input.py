@@ -79,8 +79,14 @@ def _user_part(part: Any, where: str) -> dict[str, Any]:
         if not isinstance(url, str) or not url:
             raise _refuse(f"{where}.image_url must be an http(s) URL or a data URL", f"{where}.image_url")
         return {"type": "input_image", "image_url": url, "detail": detail}
-    raise _refuse(f"{where}.type {kind!r:.40} is not supported: a message's parts are input_text or input_image"
-                  " (output_text in an assistant's)", f"{where}.type" if isinstance(part, dict) else where)
+    if kind == "input_audio":  # the chat part's shape: {"data": base64, "format": wav|mp3|flac|ogg}
+        _check_keys(part, ("type", "input_audio"), where)
+        audio = part.get("input_audio")
+        if not isinstance(audio, dict):
+            raise _refuse(f"{where}.input_audio must be an object with 'data' and 'format'", f"{where}.input_audio")
+        return {"type": "input_audio", "input_audio": dict(audio)}  # checked with the chat's parts
+    raise _refuse(f"{where}.type {kind!r:.40} is not supported: a message's parts are input_text, input_image or "
+                  "input_audio (output_text in an assistant's)", f"{where}.type" if isinstance(part, dict) else where)
 
 
 def _assistant_part(part: Any, where: str) -> dict[str, Any]:
@@ -214,6 +220,8 @@ class _Turn:
 def _chat_part(part: dict[str, Any]) -> dict[str, Any]:
     if part["type"] == "input_text":
         return {"type": "text", "text": part["text"]}
+    if part["type"] == "input_audio":
+        return {"type": "input_audio", "input_audio": part["input_audio"]}
     return {"type": "image_url", "image_url": {"url": part["image_url"]}}
 
 
