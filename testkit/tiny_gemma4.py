@@ -8,10 +8,11 @@ processor nested in one file, as `Gemma4Processor.save_pretrained` writes it and
 preprocessor_config.json) and generation_config.json (several eos ids). `gemma4_reference_inputs` runs
 transformers' own processor on a prompt: the fidelity oracle's `generate` inputs.
 
-The decoder is E2B's in miniature: 7 layers, sliding (window 16, head_dim 16, default rope) and full
+The decoder is E2B's in miniature: 5 layers, sliding (window 16, head_dim 16, default rope) and full
 (global_head_dim 32, proportional rope over a quarter of the head) mixed, the last one full; one kv
-head; the last 3 layers (a sliding and a full among them) reuse the cache of the last earlier layer of
-their type, with double-wide MLPs; per-layer embeddings (PLE) 8 wide; final logit softcapping 30; tied
+head; the last 2 layers (a sliding and a full) reuse the cache of the last earlier layer of their type
+(so one sliding layer keeps a cache no later layer reads), with double-wide MLPs; per-layer embeddings
+(PLE) 16 wide; final logit softcapping 30; tied
 embeddings. `moe=True` adds Gemma 4 26B-A4B's mixture-of-experts block (4 experts, top 2) to every layer.
 The vision tower (4-pixel patches pooled 3x3) and the audio tower (2 conformer layers) use clipped
 linears whose bounds are finite and calibrated to clip the tails of typical activations; every
@@ -43,8 +44,8 @@ from testkit.tiny_checkpoints import _randomize
 from testkit.tiny_gemma4_tokenizer import build_tokenizer, save_tokenizer, token_ids
 
 SLIDING, FULL = "sliding_attention", "full_attention"
-LAYER_TYPES = [SLIDING, SLIDING, FULL, SLIDING, SLIDING, SLIDING, FULL]
-NUM_KV_SHARED_LAYERS = 3  # layers 4 (sliding), 5 (sliding), 6 (full) read the caches of layers 3 and 2
+LAYER_TYPES = [SLIDING, FULL, SLIDING, SLIDING, FULL]
+NUM_KV_SHARED_LAYERS = 2  # layers 3 (sliding) and 4 (full) read the caches of layers 2 and 1
 SLIDING_WINDOW = 16
 PATCH_SIZE = 4
 POOLING_KERNEL_SIZE = 3

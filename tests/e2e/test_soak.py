@@ -1,4 +1,4 @@
-"""A short soak of the demo-model server: 32 concurrent clients for 60 s (`python -m benchmarks.server.soak`,
+"""A short soak of the demo-model server: 32 concurrent clients for 30 s (`python -m benchmarks.server.soak`,
 run as the command it is; its last line, the whole report as JSON, is judged here).
 
 Plain and streaming questions about shapes pictures drawn from a small pool (images repeat), fresh
@@ -6,7 +6,7 @@ pictures (encoded under load, with a small encoder cache that must evict), clien
 that hang up after the first streamed chunk, and bad inputs. The server must never answer 5xx, every
 answer must be the ground truth, every bad input must get a 4xx, and afterwards the engine must be
 idle: no requests, every KV block free, no encoder-cache bytes referenced. RSS growth is reported but
-not checked here: a minute is warm-up (a 10-minute run of the soak benchmark is where it is judged).
+not checked here: half a minute is warm-up (a 10-minute run of the soak benchmark is where it is judged).
 `MMSERVE_SOAK_S` shortens or lengthens the run for local debugging.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DURATION_S = float(os.environ.get("MMSERVE_SOAK_S", "60"))
+DURATION_S = float(os.environ.get("MMSERVE_SOAK_S", "30"))
 KINDS = ("plain", "stream", "fresh", "disconnect", "bad_input")  # every kind of request the soak sends
 # room for about 44 of the demo model's image outputs (~11.5 KB each), fewer than the pool's 48 pictures;
 # half of it may be referenced by requests in flight at once, so some wait for the budget

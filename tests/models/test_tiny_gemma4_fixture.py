@@ -105,8 +105,10 @@ def test_config_has_the_hubs_quirks_and_kv_sharing_over_both_layer_types(model_d
         assert config[key] == tok.convert_tokens_to_ids(token), key
     layers = model.model.language_model.layers
     assert [layer.self_attn.head_dim for layer in layers] == [32 if t == FULL else 16 for t in LAYER_TYPES]
-    assert [layer.self_attn.is_kv_shared_layer for layer in layers] == [i >= 4 for i in range(7)]
-    assert layers[6].mlp.down_proj.in_features == 2 * layers[0].mlp.down_proj.in_features
+    first_shared = len(LAYER_TYPES) - NUM_KV_SHARED_LAYERS
+    assert [layer.self_attn.is_kv_shared_layer for layer in layers] == [
+        i >= first_shared for i in range(len(LAYER_TYPES))]
+    assert layers[-1].mlp.down_proj.in_features == 2 * layers[0].mlp.down_proj.in_features
 
 
 def test_layer_scalars_and_clip_bounds_are_saved_and_not_trivial(model_dir):
@@ -120,7 +122,7 @@ def test_layer_scalars_and_clip_bounds_are_saved_and_not_trivial(model_dir):
         if name.endswith("_min"):
             assert low < bounds[name[:-4] + "_max"], name
     # the hub's checkpoints keep unused k/v weights in the KV-shared layers
-    assert "model.language_model.layers.6.self_attn.k_proj.weight" in tensors
+    assert f"model.language_model.layers.{len(LAYER_TYPES) - 1}.self_attn.k_proj.weight" in tensors
 
 
 def test_every_weight_and_buffer_loads_as_saved(model_dir, model):
