@@ -11,10 +11,8 @@ none is the demo checkpoint's own (Qwen2-VL). All audio is generated here."""
 from __future__ import annotations
 
 import base64
-import io
 import struct
 import threading
-import wave
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -35,6 +33,8 @@ from mmserve.inputs.processing import ItemExpansion, MultimodalProcessor
 from mmserve.inputs.tokenizer import TextTokenizer
 from mmserve.models.loader import read_config
 from mmserve.models.registry import resolve
+from tests.unit.test_audio_decoding import _pcm16 as pcm16  # the same clips as the decoder's tests
+from tests.unit.test_audio_decoding import _wav as wav
 
 RATE = 16000  # the stub family's feature-extractor rate
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}"
@@ -72,23 +72,6 @@ def family() -> AudioFamily:
     return AudioFamily()
 
 
-def pcm16(seconds: float, rate: int, channels: int = 1, seed: int = 0) -> np.ndarray:
-    """(samples, channels) int16: a tone plus a little noise."""
-    t = np.arange(int(seconds * rate)) / rate
-    rng = np.random.default_rng(seed)
-    tones = [0.4 * np.sin(2 * np.pi * (330 + 220 * c) * t) + 0.05 * rng.standard_normal(len(t))
-             for c in range(channels)]
-    return np.round(np.stack(tones, axis=1) * 32767).astype(np.int16)
-
-
-def wav(pcm: np.ndarray, rate: int) -> bytes:
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as out:
-        out.setnchannels(pcm.shape[1])
-        out.setsampwidth(2)
-        out.setframerate(rate)
-        out.writeframes(pcm.tobytes())
-    return buf.getvalue()
 
 
 def wav_header(payload: bytes, rate: int = RATE, data_size: int | None = None) -> bytes:

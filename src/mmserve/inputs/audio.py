@@ -208,6 +208,16 @@ def _resampler(in_rate_hz: float, out_rate_hz: int) -> soxr.ResampleStream | Non
     return soxr.ResampleStream(in_rate_hz, out_rate_hz, 1, dtype="float32", quality="HQ")
 
 
+def _joined(chunks: list[np.ndarray], decoded: int, resampler: soxr.ResampleStream | None,
+            param: str) -> np.ndarray:
+    """The decoded (and resampled) chunks as one clip, the resampler flushed; none decoded: refused."""
+    if decoded == 0:
+        raise InvalidInputError("audio has no decodable samples", param=param)
+    if resampler is not None:
+        chunks.append(resampler.resample_chunk(np.zeros(0, np.float32), last=True))
+    return np.concatenate(chunks)
+
+
 def _decode_mono(container: av.container.InputContainer, stream: av.audio.stream.AudioStream,
                  sampling_rate_hz: int, limits: AudioLimits, param: str) -> np.ndarray:
     """Decode, mix down and resample frame by frame, stopping as soon as the samples decoded pass the
@@ -234,11 +244,7 @@ def _decode_mono(container: av.container.InputContainer, stream: av.audio.stream
                                     f"(decoded past it)", param=param)
         mono = _mono_float32(frame, param)
         chunks.append(mono if resampler is None else resampler.resample_chunk(mono))
-    if decoded == 0:
-        raise InvalidInputError("audio has no decodable samples", param=param)
-    if resampler is not None:
-        chunks.append(resampler.resample_chunk(np.zeros(0, np.float32), last=True))
-    return np.concatenate(chunks)
+    return _joined(chunks, decoded, resampler, param)
 
 
 def _decode_mono_libsndfile(data: bytes, sampling_rate_hz: int, limits: AudioLimits, param: str) -> np.ndarray:
@@ -256,11 +262,7 @@ def _decode_mono_libsndfile(data: bytes, sampling_rate_hz: int, limits: AudioLim
                                         f"(decoded past it)", param=param)
             mono = _mix_down(block.T, param)
             chunks.append(mono if resampler is None else resampler.resample_chunk(mono))
-    if decoded == 0:
-        raise InvalidInputError("audio has no decodable samples", param=param)
-    if resampler is not None:
-        chunks.append(resampler.resample_chunk(np.zeros(0, np.float32), last=True))
-    return np.concatenate(chunks)
+    return _joined(chunks, decoded, resampler, param)
 
 
 def _short(exc: BaseException) -> str:

@@ -138,6 +138,15 @@ class DecoderTextConfig:
                                  f"num_key_value_heads {self.num_key_value_heads}")
 
 
+def check_layer_types(layer_types: tuple[str, ...], num_layers: int, supported: tuple[str, ...]) -> None:
+    """A decoder's `layer_types`: one per layer, each one the family supports (else a ModelLoadError)."""
+    if len(layer_types) != num_layers:
+        raise ModelLoadError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+    bad = sorted({t for t in layer_types if t not in supported})
+    if bad:
+        raise ModelLoadError(f"unsupported layer_types {bad}; supported: {', '.join(supported)}")
+
+
 def _heads(fields: Mapping[str, Any]) -> int:
     return fields["num_attention_heads"]
 

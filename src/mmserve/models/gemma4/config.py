@@ -23,7 +23,7 @@ from types import MappingProxyType
 from typing import Any
 
 from mmserve.errors import ModelLoadError
-from mmserve.models.config_reader import DecoderTextConfig, Key, read, rope_type, token_ids
+from mmserve.models.config_reader import DecoderTextConfig, Key, check_layer_types, read, rope_type, token_ids
 
 GEMMA4 = "Gemma4ForConditionalGeneration"
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -78,11 +78,7 @@ class TextConfig(DecoderTextConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ModelLoadError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
-        bad = sorted({t for t in self.layer_types if t not in (SLIDING, FULL)})
-        if bad:
-            raise ModelLoadError(f"unsupported layer_types {bad}; supported: {SLIDING}, {FULL}")
+        check_layer_types(self.layer_types, self.num_hidden_layers, (SLIDING, FULL))
         if self.sliding_window < 1:
             raise ModelLoadError(f"sliding_window must be positive, got {self.sliding_window}")
         if not 0 <= self.num_kv_shared_layers <= self.num_hidden_layers:
