@@ -45,17 +45,22 @@ def server(tmp_path_factory):
         yield server
 
 
-@pytest.fixture(scope="module")
-def browser():
+def chromium(extra_args: tuple[str, ...] = ()):
+    """Headless Chromium (Debian's) with `extra_args`, closed after the module's tests."""
     sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
     if not CHROMIUM.is_file():
         pytest.skip(f"{CHROMIUM} is missing (scripts/setup.sh installs Debian's chromium)")
     with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=[*CHROMIUM_ARGS, *extra_args])
         try:
             yield browser
         finally:
             browser.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    yield from chromium()
 
 
 def png_data_uri(image) -> str:

@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import running_server
-from tests.e2e.test_web_ui import CHROMIUM, CHROMIUM_ARGS, _last_answer, _send, _wait_done
+from tests.e2e.test_web_ui import _last_answer, _send, _wait_done, chromium
 
 # a fake microphone that needs no permission prompt
 FAKE_MEDIA_ARGS = ["--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream"]
@@ -67,15 +67,7 @@ def server(all_checkpoints, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser():
-    sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
-    if not CHROMIUM.is_file():
-        pytest.skip(f"{CHROMIUM} is missing (scripts/setup.sh installs Debian's chromium)")
-    with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS + FAKE_MEDIA_ARGS)
-        try:
-            yield browser
-        finally:
-            browser.close()
+    yield from chromium(tuple(FAKE_MEDIA_ARGS))
 
 
 def _open(browser, server, errors: list[str]):
