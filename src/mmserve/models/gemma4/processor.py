@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from mmserve.errors import InvalidInputError
+from mmserve.errors import InvalidInputError, ModelLoadError
 from mmserve.inputs.items import AUDIO, IMAGE, VIDEO
 from mmserve.inputs.media import MediaLimits
 from mmserve.inputs.processing import ItemExpansion, MultimodalProcessor
@@ -78,7 +78,7 @@ class Gemma4Processor(MultimodalProcessor):
                  for name in ("boi", "eoi", "boa", "eoa")}
         missing = sorted(name for name, text in texts.items() if not text)
         if missing and self.modalities:
-            raise InvalidInputError(f"the tokenizer lacks Gemma 4's {', '.join(missing)} token(s)")
+            raise ModelLoadError(f"the tokenizer lacks Gemma 4's {', '.join(missing)} token(s)")
         self.boi, self.eoi, self.boa, self.eoa = (texts[n] or "" for n in ("boi", "eoi", "boa", "eoa"))
 
     # ---- hooks --------------------------------------------------------------------------------
