@@ -169,26 +169,44 @@ def test_a_clip_too_short_for_one_audio_token_is_refused_naming_its_part(model_d
     assert llm.chat([conversations()[0]], PARAMS, use_tqdm=False)[0].outputs[0].token_ids  # still serving
 
 
-def test_kv_shared_layers_own_no_cache_so_a_kv_budget_holds_more_blocks(model_dir):
-    """KV bytes per token are those of the layers that keep a cache, each at its own head size (the shared
-    layers cost nothing), and a KV budget is cut into that many blocks: a 4k-token request takes 256 of
-    them, each holding only the owners' keys and values."""
+def test_a_4k_request_holds_its_full_layers_context_and_only_the_sliding_layers_window(model_dir):
+    """Memory that follows the model: KV-shared layers own no cache, full layers keep every block of a request,
+    sliding layers only the blocks of their window (a pool of their own, freed as the window moves). A budget
+    of the full layers' 4k tokens plus the window pool serves a 4k-token request, which one pool of every
+    owner layer's blocks could not hold; while it decodes it holds 256 full blocks and 2 window blocks."""
     config = json.loads((model_dir / "config.json").read_text())["text_config"]
-    heads, sliding, full = config["num_key_value_heads"], config["head_dim"], config["global_head_dim"]
+    heads, window, bs = config["num_key_value_heads"], config["sliding_window"], 16
     owned = config["layer_types"][:config["num_hidden_layers"] - config["num_kv_shared_layers"]]
-    per_token = sum(2 * heads * (full if t == "full_attention" else sliding) * 4 for t in owned)  # float32
-    every_layer = sum(2 * heads * (full if t == "full_attention" else sliding) * 4 for t in config["layer_types"])
-    assert per_token < every_layer
-    blocks_4k = 4096 // 16
-    llm = LLM(str(model_dir), kv_cache_bytes=blocks_4k * 16 * per_token, max_model_len=4096)
-    assert llm.engine.kv_bytes_per_token == per_token
-    assert llm.get_stats()["kv_blocks_total"] == blocks_4k  # one 4k request fits: the shared layers took none
-    storage = llm.engine.kv_storage
+    full = sum(2 * heads * config["global_head_dim"] * 4 for t in owned if t == "full_attention")  # float32
+    sliding = sum(2 * heads * config["head_dim"] * 4 for t in owned if t == "sliding_attention")
+    every_layer = sum(2 * heads * (config["global_head_dim"] if t == "full_attention" else config["head_dim"]) * 4
+                      for t in config["layer_types"])
+    assert full + sliding < every_layer  # the shared layers cost nothing
+    window_pool = 2 * (-(-(window - 1) // bs) + 2) + 256 // bs  # 2 requests' windows and one 256-token step
+    budget = (4096 // bs) * bs * full + window_pool * bs * sliding
+    assert budget // (bs * (full + sliding)) < 4096 // bs  # one pool of every owner's blocks: under 4k tokens
+    llm = LLM(str(model_dir), kv_cache_bytes=budget, max_model_len=4096, max_num_seqs=2, max_num_batched_tokens=256)
+    kv, storage = llm.engine.scheduler.kv, llm.engine.kv_storage
+    assert llm.get_stats()["kv_blocks_total"] == 4096 // bs and kv.window.num_blocks == window_pool
     stored = sum(t.numel() * t.element_size() for group in storage._groups for t in group)
-    assert stored == storage.num_blocks * 16 * per_token
-    prompt = {"prompt_token_ids": [2] + [100] * 4090}  # with 4 answer tokens: 4095 of the 4096 slots
-    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
-    assert len(out.outputs[0].token_ids) == 4
+    assert stored == (4096 // bs) * bs * full + (window_pool + 1) * bs * sliding  # the window pool's null block
+    engine = llm.engine
+    engine.add_request("long", engine.process({"prompt_token_ids": [2] + [100] * 4090}),
+                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    held, tokens = [], []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = out.outputs[0].token_ids
+        if "long" in kv.req_blocks:
+            held.append((len(kv.req_blocks["long"]), kv.num_window_blocks_held("long")))
+    assert len(tokens) == 4
+    decoding = held[-2:]  # the decodes before the last (which ends it): 4092 and 4093 tokens
+    assert all(num_full == 4096 // bs for num_full, _ in decoding)
+    assert held[0] == (256 // bs, 256 // bs)  # a prompt's first chunk: its blocks in both pools
+    window_blocks = -(-(window - 1) // bs) + 1  # the window (15 keys before a query) and the query's block
+    assert all(num_window <= window_blocks for _, num_window in decoding)
+    bound = 4096 * full + window_blocks * bs * sliding  # bytes: the full layers' 4k, the window rounded to blocks
+    assert max(f * bs * full + w * bs * sliding for f, w in decoding) <= bound
     llm.check_integrity()
 
 

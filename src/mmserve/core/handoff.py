@@ -56,7 +56,9 @@ class HandOffBook:
         prompt blocks to be sent, or None if they do not fit now (the other side holds them and asks again)."""
         hits, num_hit = kv.get_computed_blocks(request)
         num_prompt_blocks = -(-request.num_prompt_tokens // kv.block_size)
-        if kv.allocate_slots(request, request.num_tokens - num_hit, hits) is None:
+        # its first computation here is the decode after its prompt: a window pool keeps only that one's window
+        if kv.allocate_slots(request, request.num_tokens - num_hit, hits,
+                             first_query=request.num_prompt_tokens) is None:
             return None
         request.status = RequestStatus.RECEIVING
         request.num_cached_tokens = num_hit

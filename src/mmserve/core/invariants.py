@@ -32,4 +32,4 @@ def check_scheduler_books(kv: KVCacheManager, cache: EncoderCacheManager, cross_
         held = len(kv.req_blocks.get(r.request_id, []))
         assert held * kv.block_size >= r.num_computed_tokens, f"{r.request_id} computed past its blocks"
     if not live_request_ids:
-        assert kv.num_free_blocks == kv.num_blocks, "idle engine holds KV blocks"
+        assert kv.is_idle(), "idle engine holds KV blocks"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import struct
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import blake3
@@ -162,27 +162,47 @@ class KVCacheManager:
         self.stats.prefix_cache_queries += num_tokens
         self.stats.prefix_cache_hit_tokens += num_hit_tokens
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: Sequence[KVBlock] = ()) -> list[int] | None:
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = (),
+                       first_query: int | None = None) -> list[int] | None:
         """Blocks for `num_new_tokens` more tokens after the computed ones; None if they don't fit.
 
-        On success returns the ids of blocks appended to the request (prefix hits first)."""
+        On success returns the ids of blocks appended to the request (prefix hits first). `first_query`: the
+        position the request's next computation starts at, where it is not its computed tokens (a hand-off's
+        receiver: its prompt's end); only a pool that keeps a window (core/window_kv.py) reads it."""
+        needed, reclaimed = self._blocks_needed(request, num_new_tokens, computed_blocks)
+        if needed > self.num_free_blocks - reclaimed:
+            return None
+        return self._take(request, needed, computed_blocks)
+
+    def _blocks_needed(self, request: Request, num_new_tokens: int,
+                       computed_blocks: Sequence[KVBlock]) -> tuple[int, int]:
+        """(blocks to take off the free queue, of which prefix hits sitting in it) for the allocation."""
         owned = self.req_blocks.get(request.request_id, [])
         total_tokens = request.num_computed_tokens + num_new_tokens
         if computed_blocks:  # a fresh admission: the hits are the first blocks
             total_tokens = len(computed_blocks) * self.block_size + num_new_tokens
         needed = -(-total_tokens // self.block_size) - len(owned) - len(computed_blocks)
         # hits sitting in the free queue stop being free once touched
-        reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if needed > self.num_free_blocks - reclaimed:
-            return None
+        return max(needed, 0), sum(1 for b in computed_blocks if b.ref_cnt == 0)
+
+    def _take(self, request: Request, needed: int, computed_blocks: Sequence[KVBlock]) -> list[int]:
+        owned = self.req_blocks.get(request.request_id, [])
         for block in computed_blocks:
-            if block.ref_cnt == 0:
-                self.free_queue.remove(block)
-            block.ref_cnt += 1
-        new_blocks = list(computed_blocks) + [self._pop_free() for _ in range(max(needed, 0))]
+            self._touch(block)
+        new_blocks = list(computed_blocks) + [self._pop_free() for _ in range(needed)]
         self.req_blocks.setdefault(request.request_id, owned).extend(new_blocks)
         return [b.block_id for b in new_blocks]
+
+    def _touch(self, block: KVBlock) -> None:
+        """One more owner of a (cached) block: off the free queue if it sat there."""
+        if block.ref_cnt == 0:
+            self.free_queue.remove(block)
+        block.ref_cnt += 1
+
+    def _release(self, block: KVBlock) -> None:
+        block.ref_cnt -= 1
+        if block.ref_cnt == 0:
+            self.free_queue.append(block)
 
     def _pop_free(self) -> KVBlock:
         block = self.free_queue.popleft()
@@ -214,17 +234,31 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release a request's blocks; tail blocks first so they are evicted before shared prefixes."""
         for block in reversed(self.req_blocks.pop(request.request_id, [])):
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self.free_queue.append(block)
+            self._release(block)
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
 
+    def window_block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """The request's sliding-window table from logical block `start` on: none here (one pool serves every
+        layer); core/window_kv.py's manager keeps one."""
+        return []
+
+    def last_window_block_ids(self, request_id: str, num: int) -> tuple[int, ...]:
+        """The window table's entries for the request's last `num` blocks (those just allocated)."""
+        return tuple(self.window_block_ids(request_id, len(self.req_blocks.get(request_id, ())) - num)) if num else ()
+
+    def is_idle(self) -> bool:
+        """No request holds a block."""
+        return self.num_free_blocks == self.num_blocks
+
     def check_integrity(self) -> None:
         """Reference counts equal ownership; free blocks are exactly those nobody owns."""
+        self._check_pool(self.req_blocks.values())
+
+    def _check_pool(self, owned: Iterable[Iterable[KVBlock]]) -> None:
         owners: dict[int, int] = {}
-        for blocks in self.req_blocks.values():
+        for blocks in owned:
             for b in blocks:
                 owners[b.block_id] = owners.get(b.block_id, 0) + 1
         free_ids = [b.block_id for b in self.free_queue]

@@ -183,8 +183,9 @@ class Scheduler(SchedulerViews, HandOffCalls):
                 plan.out.propose_drafts[request.request_id] = lookahead
             num_new = cut
             # blocks allocated for a cut chunk are used by later chunks; the runner learns of them now
-            plan.out.cached_requests.append(
-                CachedRequestData(request.request_id, tuple(new_ids), request.num_computed_tokens))
+            rid = request.request_id
+            plan.out.cached_requests.append(CachedRequestData(rid, tuple(new_ids), request.num_computed_tokens,
+                                                              self.kv.last_window_block_ids(rid, len(new_ids))))
             if drafts:
                 plan.out.spec_token_ids[request.request_id] = drafts
             if num_new > 0:
@@ -317,7 +318,8 @@ class Scheduler(SchedulerViews, HandOffCalls):
         return NewRequestData(rid, tuple(request.all_token_ids), request.num_prompt_tokens, request.items,
                               request.sampling_params, tuple(self.kv.block_ids(rid)), request.num_computed_tokens,
                               len(request.output_token_ids), None if states is None else states.slots.slot_of(rid),
-                              None if states is None else states.restores.pop(rid, None))
+                              None if states is None else states.restores.pop(rid, None),
+                              tuple(self.kv.window_block_ids(rid)))
 
     # ---- update ---------------------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:

@@ -59,6 +59,12 @@ class SchedulerViews:
         """The KV blocks a live request holds, in order."""
         return tuple(self.kv.block_ids(request_id))
 
+    def blocks_at(self, request_id: str, indices: list[int]) -> tuple[list[int], list[int] | None]:
+        """A live request's blocks at logical `indices`, and its window pool's there (core/window_kv.py; None:
+        no window pool); a window entry the window has left is the pool's null block, which no query reads."""
+        owned, window = self.kv.block_ids(request_id), self.kv.window_block_ids(request_id)
+        return [owned[i] for i in indices], [window[i] for i in indices] if window else None
+
     def encoder_entry_state(self, key: str) -> EntryState | None:
         """The state of an item's encoder-cache entry (None: no entry)."""
         return self.encoder_cache.state(key)

@@ -26,6 +26,9 @@ class NewRequestData:
     num_output_tokens: int  # outputs so far, so per-token seeds continue where they were
     state_slot: int | None = None  # a hybrid model's recurrent-state slot: None for other models
     state_restore: int | None = None  # the state snapshot its prefix hit resumes from (None: zero state)
+    # a model whose sliding layers keep only their window (core/window_kv.py): their blocks, entry i logical
+    # block i as in block_ids (the window pool's null block where the window has none); () for other models
+    window_block_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class CachedRequestData:
     request_id: str
     new_block_ids: tuple[int, ...]
     num_computed_tokens: int
+    new_window_block_ids: tuple[int, ...] = ()  # the window table's entries for the new blocks
 
 
 @dataclass

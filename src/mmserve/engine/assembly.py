@@ -26,15 +26,16 @@ from mmserve.core.kv_cache import KVCacheManager
 from mmserve.core.scheduler import Scheduler, SchedulerLimits
 from mmserve.core.state_slots import StateSlotLayout, StateSlotPool
 from mmserve.core.state_snapshots import HybridStates
+from mmserve.core.window_kv import WindowedKVCacheManager
 from mmserve.engine.drafter_loading import build_proposer, load_drafter
 from mmserve.engine.drafter_loading import kv_bytes_per_token as drafter_kv_bytes_per_token
 from mmserve.engine.frontend import Frontend
 from mmserve.engine.graph_settings import resolve_runner_graphs
+from mmserve.engine.kv_pools import KVPools, resolve_kv_pools
 from mmserve.engine.sizing import (
     resolve_cross_kv_bytes,
     resolve_encoder_budget,
     resolve_max_model_len,
-    resolve_num_kv_blocks,
     resolve_state_slots,
 )
 from mmserve.faults import FaultPlan
@@ -98,24 +99,34 @@ def assemble(config: EngineConfig, faults: FaultPlan) -> EngineParts:
     state_slots = None if spec.linear_state is None else resolve_state_slots(
         config.cache, LinearStateStorage.bytes_per_slot(spec.linear_state), config.scheduler.max_num_seqs,
         loaded.device)
-    num_blocks = resolve_num_kv_blocks(config.cache, kv_bytes_per_token, loaded.device,
-                                       0 if state_slots is None else state_slots.total_bytes)
+    # a step computes at most max_num_batched_tokens (lifted to the widest item span a chunk must hold whole)
+    max_tokens_per_step = max(config.scheduler.max_num_batched_tokens,
+                              spec.max_item_span if spec.bidirectional_media else 0)
+    pools = resolve_kv_pools(config.cache, spec, fmt, drafter_kv_bytes_per_token(drafter, fmt),
+                             config.scheduler.max_num_seqs, max_tokens_per_step, loaded.device,
+                             0 if state_slots is None else state_slots.total_bytes)
+    num_blocks = pools.num_blocks
     max_model_len = resolve_max_model_len(config.scheduler.max_model_len, spec.max_position_embeddings,
                                           num_blocks * config.cache.block_size)
+    pools.log(max_model_len)
     frontend.max_model_len = max_model_len
     budget = resolve_encoder_budget(config.encoder, spec, loaded.dtype)
+    # a window pool's storage keeps its null block after the blocks its manager hands out
+    window_blocks = None if pools.window_tokens is None else pools.num_window_blocks
     graphs = resolve_runner_graphs(config, encoder_tokens_per_step=budget.max_encoder_tokens_per_step,
                                    encoder_items_per_step=budget.max_items_per_step,
                                    num_kv_blocks=num_blocks, max_model_len=max_model_len,
-                                   num_position_rows=spec.num_position_rows, eager_decode=spec.eager_decode)
+                                   num_position_rows=spec.num_position_rows, eager_decode=spec.eager_decode,
+                                   num_window_blocks=window_blocks)
     # decode graphs' padding rows write to a scratch block after the ones the KV manager hands out
     kv_storage = PagedKVStorage.for_layers(spec.kv_layer_shapes, num_blocks + graphs.num_scratch_blocks,
-                                           config.cache.block_size, fmt, loaded.device)
+                                           config.cache.block_size, fmt, loaded.device,
+                                           None if window_blocks is None else window_blocks + 1)
     encoder_pool = _start_encoder_pool(config, faults) if config.encoder.encoder_workers else None
     # MEAN and CLS pooling need every prompt row computed: no prefix hits (vLLM's rule too)
     prefix_caching = config.cache.enable_prefix_caching and (frontend.pooling is None
                                                              or frontend.pooling.pooling_type == "LAST")
-    scheduler = _scheduler(config, spec, loaded.dtype, num_blocks, max_model_len, budget, encoder_pool is not None,
+    scheduler = _scheduler(config, spec, loaded.dtype, pools, max_model_len, budget, encoder_pool is not None,
                            state_slots, prefix_caching)
     state = None if state_slots is None else LinearStateStorage(spec.linear_state, state_slots.num_slots,
                                                                 state_slots.num_snapshots, loaded.device)
@@ -135,10 +146,12 @@ def assemble(config: EngineConfig, faults: FaultPlan) -> EngineParts:
                        cross_kv_bytes_per_row, scheduler, runner)
 
 
-def _scheduler(config: EngineConfig, spec: FamilySpec, dtype: torch.dtype, num_blocks: int, max_model_len: int,
+def _scheduler(config: EngineConfig, spec: FamilySpec, dtype: torch.dtype, pools: KVPools, max_model_len: int,
                budget: EncoderBudget, encoder_workers: bool, state_slots: StateSlotLayout | None,
                prefix_caching: bool) -> Scheduler:
-    kv = KVCacheManager(num_blocks, config.cache.block_size, prefix_caching)
+    kv = (KVCacheManager(pools.num_blocks, pools.block_size, prefix_caching) if pools.window_tokens is None else
+          WindowedKVCacheManager(pools.num_blocks, pools.block_size, pools.num_window_blocks, pools.window_tokens,
+                                 prefix_caching))
     items = ItemScheduler(EncoderCacheManager(budget.cache_bytes, budget.output_budget_bytes), budget,
                           outputs_arrive_later=encoder_workers)
     sched = config.scheduler

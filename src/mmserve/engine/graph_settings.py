@@ -34,9 +34,10 @@ class RunnerGraphs:
 
 def resolve_runner_graphs(config: EngineConfig, *, encoder_tokens_per_step: int, encoder_items_per_step: int,
                           num_kv_blocks: int, max_model_len: int, num_position_rows: int,
-                          eager_decode: str | None = None) -> RunnerGraphs:
+                          eager_decode: str | None = None, num_window_blocks: int | None = None) -> RunnerGraphs:
     """`num_kv_blocks`: the blocks the KV manager hands out; the scratch block is the one after them.
-    `eager_decode`: why the family's decode steps run eagerly (`FamilySpec.eager_decode`), or None."""
+    `eager_decode`: why the family's decode steps run eagerly (`FamilySpec.eager_decode`), or None.
+    `num_window_blocks`: the window pool's (core/window_kv.py), whose null block is its scratch; None: none."""
     graphs, device_type = config.graphs, config.device.split(":")[0]
     encoder = None
     if graphs.encoder_graphs_on(device_type):
@@ -54,7 +55,8 @@ def resolve_runner_graphs(config: EngineConfig, *, encoder_tokens_per_step: int,
         sizes = graphs.decode_graph_batch_sizes or decode_batch_sizes(max_num_seqs)
         block_size = config.cache.block_size
         decode = DecodeGraphSettings(tuple(sorted(set(sizes))), decode_block_widths(-(-max_model_len // block_size)),
-                                     scratch_block=num_kv_blocks, num_position_rows=num_position_rows,
+                                     scratch_block=num_kv_blocks, window_scratch_block=num_window_blocks,
+                                     num_position_rows=num_position_rows,
                                      compile=compile_mode != "off", in_background=compile_mode == "background")
     if decode is not None and decode.compile:
         logger.info("decode steps: compiled for the CPU %s (batch sizes %s)",

@@ -163,10 +163,9 @@ class Engine:
         the request then finishes here (finish reason "handoff"), its blocks staying in the prefix cache."""
         if request_id not in self.output_processor or not self.scheduler.is_parked(request_id):
             raise ValueError(f"request {request_id!r} is not parked for a hand-off")
-        owned = self.scheduler.block_ids(request_id)
-        block_ids = [owned[i] for i in block_indices]
+        block_ids, window_ids = self.scheduler.blocks_at(request_id, block_indices)
         transfer = connector.send(request_id, self.kv_storage.block_part_shapes(), len(block_ids),
-                                  lambda outs: self.kv_storage.read_blocks(block_ids, outs))
+                                  lambda outs: self.kv_storage.read_blocks(block_ids, outs, window_ids))
         self.scheduler.hand_off_sent(request_id, len(block_ids))
         self._pending_outputs.append(self.output_processor.finish(request_id, "handoff"))
         return transfer
@@ -199,8 +198,8 @@ class Engine:
         """The blocks `admit_transferred` asked for, as the prefill replica's `send_kv` read them: the
         request decodes from its first token on."""
         indices = self.inputs.transfer_indices(request_id)
-        owned = self.scheduler.block_ids(request_id)
-        self.kv_storage.write_blocks([owned[i] for i in indices], parts)
+        block_ids, window_ids = self.scheduler.blocks_at(request_id, indices)
+        self.kv_storage.write_blocks(block_ids, parts, window_ids)
         self.scheduler.transfer_done(request_id, len(indices))
 
     # ---- stepping -------------------------------------------------------------------------------

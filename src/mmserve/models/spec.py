@@ -46,6 +46,7 @@ class KVLayerShape:
     num_kv_heads: int
     head_dim: int
     reads_layer: int | None = None  # None: it keeps its own keys and values
+    sliding_window: int | None = None  # it attends to the last this many positions only (None: all of them)
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,14 @@ class FamilySpec:
         if self.kv_layers is not None:
             return self.kv_layers
         return (KVLayerShape(self.num_kv_heads, self.head_dim),) * self.num_layers
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window a window pool keeps for the sliding layers (core/window_kv.py): the widest of theirs,
+        where some layers keep a window and others the whole context; None: one pool serves every layer."""
+        owners = [s for s in self.kv_layer_shapes if s.reads_layer is None]
+        windows = [s.sliding_window for s in owners if s.sliding_window is not None]
+        return max(windows) if windows and len(windows) < len(owners) else None
 
     def bidirectional_spans(self, prompt: ProcessedPrompt) -> tuple[tuple[int, int], ...]:
         """[start, end) of every run of a prompt's encoder rows that attends within itself both ways."""

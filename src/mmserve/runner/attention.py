@@ -60,6 +60,9 @@ class PagedAttentionMetadata(AttentionMetadata):
     prefill_block_tables: list[torch.Tensor | None] = field(default_factory=list)  # per sequence with context
     decode_rows: list[int] = field(default_factory=list)  # indices (into query_lens) of the decode sequences
     decode_groups: list[DecodeGroup] = field(default_factory=list)  # the decodes, bucketed by length
+    # where the sliding layers' blocks are a pool of their own (core/window_kv.py): the same batch over their
+    # window tables (slots, block tables, decode groups, kernel tokens), which those layers read instead
+    window: PagedAttentionMetadata | None = None
 
 
 class PagedAttentionBackend:
@@ -78,6 +81,8 @@ class PagedAttentionBackend:
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: PagedAttentionMetadata, layer: LayerAttention = FULL) -> torch.Tensor:
         """q: (num_tokens, heads, head_dim); k, v: (num_tokens, kv_heads, head_dim) -> (num_tokens, heads*head_dim)."""
+        if meta.window is not None and self.storage.in_window[layer_idx]:
+            meta = meta.window
         if not layer.shared_kv:
             self.storage.write(layer_idx, meta.slot_mapping, k, v)
         key_layer = self.storage.key[layer_idx]

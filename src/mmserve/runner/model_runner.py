@@ -189,6 +189,7 @@ class ModelRunner:
         for cached in sched.cached_requests:
             state = self.requests[cached.request_id]
             state.block_ids.extend(cached.new_block_ids)
+            state.window_block_ids.extend(cached.new_window_block_ids)
             assert state.num_computed_tokens == cached.num_computed_tokens, "runner and scheduler disagree"
         for rid, drafts in sched.spec_token_ids.items():  # computed after its last token, verified below
             self.requests[rid].token_ids.extend(drafts)
@@ -232,7 +233,7 @@ class ModelRunner:
             state.clear(new.state_slot)
         return RunnerRequest(new.request_id, list(new.token_ids), new.num_prompt_tokens, prompt,
                              new.sampling_params, list(new.block_ids), new.num_computed_tokens, mm,
-                             state_slot=new.state_slot)
+                             state_slot=new.state_slot, window_block_ids=list(new.window_block_ids))
 
     def _plan(self, rid: str, num: int) -> list[ChunkPiece]:
         """The encoder rows this request's next `num` tokens fuse (none outside a multimodal prefill)."""
@@ -269,7 +270,8 @@ class ModelRunner:
 
     def _forward(self, scheduled: dict[str, int], plans: dict[str, list[ChunkPiece]], result: ModelRunnerOutput,
                  token_bitmasks: dict[str, torch.Tensor], drafts: dict[str, tuple[int, ...]]) -> None:
-        builder = BatchBuilder(self.block_size, self.device, self.attention.cpu_plan)
+        builder = BatchBuilder(self.block_size, self.device, self.attention.cpu_plan,
+                               self.attention.storage.num_window_blocks is not None)
         for rid, num in scheduled.items():
             state, pieces = self.requests[rid], plans[rid]
             outputs = {p.item_index: self.encoder.store[state.prompt.item_keys[p.item_index]] for p in pieces}

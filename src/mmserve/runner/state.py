@@ -71,6 +71,9 @@ class RunnerRequest:
     pooled: Any = None  # a pooling runner's partial vector (runner/pooler.py): MEAN's sum, CLS's first row
     draft_computed: int = 0  # a draft model's: tokens whose KV its cache holds (runner/draft_model.py)
     draft_fed: tuple[int, ...] = ()  # drafts it was fed after them, valid once verification keeps them
+    # its sliding layers' blocks where they are a pool of their own (core/window_kv.py): entry i is logical
+    # block i, as in block_ids; entries the window has left are stale (never written, outside every window)
+    window_block_ids: list[int] = field(default_factory=list)
 
     @property
     def num_output_tokens(self) -> int:

@@ -23,8 +23,10 @@ from mmserve.models.spec import FamilySpec, KVLayerShape, ModelFamily, PositionS
 
 def build_spec(config: Gemma4Config, processor: Gemma4Processor, limits: MediaLimits) -> FamilySpec:
     text = config.text
-    kv_layers = tuple(KVLayerShape(layer.num_kv_heads, layer.head_dim, None if layer.kv_source == i else
-                                   layer.kv_source) for i, layer in enumerate(text.layers))
+    # a sliding layer's window: its blocks live in the window pool (core/window_kv.py), a shared one reads them there
+    kv_layers = tuple(KVLayerShape(layer.num_kv_heads, layer.head_dim,
+                                   None if layer.kv_source == i else layer.kv_source, text.window(i))
+                      for i, layer in enumerate(text.layers))
     return FamilySpec.for_decoder(
         "gemma4", text, eos_token_ids=config.eos_token_ids, default_video_fps=processor.default_video_fps,
         num_embedding_streams=1, largest_item=processor.largest_items(limits.max_video_frames),

@@ -33,7 +33,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from mmserve.models.spec import FamilyModel
@@ -54,6 +53,7 @@ from mmserve.runner.graphs.capture import (
     capture_graph,
     new_graph_pool,
 )
+from mmserve.runner.graphs.decode_arrays import DecodeArrays
 
 if TYPE_CHECKING:
     from mmserve.runner.batch import BatchBuilder
@@ -76,6 +76,8 @@ class DecodeGraphSettings:
     block_widths: tuple[int, ...]  # captured block-table widths (runner/graphs/buckets.decode_block_widths)
     scratch_block: int  # a KV block no request is ever given: padding rows write and read there
     num_position_rows: int  # 3 for M-RoPE, 1 for 1-D RoPE
+    # the window pool's such block (its null block, core/window_kv.py), where the sliding layers keep theirs apart
+    window_scratch_block: int | None = None
     # batch x width x block_size keys a graph may gather per layer: the padded decode attention gathers them
     # all, and a capture reserves that much for its temporaries; wider batches run eagerly
     max_keys: int = 1 << 17
@@ -232,7 +234,8 @@ class DecodeGraphRunner:
             if self._stop.is_set():
                 return None
             buffers = StaticBuffers(self._static_inputs(bucket))
-            self._load(buffers, bucket, _DecodeArrays.padding(self.settings))
+            self._load(buffers, bucket, DecodeArrays.padding(self.settings.num_position_rows,
+                                                                self.settings.window_scratch_block is not None))
             if self.settings.compile:
                 graph = CompiledStep(lambda b=buffers: self._step(b))
             else:
@@ -254,6 +257,9 @@ class DecodeGraphRunner:
             "token_index": torch.arange(b, dtype=i64, device=dev),
             "key_positions": torch.arange(bucket.num_blocks * self.block_size, dtype=i64, device=dev)[None, :],
         }
+        if self.settings.window_scratch_block is not None:  # the sliding layers' slots and tables
+            tensors["window_slot_mapping"] = torch.zeros(b, dtype=i64, device=dev)
+            tensors["window_block_table"] = torch.zeros(b, bucket.num_blocks, dtype=i64, device=dev)
         if self.settings.compile:
             _mark_dynamic(tensors)
         return tensors
@@ -267,13 +273,21 @@ class DecodeGraphRunner:
         # in Python and a compiled step serves every batch size
         meta = PagedAttentionMetadata(query_lens=[], context_lens=[], spans=[], slot_mapping=buffers["slot_mapping"],
                                       decode_groups=[group])
+        if self.settings.window_scratch_block is not None:
+            window_group = DecodeGroup(buffers["window_block_table"], group.key_positions, group.query_positions,
+                                       group.token_index)
+            meta.window = PagedAttentionMetadata(query_lens=[], context_lens=[], spans=[],
+                                                 slot_mapping=buffers["window_slot_mapping"],
+                                                 decode_groups=[window_group])
         embeds = self.model.embed(buffers["input_ids"])
         ids = {"token_ids": buffers["input_ids"]} if self.forward_reads_token_ids else {}
         hidden = self.model(embeds, buffers["positions"], self.attention, meta, None, **ids)
         return self.model.compute_logits(hidden)
 
-    def _load(self, buffers: StaticBuffers, bucket: DecodeBucket, arrays: _DecodeArrays) -> None:
-        for name, array in arrays.padded(bucket, self.settings, self.block_size).items():
+    def _load(self, buffers: StaticBuffers, bucket: DecodeBucket, arrays: DecodeArrays) -> None:
+        settings = self.settings
+        for name, array in arrays.padded(bucket, self.block_size, settings.scratch_block,
+                                         settings.window_scratch_block).items():
             buffers.load(name, torch.from_numpy(array))
 
     @torch.inference_mode()
@@ -281,7 +295,7 @@ class DecodeGraphRunner:
         """(num_decodes, vocab) logits of a decode-only step, in batch order; None: run it eagerly."""
         if not self.graphs or not _decode_only(builder):
             return None
-        arrays = _DecodeArrays.from_builder(builder)
+        arrays = DecodeArrays.from_builder(builder)
         bucket = plan_decode_batch([len(t) for t in arrays.block_tables], list(self.graphs))
         if bucket is None:
             return None
@@ -334,14 +348,15 @@ def _lower_this_threads_priority(niceness: int) -> None:
 
 # the dims of the static inputs that vary between buckets: (batch) and (block-table width)
 _DYNAMIC_DIMS = {"input_ids": (0,), "positions": (1,), "slot_mapping": (0,), "block_table": (0, 1),
-                 "query_positions": (0,), "token_index": (0,), "key_positions": (1,)}
+                 "query_positions": (0,), "token_index": (0,), "key_positions": (1,), "window_slot_mapping": (0,),
+                 "window_block_table": (0, 1)}
 
 
 def _mark_dynamic(tensors: dict[str, torch.Tensor]) -> None:
     """Mark the bucket-dependent dims dynamic so one compile serves all buckets. A dim of size 1 is left
     static: the compiler specializes sizes 0 and 1, so batch 1 gets a compile of its own."""
     for name, dims in _DYNAMIC_DIMS.items():
-        for dim in dims:
+        for dim in dims if name in tensors else ():
             if tensors[name].shape[dim] > 1:
                 torch._dynamo.mark_dynamic(tensors[name], dim)
 
@@ -350,41 +365,3 @@ def _decode_only(builder: BatchBuilder) -> bool:
     """Every sequence decodes one token, fuses nothing, and samples its next token."""
     n = len(builder.query_lens)
     return n > 0 and len(builder.decode_rows) == n and not builder.fusion and len(builder.sample_rows) == n
-
-
-@dataclass
-class _DecodeArrays:
-    """One decode step's host-side inputs, in batch order (before padding)."""
-
-    input_ids: np.ndarray  # (n,)
-    positions: np.ndarray  # (position_rows, n)
-    slot_mapping: np.ndarray  # (n,)
-    block_tables: list[list[int]]
-    query_positions: np.ndarray  # (n,)
-
-    @classmethod
-    def from_builder(cls, builder: BatchBuilder) -> _DecodeArrays:
-        # decode_rows == range(n) here, so the decode tables are in batch order
-        return cls(np.concatenate(builder.ids), np.concatenate(builder.pos, axis=1), np.concatenate(builder.slots),
-                   [list(t) for t in builder.decode_tables], np.asarray(builder.context_lens, dtype=np.int64))
-
-    @classmethod
-    def padding(cls, settings: DecodeGraphSettings) -> _DecodeArrays:
-        """No real row: the capture's inputs."""
-        empty = np.zeros(0, dtype=np.int64)
-        return cls(empty, np.zeros((settings.num_position_rows, 0), dtype=np.int64), empty, [], empty)
-
-    def padded(self, bucket: DecodeBucket, settings: DecodeGraphSettings, block_size: int) -> dict[str, np.ndarray]:
-        """Padded to the bucket: padding rows decode token 0 at position 0 over the scratch block."""
-        n, b, scratch = len(self.input_ids), bucket.batch_size, settings.scratch_block
-        table = np.full((b, bucket.num_blocks), scratch, dtype=np.int64)  # also past each real row's blocks
-        for row, blocks in enumerate(self.block_tables):
-            table[row, :len(blocks)] = blocks
-        positions = np.zeros((settings.num_position_rows, b), dtype=np.int64)
-        positions[:, :n] = self.positions
-        query_positions = np.zeros((b, 1), dtype=np.int64)
-        query_positions[:n, 0] = self.query_positions
-        return {"input_ids": np.concatenate([self.input_ids, np.zeros(b - n, dtype=np.int64)]),
-                "positions": positions,
-                "slot_mapping": np.concatenate([self.slot_mapping, np.full(b - n, scratch * block_size, dtype=np.int64)]),
-                "block_table": table, "query_positions": query_positions}
