@@ -187,7 +187,8 @@ def test_a_4k_request_holds_its_full_layers_context_and_only_the_sliding_layers_
     assert budget // (bs * (full + sliding)) < 4096 // bs  # one pool of every owner's blocks: under 4k tokens
     llm = LLM(str(model_dir), kv_cache_bytes=budget, max_model_len=4096, max_num_seqs=2, max_num_batched_tokens=256)
     kv, storage = llm.engine.scheduler.kv, llm.engine.kv_storage
-    assert llm.get_stats()["kv_blocks_total"] == 4096 // bs and kv.window.num_blocks == window_pool
+    stats = llm.get_stats()
+    assert stats["kv_blocks_total"] == 4096 // bs and stats["kv_window_blocks_total"] == window_pool
     stored = sum(t.numel() * t.element_size() for group in storage._groups for t in group)
     assert stored == (4096 // bs) * bs * full + (window_pool + 1) * bs * sliding  # the window pool's null block
     engine = llm.engine
@@ -207,6 +208,7 @@ def test_a_4k_request_holds_its_full_layers_context_and_only_the_sliding_layers_
     assert all(num_window <= window_blocks for _, num_window in decoding)
     bound = 4096 * full + window_blocks * bs * sliding  # bytes: the full layers' 4k, the window rounded to blocks
     assert max(f * bs * full + w * bs * sliding for f, w in decoding) <= bound
+    assert llm.get_stats()["kv_window_blocks_free"] == window_pool  # every window block back
     llm.check_integrity()
 
 

@@ -52,6 +52,8 @@ class KVSnapshot:
     num_prefix_cache_hit_tokens: int
     num_evictions: int
     num_prefix_cache_queries: int = 0  # tokens looked up (at each admission), of which the hit tokens were cached
+    num_window_blocks: int = 0  # the sliding layers' pool (core/window_kv.py); 0: none
+    num_free_window_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -108,8 +110,10 @@ def scheduler_ownership(live_request_ids: Iterable[str], cache: EncoderCacheMana
 
 
 def kv_snapshot(kv: KVCacheManager) -> KVSnapshot:
+    window = getattr(kv, "window", None)  # a WindowedKVCacheManager's window pool
     return KVSnapshot(kv.num_blocks, kv.num_free_blocks, kv.block_size, kv.stats.prefix_cache_hit_tokens,
-                      kv.stats.evictions, kv.stats.prefix_cache_queries)
+                      kv.stats.evictions, kv.stats.prefix_cache_queries,
+                      0 if window is None else window.num_blocks, 0 if window is None else window.num_free_blocks)
 
 
 def encoder_cache_snapshot(cache: EncoderCacheManager) -> EncoderCacheSnapshot:

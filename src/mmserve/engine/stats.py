@@ -47,6 +47,8 @@ def engine_stats(snap: SchedulerSnapshot, sizes: EngineSizes, runner: Any, encod
         "grammar_matchers": len(grammars.matchers),
         "kv_blocks_total": kv.num_blocks,
         "kv_blocks_free": kv.num_free_blocks,
+        "kv_window_blocks_total": kv.num_window_blocks,  # the sliding layers' own pool (0: none)
+        "kv_window_blocks_free": kv.num_free_window_blocks,
         "kv_cache_dtype": sizes.kv_cache_dtype,
         "quantization": sizes.quantization,
         "cpu_decode_compile": runner.cpu_decode_compile_state(),
