@@ -5,7 +5,9 @@ on text, images and video. Here: transformers' own `Gemma4Processor` makes the s
 log-mel features as mmserve's for images, clips and both in one turn; the greedy tokens and float32 logprobs
 of conversations with audio equal transformers' — one at a time, in one batch (two different clips of the
 same length among them), in small prefill chunks and with the prefix cache hit; a repeated clip is encoded
-once; the KV-shared layers own no cache; the assistant drafter's config reads.
+once; the KV-shared layers own no cache and the sliding layers only their window's blocks (a 4k-token
+request's blocks counted); n-gram speculation over the window pool keeps the greedy tokens; the assistant
+drafter's config reads.
 """
 
 from __future__ import annotations
@@ -210,6 +212,26 @@ def test_a_4k_request_holds_its_full_layers_context_and_only_the_sliding_layers_
     assert max(f * bs * full + w * bs * sliding for f, w in decoding) <= bound
     assert llm.get_stats()["kv_window_blocks_free"] == window_pool  # every window block back
     llm.check_integrity()
+
+
+def test_speculative_decoding_over_the_window_pool_leaves_greedy_tokens_unchanged(model_dir):
+    """n-gram drafts verified over sliding layers that keep only their window: the tokens of speculation off,
+    in 16-token prefill chunks with the prefix cache hit, drafts accepted, every block back after."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+             "disable_by_batch_size": None}
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = ["a b c a b c a b c a b c a b c a b", "one two three one two three one two three one"] * 2
+    results = []
+    for extra in ({}, {"speculative_config": ngram}):
+        with LLM(str(model_dir), max_num_batched_tokens=16, **extra) as llm:
+            outputs = llm.generate(prompts, params, use_tqdm=False) + llm.chat(conversations()[:3], params,
+                                                                               use_tqdm=False)
+            results.append([list(o.outputs[0].token_ids) for o in outputs])
+            stats = llm.get_stats()
+            llm.check_integrity()
+            assert stats["kv_window_blocks_free"] == stats["kv_window_blocks_total"] > 0
+    assert results[1] == results[0]
+    assert stats["spec_decode_num_accepted_tokens"] > 0 and stats["prefix_cache_hit_tokens"] > 0
 
 
 def test_the_assistant_drafters_config_reads_and_is_refused_as_a_model_to_serve(tmp_path):
