@@ -5,7 +5,7 @@ one before building an engine is heard. Engine behaviour is configured by `confi
 what lives here is only what belongs to the machine rather than to an engine: where built kernels are
 cached (and TorchInductor's compiled steps), which C++ compiler builds them, the switch that keeps
 mmserve's native kernels off, the one that keeps the CPU's decode step from being compiled by default,
-and the one that allows a max_model_len past the checkpoint's positions (mmserve's name and vLLM's).
+the one that leaves glibc's malloc untuned, and the one that allows a max_model_len past the checkpoint's positions (mmserve's name and vLLM's).
 
 Hugging Face's own variables are read here too (`HF_HOME`, `HF_HUB_CACHE`, `HF_HUB_OFFLINE`), at call
 time, and handed to `huggingface_hub` as arguments: its constants are fixed when it is imported.
@@ -34,6 +34,10 @@ COMPILE_CPU_DECODE = "MMSERVE_COMPILE_CPU_DECODE"
 # VLLM_ALLOW_LONG_MAX_MODEL_LEN allows it (read too, so a vLLM user's environment means the same here)
 ALLOW_LONG_MAX_MODEL_LEN = "MMSERVE_ALLOW_LONG_MAX_MODEL_LEN"
 VLLM_ALLOW_LONG_MAX_MODEL_LEN = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
+# "0": a CPU engine leaves glibc's malloc as it is; unset or "1", the default: it raises glibc's mmap and trim
+# thresholds once per process, so a step's large tensors reuse heap memory instead of fresh pages
+# (runner/cpu/malloc.py; measured in docs/performance.md)
+CPU_MALLOC_TUNING = "MMSERVE_CPU_MALLOC_TUNING"
 
 
 def native_kernels_enabled() -> bool:
@@ -42,6 +46,10 @@ def native_kernels_enabled() -> bool:
 
 def compile_cpu_decode_by_default() -> bool:
     return os.environ.get(COMPILE_CPU_DECODE, "0") not in ("", "0")
+
+
+def cpu_malloc_tuning_enabled() -> bool:
+    return os.environ.get(CPU_MALLOC_TUNING, "1") != "0"
 
 
 def allow_long_max_model_len() -> bool:

@@ -44,6 +44,7 @@ from mmserve.models.quantization import weight_bytes
 from mmserve.models.spec import FamilySpec
 from mmserve.runner.attention import PagedAttentionBackend
 from mmserve.runner.cpu.layout import prepare_for_cpu
+from mmserve.runner.cpu.malloc import tune_malloc
 from mmserve.runner.encoder.pool import EncoderPool
 from mmserve.runner.kv_quant import kv_format
 from mmserve.runner.kv_storage import PagedKVStorage
@@ -81,6 +82,8 @@ class EngineParts:
 
 def load(config: EngineConfig) -> ModelParts:
     device, dtype = torch.device(config.device), parse_dtype(config.dtype)
+    if device.type == "cpu":  # a step's large tensors reuse heap pages (the process's malloc, set once)
+        tune_malloc()
     model = load_model(config.model, dtype, device, config.quantization)
     cpu_preparation = prepare_for_cpu(model)
     quantization = config.quantization or checkpoint_quantization(config.model) or "none"
