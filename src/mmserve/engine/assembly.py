@@ -105,9 +105,9 @@ def assemble(config: EngineConfig, faults: FaultPlan) -> EngineParts:
     # a step computes at most max_num_batched_tokens (lifted to the widest item span a chunk must hold whole)
     max_tokens_per_step = max(config.scheduler.max_num_batched_tokens,
                               spec.max_item_span if spec.bidirectional_media else 0)
-    pools = resolve_kv_pools(config.cache, spec, fmt, drafter_kv_bytes_per_token(drafter, fmt),
-                             config.scheduler.max_num_seqs, max_tokens_per_step, loaded.device,
-                             0 if state_slots is None else state_slots.total_bytes)
+    pools = resolve_kv_pools(config.cache, spec.kv_layer_shapes, spec.kv_window, fmt,
+                             drafter_kv_bytes_per_token(drafter, fmt), config.scheduler.max_num_seqs,
+                             max_tokens_per_step, loaded.device, 0 if state_slots is None else state_slots.total_bytes)
     num_blocks = pools.num_blocks
     max_model_len = resolve_max_model_len(config.scheduler.max_model_len, spec.max_position_embeddings,
                                           num_blocks * config.cache.block_size)

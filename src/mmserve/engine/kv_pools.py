@@ -16,13 +16,14 @@ What it does not know: tensors, requests, scheduling.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from mmserve.config import CacheConfig
 from mmserve.engine.sizing import kv_budget_bytes, resolve_num_kv_blocks
-from mmserve.models.spec import FamilySpec, KVLayerShape
+from mmserve.models.spec import KVLayerShape
 from mmserve.runner.kv_quant import KVFormat
 from mmserve.runner.kv_storage import PagedKVStorage
 
@@ -65,13 +66,13 @@ def window_pool_cap(window_tokens: int, block_size: int, max_num_seqs: int, max_
     return max_num_seqs * per_request + -(-max_tokens_per_step // block_size)
 
 
-def resolve_kv_pools(cache: CacheConfig, spec: FamilySpec, fmt: KVFormat, extra_bytes_per_token: int,
-                     max_num_seqs: int, max_tokens_per_step: int, device: torch.device | None = None,
-                     reserved_bytes: int = 0) -> KVPools:
-    """`extra_bytes_per_token`: a draft model's KV, in the full pool's blocks; `max_tokens_per_step`: the
+def resolve_kv_pools(cache: CacheConfig, layers: Sequence[KVLayerShape], window: int | None, fmt: KVFormat,
+                     extra_bytes_per_token: int, max_num_seqs: int, max_tokens_per_step: int,
+                     device: torch.device | None = None, reserved_bytes: int = 0) -> KVPools:
+    """`layers`, `window`: a family's `FamilySpec.kv_layer_shapes` and `kv_window` (None: one pool);
+    `extra_bytes_per_token`: a draft model's KV, in the full pool's blocks; `max_tokens_per_step`: the
     effective max_num_batched_tokens; `reserved_bytes`: what the budget keeps for other pools."""
-    layers: tuple[KVLayerShape, ...] = spec.kv_layer_shapes
-    window, bs = spec.kv_window, cache.block_size
+    bs = cache.block_size
     if window is None:
         per_token = PagedKVStorage.bytes_per_token_of(layers, fmt) + extra_bytes_per_token
         return KVPools(resolve_num_kv_blocks(cache, per_token, device, reserved_bytes), bs, per_token)
