@@ -4,10 +4,11 @@ Role: a CPU step allocates and frees tensors of tens of MB (an encoder's activat
 glibc serves each block above its mmap threshold (32 MiB at most by default) with a fresh mmap, whose
 pages the kernel zero-fills on first touch, and unmaps it at free: every such tensor pays its page faults
 again. Measured on the 2-core machine: a layer norm over a 52 MB tensor took 19 ms, 7 ms with the
-threshold raised. Raising M_MMAP_THRESHOLD (blocks up to 1 GiB come from the heap) and M_TRIM_THRESHOLD
-(the heap keeps up to 1 GiB it grew) keeps those blocks mapped and reused, as tcmalloc (which vLLM's CPU
-guide preloads) does. It is process-wide and set once per process, the first time an engine loads on the
-CPU; the cost is a resident size that stays near its peak. `MMSERVE_CPU_MALLOC_TUNING=0` leaves malloc
+threshold raised. Raising M_MMAP_THRESHOLD (blocks up to 64 MiB come from the heap) and M_TRIM_THRESHOLD
+(the heap keeps up to 256 MiB free at its top) keeps those blocks mapped and reused, as tcmalloc (which
+vLLM's CPU guide preloads) does; a KV cache or a weight above 64 MiB still gets its own mapping, returned
+at free (1 GiB thresholds made a process that builds engine after engine, as the test suite does, grow
+without bound). Process-wide, set the first time an engine loads on the CPU. `MMSERVE_CPU_MALLOC_TUNING=0` leaves malloc
 as it is; where the C library is not glibc (musl, macOS) nothing is changed.
 
 What it does not know: tensors, engines, devices.
@@ -23,8 +24,10 @@ from mmserve.envs import cpu_malloc_tuning_enabled
 logger = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
-MMAP_THRESHOLD_BYTES = 1 << 30  # larger blocks still get their own mapping, returned at free
-TRIM_THRESHOLD_BYTES = 1 << 30
+# blocks up to this come from the heap (a step's activations); larger ones (a KV cache, a big weight) still get
+# their own mapping, returned at free: an engine's end gives its pools back to the system
+MMAP_THRESHOLD_BYTES = 64 << 20
+TRIM_THRESHOLD_BYTES = 256 << 20  # free memory the heap keeps at its top
 
 
 def tune_malloc() -> bool:
