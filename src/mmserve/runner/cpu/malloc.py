@@ -7,8 +7,8 @@ again. Measured on the 2-core machine: a layer norm over a 52 MB tensor took 19 
 threshold raised. Raising M_MMAP_THRESHOLD (blocks up to 64 MiB come from the heap) and M_TRIM_THRESHOLD
 (the heap keeps up to 256 MiB free at its top) keeps those blocks mapped and reused, as tcmalloc (which
 vLLM's CPU guide preloads) does; a KV cache or a weight above 64 MiB still gets its own mapping, returned
-at free (1 GiB thresholds made a process that builds engine after engine, as the test suite does, grow
-without bound). Process-wide, set the first time an engine loads on the CPU. `MMSERVE_CPU_MALLOC_TUNING=0` leaves malloc
+at free (with 1 GiB thresholds a process that builds engine after engine, as the test suite does, grew past
+13 GB). Process-wide, set the first time an engine loads on the CPU. `MMSERVE_CPU_MALLOC_TUNING=0` leaves malloc
 as it is; where the C library is not glibc (musl, macOS) nothing is changed.
 
 What it does not know: tensors, engines, devices.
