@@ -248,6 +248,15 @@ class KVCacheManager:
         """The window table's entries for the request's last `num` blocks (those just allocated)."""
         return tuple(self.window_block_ids(request_id, len(self.req_blocks.get(request_id, ())) - num)) if num else ()
 
+    @property
+    def num_window_blocks(self) -> int:
+        """A window pool's blocks (core/window_kv.py); none here."""
+        return 0
+
+    @property
+    def num_free_window_blocks(self) -> int:
+        return 0
+
     def is_idle(self) -> bool:
         """No request holds a block."""
         return self.num_free_blocks == self.num_blocks

@@ -110,10 +110,9 @@ def scheduler_ownership(live_request_ids: Iterable[str], cache: EncoderCacheMana
 
 
 def kv_snapshot(kv: KVCacheManager) -> KVSnapshot:
-    window = getattr(kv, "window", None)  # a WindowedKVCacheManager's window pool
     return KVSnapshot(kv.num_blocks, kv.num_free_blocks, kv.block_size, kv.stats.prefix_cache_hit_tokens,
-                      kv.stats.evictions, kv.stats.prefix_cache_queries,
-                      0 if window is None else window.num_blocks, 0 if window is None else window.num_free_blocks)
+                      kv.stats.evictions, kv.stats.prefix_cache_queries, kv.num_window_blocks,
+                      kv.num_free_window_blocks)
 
 
 def encoder_cache_snapshot(cache: EncoderCacheManager) -> EncoderCacheSnapshot:

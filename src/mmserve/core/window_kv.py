@@ -53,6 +53,14 @@ class WindowedKVCacheManager(KVCacheManager):
         """The window storage's block past the pool's: what a table holds where the window has no block."""
         return self.window.num_blocks
 
+    @property
+    def num_window_blocks(self) -> int:
+        return self.window.num_blocks
+
+    @property
+    def num_free_window_blocks(self) -> int:
+        return self.window.num_free_blocks
+
     def window_start(self, first_query: int) -> int:
         """The first logical block a query at `first_query` (and every later one) still sees."""
         return max(0, first_query - self.window_tokens + 1) // self.block_size

@@ -103,11 +103,11 @@ def assemble(config: EngineConfig, faults: FaultPlan) -> EngineParts:
         config.cache, LinearStateStorage.bytes_per_slot(spec.linear_state), config.scheduler.max_num_seqs,
         loaded.device)
     # a step computes at most max_num_batched_tokens (lifted to the widest item span a chunk must hold whole)
-    max_tokens_per_step = max(config.scheduler.max_num_batched_tokens,
-                              spec.max_item_span if spec.bidirectional_media else 0)
+    max_batched, _ = resolve_token_budget(config.scheduler.max_num_batched_tokens, spec.max_item_span,
+                                          spec.bidirectional_media)
     pools = resolve_kv_pools(config.cache, spec.kv_layer_shapes, spec.kv_window, fmt,
                              drafter_kv_bytes_per_token(drafter, fmt), config.scheduler.max_num_seqs,
-                             max_tokens_per_step, loaded.device, 0 if state_slots is None else state_slots.total_bytes)
+                             max_batched, loaded.device, 0 if state_slots is None else state_slots.total_bytes)
     num_blocks = pools.num_blocks
     max_model_len = resolve_max_model_len(config.scheduler.max_model_len, spec.max_position_embeddings,
                                           num_blocks * config.cache.block_size)
@@ -129,8 +129,8 @@ def assemble(config: EngineConfig, faults: FaultPlan) -> EngineParts:
     # MEAN and CLS pooling need every prompt row computed: no prefix hits (vLLM's rule too)
     prefix_caching = config.cache.enable_prefix_caching and (frontend.pooling is None
                                                              or frontend.pooling.pooling_type == "LAST")
-    scheduler = _scheduler(config, spec, loaded.dtype, pools, max_model_len, budget, encoder_pool is not None,
-                           state_slots, prefix_caching)
+    scheduler = _scheduler(config, spec, loaded.dtype, pools, max_model_len, max_batched, budget,
+                           encoder_pool is not None, state_slots, prefix_caching)
     state = None if state_slots is None else LinearStateStorage(spec.linear_state, state_slots.num_slots,
                                                                 state_slots.num_snapshots, loaded.device)
     pooling = frontend.pooling  # a pooling runner decodes nothing: no decode graphs
@@ -150,8 +150,9 @@ def assemble(config: EngineConfig, faults: FaultPlan) -> EngineParts:
 
 
 def _scheduler(config: EngineConfig, spec: FamilySpec, dtype: torch.dtype, pools: KVPools, max_model_len: int,
-               budget: EncoderBudget, encoder_workers: bool, state_slots: StateSlotLayout | None,
+               max_batched: int, budget: EncoderBudget, encoder_workers: bool, state_slots: StateSlotLayout | None,
                prefix_caching: bool) -> Scheduler:
+    """`max_batched`: the effective max_num_batched_tokens (resolve_token_budget's)."""
     kv = (KVCacheManager(pools.num_blocks, pools.block_size, prefix_caching) if pools.window_tokens is None else
           WindowedKVCacheManager(pools.num_blocks, pools.block_size, pools.num_window_blocks, pools.window_tokens,
                                  prefix_caching))
@@ -162,8 +163,6 @@ def _scheduler(config: EngineConfig, spec: FamilySpec, dtype: torch.dtype, pools
     chunking = ChunkBoundaryPolicy(indivisible_items=spec.bidirectional_media,
                                    snapshot_block_size=config.cache.block_size if snapshots else None,
                                    snapshot_interval=config.cache.snapshot_interval_tokens if snapshots else None)
-    max_batched, _ = resolve_token_budget(sched.max_num_batched_tokens, spec.max_item_span,
-                                          chunking.indivisible_items)
     cross_kv_bytes = resolve_cross_kv_bytes(config.cache, spec, dtype)
     states = None
     if state_slots is not None:
